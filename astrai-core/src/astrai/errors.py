@@ -1,0 +1,39 @@
+"""The one error hierarchy of astrai.
+
+Servers map these classes to status codes in one place; nothing matches
+on message text.
+"""
+
+from __future__ import annotations
+
+
+class AstraiError(Exception):
+    """Base class of every error astrai raises on purpose."""
+
+
+class PluginError(AstraiError):
+    """A plugin failed to load, or does not implement the ABC of its group."""
+
+
+class BackendUnavailable(AstraiError):
+    """The selected attention backend cannot run this call (dtype, device, head dim, missing kernel)."""
+
+
+class KernelUnavailable(BackendUnavailable):
+    """A compiled kernel in ``astrai.extension.ops`` is not built or not loadable."""
+
+
+class CapacityExceeded(AstraiError):
+    """The KV pool (or request table) has no room for what was asked."""
+
+
+class RequestRejected(AstraiError):
+    """A request can never be served (too long for the context or the pool, bad parameters)."""
+
+
+class ModelNotFound(AstraiError):
+    """A model name or path could not be resolved, or its weights are missing."""
+
+
+class EngineNotReady(AstraiError):
+    """The engine is not started yet, or its scheduler thread has died."""

@@ -1,0 +1,1 @@
+"""Attention backends: the ABC, the selection policy, torch_native and rotary."""

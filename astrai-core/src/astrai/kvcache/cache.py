@@ -1,0 +1,51 @@
+"""The per-step view of the KV system that a model forward receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Query rows per prefill tile; ``q_tile_to_batch``/``q_tile_to_index`` are in these units.
+PREFILL_Q_TILE = 64
+
+
+@dataclass
+class KVCache:
+    """Everything attention needs for one forward step: pure data, no methods.
+
+    The step is a ragged batch of ``B`` requests. Request ``i`` brings
+    ``q_len[i] = qo_indptr[i+1] - qo_indptr[i]`` new tokens and, after this step,
+    holds ``seq_lens[i]`` tokens of KV (its cached prefix plus the new tokens),
+    so its new tokens sit at positions ``seq_lens[i] - q_len[i] .. seq_lens[i] - 1``.
+    New tokens are flattened request after request: ``T = qo_indptr[-1]``.
+    A decode step is the case where every ``q_len`` is 1.
+
+    All tensors live on the pool's device. Integer index tensors are int64 unless
+    stated; the ``*_indptr`` and tile maps are int32 (kernel-friendly).
+    """
+
+    k_buffer: torch.Tensor  # [n_layers, size, n_kv_heads, head_dim], model dtype
+    v_buffer: torch.Tensor  # [n_layers, size, n_kv_heads, head_dim], model dtype
+    req_to_token: torch.Tensor  # [num_reqs, max_ctx_len] int32: request row, position -> slot
+    req_pool_indices: torch.Tensor  # [B] int64: row of each request in req_to_token
+    seq_lens: torch.Tensor  # [B] int64: KV length of each request after this step
+    out_cache_loc: torch.Tensor  # [T] int64: slot where each new token's K/V is written
+    max_len: int  # max(seq_lens), kept on the host to avoid a device sync in decode
+    kv_indptr: torch.Tensor  # [B + 1] int32: prefix sum of seq_lens
+    qo_indptr: torch.Tensor  # [B + 1] int32: prefix sum of per-request q_len
+    q_tile_to_batch: torch.Tensor  # [num_q_tiles] int32: prefill Q tile -> request
+    q_tile_to_index: torch.Tensor  # [num_q_tiles] int32: prefill Q tile -> tile index within its request
+    decode_o_part: torch.Tensor  # [B, n_heads, head_dim] f32: decode split-K partial output
+    decode_ml_part: torch.Tensor  # [B, n_heads] f32: decode split-K partial max / log-sum
+    decode_out: torch.Tensor  # [B, n_heads, head_dim] model dtype: decode output accumulator
+    # Host-side facts, so no backend has to read a device tensor to learn them.
+    max_q_len: int = 0  # max(q_len); 1 means a pure decode step
+    num_tokens: int = 0  # T
+    q_lens_host: tuple[int, ...] = ()  # per-request q_len
+    seq_lens_host: tuple[int, ...] = ()  # per-request seq_len
+    # Per-step scratch for backends: metadata a backend derives once per step (gather
+    # indices, masks, block tables) and reuses in every layer, keyed by backend name.
+    plan: dict[str, Any] = field(default_factory=dict)
+
