@@ -1,0 +1,214 @@
+"""SamplingPipeline: penalties -> temperature -> top-k -> top-p -> extras -> draw."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from astrai.errors import PluginError, RequestRejected
+from astrai.sampling.base import SamplingStrategy
+from astrai.sampling.noise import categorical
+from astrai.sampling.params import SamplingBatch, SamplingParams
+from astrai.sampling.penalties import apply_penalties
+from astrai.sampling.temperature import TemperatureStrategy
+from astrai.sampling.top_k import TopKStrategy
+from astrai.sampling.top_p import TopPStrategy
+
+__all__ = ["BUILTINS", "SamplingPipeline", "sample"]
+
+BUILTINS: dict[str, type[SamplingStrategy]] = {
+    "temperature": TemperatureStrategy,
+    "top_k": TopKStrategy,
+    "top_p": TopPStrategy,
+}
+"""The stages every row goes through, in order, by entry-point name."""
+
+
+class SamplingPipeline(SamplingStrategy):
+    """Composes the strategies and draws one token per row.
+
+    Order: penalties and logit bias, then the stages (Temperature -> Top-K -> Top-P),
+    then each extra strategy on the rows that selected it (``SamplingParams.strategy``)
+    or on every row when it is ``enabled``, then a draw from the softmax of the result.
+    Temperature 0 rows take the argmax of the penalised logits instead.
+
+    Args:
+        stages: the strategies every row goes through; default the three built-ins.
+        extra: plugin strategies, selectable per request by their ``name``.
+        enabled: names of extras that run on every row (from configuration).
+
+    Raises:
+        PluginError: an extra is not a SamplingStrategy, two share a name, or an enabled
+            name is not among the extras.
+    """
+
+    name = "pipeline"
+
+    def __init__(
+        self,
+        stages: Iterable[SamplingStrategy] | None = None,
+        extra: Iterable[SamplingStrategy] = (),
+        enabled: Iterable[str] = (),
+    ) -> None:
+        self.stages = [cls() for cls in BUILTINS.values()] if stages is None else list(stages)
+        self.extra: dict[str, SamplingStrategy] = {}
+        for strategy in extra:
+            if not isinstance(strategy, SamplingStrategy):
+                raise PluginError(f"sampling strategy {strategy!r} is not a SamplingStrategy")
+            name = getattr(strategy, "name", None)
+            if not isinstance(name, str) or not name or name in self.extra or name in BUILTINS:
+                raise PluginError(
+                    f"sampling strategy {type(strategy).__name__} has a missing or duplicate name {name!r}"
+                )
+            self.extra[name] = strategy
+        self.enabled = tuple(enabled)
+        for name in self.enabled:
+            if name not in self.extra:
+                raise PluginError(
+                    f"sampling strategy {name!r} not found; misspelled or not installed? "
+                    f"Installed: {', '.join([*BUILTINS, *self.extra]) or 'none'}"
+                )
+
+    @classmethod
+    def default(cls, extra: Iterable[SamplingStrategy] = (), enabled: Iterable[str] = ()) -> SamplingPipeline:
+        """The built-in stages plus the given extras."""
+        return cls(None, extra, enabled)
+
+    @classmethod
+    def from_strategies(
+        cls,
+        strategies: Mapping[str, SamplingStrategy | type[SamplingStrategy]],
+        enabled: Iterable[str] = (),
+    ) -> SamplingPipeline:
+        """Build from the ``astrai.sampling`` entry points (name -> class or instance).
+
+        The built-in names become the stages (their built-in classes when absent), every
+        other entry an extra. Raises PluginError when an entry is not a SamplingStrategy or
+        its ``name`` differs from its entry-point name.
+        """
+        found: dict[str, SamplingStrategy] = {}
+        for ep_name, obj in strategies.items():
+            strategy = obj() if isinstance(obj, type) and issubclass(obj, SamplingStrategy) else obj
+            if not isinstance(strategy, SamplingStrategy):
+                raise PluginError(
+                    f"entry point {ep_name!r} in astrai.sampling is {obj!r}, not a SamplingStrategy"
+                )
+            if strategy.name != ep_name:
+                raise PluginError(
+                    f"entry point {ep_name!r} in astrai.sampling loads a strategy named {strategy.name!r}"
+                )
+            found[ep_name] = strategy
+        stages = [found.pop(name, None) or builtin() for name, builtin in BUILTINS.items()]
+        return cls(stages, found.values(), enabled)
+
+    def validate(self, params: SamplingParams, vocab_size: int | None = None) -> None:
+        """Reject a request this pipeline cannot serve (call at admission, not per step).
+
+        Raises RequestRejected for an unknown ``strategy`` or a ``logit_bias`` token id
+        outside ``[0, vocab_size)``.
+        """
+        if (
+            params.strategy is not None
+            and params.strategy not in self.extra
+            and params.strategy not in BUILTINS
+        ):
+            raise RequestRejected(
+                f"sampling strategy {params.strategy!r} not found; available: "
+                f"{', '.join([*BUILTINS, *self.extra])}"
+            )
+        if vocab_size is not None and any(t >= vocab_size for t in params.logit_bias):
+            raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab_size}")
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties, stages and extras; float32 ``[B, V]`` with -inf for filtered tokens.
+
+        Modifies ``logits`` in place when it is float32. Raises RequestRejected when a row
+        selects a strategy this pipeline does not have.
+        """
+        logits = apply_penalties(self._check(logits, batch, copy=False), batch)
+        return self._filter(logits, batch)
+
+    @torch.no_grad()
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The float32 ``[B, V]`` distribution :meth:`sample` draws from (greedy rows: one-hot).
+
+        ``logits`` is not modified.
+        """
+        logits = apply_penalties(self._check(logits, batch, copy=True), batch)
+        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
+        probs = torch.softmax(self._filter(logits, batch), dim=-1)
+        if greedy_ids is not None:
+            one_hot = torch.zeros_like(probs).scatter_(1, greedy_ids.unsqueeze(1), 1.0)
+            probs = torch.where(batch.greedy.unsqueeze(1), one_hot, probs)
+        return probs
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Next token of every row: int64 ``[B]`` on ``logits.device``.
+
+        Args:
+            logits: ``[B, V]`` (any float dtype; computed in float32), on ``batch.device``.
+                Not modified.
+            batch: the step's rows.
+
+        A seeded row's token depends only on its logits, parameters, seed and step, never
+        on the other rows. Synchronises the device only when some top-p row needs a full
+        sort (see :class:`TopPStrategy`). Raises RequestRejected for an unknown strategy.
+        """
+        if batch.all_greedy and not (batch.needs_penalties or batch.has_logit_bias):
+            return self._check(logits, batch, copy=False).argmax(dim=-1)
+        logits = apply_penalties(self._check(logits, batch, copy=True), batch)
+        # Greedy rows read the penalised logits before any stage divides or filters them.
+        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
+        if batch.all_greedy:
+            return greedy_ids
+        probs = torch.softmax(self._filter(logits, batch), dim=-1)
+        ids = categorical(probs, batch.seeds, batch.steps)
+        return ids if greedy_ids is None else torch.where(batch.greedy, greedy_ids, ids)
+
+    def _check(self, logits: torch.Tensor, batch: SamplingBatch, copy: bool) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != batch.size:
+            raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {batch.size} rows")
+        unknown = {s for s in batch.strategies if s is not None} - self.extra.keys() - BUILTINS.keys()
+        if unknown:
+            raise RequestRejected(
+                f"sampling strategy {sorted(unknown)} not found; available: "
+                f"{', '.join([*BUILTINS, *self.extra])}"
+            )
+        return logits.to(torch.float32, copy=copy)  # one copy at most, also from bf16/fp16
+
+    def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        for stage in self.stages:
+            logits = stage.apply(logits, batch)
+        strategies = batch.strategies
+        for name, strategy in self.extra.items():
+            rows = [s == name for s in strategies]
+            if name in self.enabled or all(rows):
+                logits = strategy.apply(logits, batch)
+            elif any(rows):
+                # Run on a copy and keep its rows only: the others stay bit-identical.
+                mask = torch.tensor(rows, device=logits.device).unsqueeze(1)
+                logits = torch.where(mask, strategy.apply(logits.clone(), batch), logits)
+        return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """One-shot sampling of ``[B, V]`` (-> int64 ``[B]``) or ``[V]`` logits (-> int64 scalar).
+
+    Every row uses the same parameters. With a seed, row ``i`` uses noise counter ``i``,
+    so rows of one call differ and a repeated call returns the same tokens. Raises
+    RequestRejected for out-of-range parameters.
+    """
+    rows = logits.unsqueeze(0) if logits.dim() == 1 else logits
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    n = rows.shape[0]
+    batch = SamplingBatch.from_params([params] * n, range(n), rows.device)
+    ids = SamplingPipeline.default().sample(rows, batch)
+    return ids[0] if logits.dim() == 1 else ids
