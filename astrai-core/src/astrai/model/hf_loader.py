@@ -1,0 +1,161 @@
+"""Load a Hugging Face folder (``config.json`` + safetensors) into astrai's state-dict layout.
+
+The state dict keeps HF parameter names and orientations (``[out, in]``), with one
+change: q/k projection rows are permuted to llama.cpp's RoPE layout (rotate
+interleaved pairs ``(2i, 2i+1)``), the layout astrai's model and GGUF files use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from astrai.errors import ModelNotFound
+from astrai.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+# Architectures (HF ``model_type``) this loader knows, with their q/k/v bias default.
+_ATTENTION_BIAS = {"llama": False, "mistral": False, "qwen2": True}
+
+
+def interleave_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Permute q/k projection rows from HF's rotate_half layout to interleaved pairs.
+
+    ``w`` is a weight ``[n_head * head_dim, in]`` or a bias ``[n_head * head_dim]``.
+    Within each head, HF rotates the halves ``(j, j + head_dim/2)`` together; the
+    result puts that pair at rows ``(2j, 2j + 1)``. This is exactly llama.cpp's
+    ``permute`` in ``convert_hf_to_gguf.py``; transformers' GGUF loader undoes it.
+    Returns a new contiguous tensor, same shape, dtype and device.
+    """
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers 4 or 5 spellings of config.json."""
+    # transformers >= 5 writes "rope_parameters" (theta inside); older files have
+    # top-level "rope_theta" and an optional "rope_scaling" dict.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, params
+
+
+def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from a parsed ``config.json`` (and ``generation_config.json`` if present).
+
+    ``tie_word_embeddings`` is as declared; ``load_hf`` also ties when the
+    checkpoint has no ``lm_head.weight``. Raises ModelNotFound for an unknown
+    ``model_type`` or a missing required key.
+    """
+    arch = cfg.get("model_type")
+    if arch not in _ATTENTION_BIAS:
+        raise ModelNotFound(
+            f"{folder}: model_type {arch!r} is not supported (known: {sorted(_ATTENTION_BIAS)})"
+        )
+    try:
+        hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        theta, scaling = _rope(cfg)
+        eos = _as_list(cfg.get("eos_token_id"))
+        gen_path = folder / "generation_config.json"
+        if gen_path.is_file():
+            eos += [i for i in _as_list(_read_json(gen_path).get("eos_token_id")) if i not in eos]
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", _ATTENTION_BIAS[arch])),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            name=folder.name,
+        )
+    except KeyError as e:
+        raise ModelNotFound(f"{folder / 'config.json'}: missing required key {e}") from None
+
+
+def _shards(folder: Path) -> dict[str, list[str]]:
+    """File name -> tensor names in it, for a single-file or sharded checkpoint."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        by_file: dict[str, list[str]] = {}
+        for name, file in _read_json(index)["weight_map"].items():
+            by_file.setdefault(file, []).append(name)
+        return by_file
+    if (folder / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(folder / "model.safetensors", framework="pt") as f:
+            return {"model.safetensors": list(f.keys())}
+    raise ModelNotFound(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an HF Llama/Qwen2 checkpoint folder into (config, state dict) on CPU.
+
+    Tensors come back in ``dtype`` with HF names (see the module docstring);
+    ``lm_head.weight`` is absent when embeddings are tied. Loads one tensor at a
+    time, so peak memory is the state dict plus one tensor. Raises ModelNotFound
+    when ``config.json`` or the weights are missing, or the architecture is unknown.
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ModelNotFound(f"{folder}: no config.json")
+    config = hf_config(folder, _read_json(folder / "config.json"))
+    shards = _shards(folder)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    state: dict[str, torch.Tensor] = {}
+    bar = tqdm(
+        total=sum(map(len, shards.values())), desc=f"Loading {folder.name}", unit="tensor", disable=None
+    )
+    with bar:
+        for file, names in shards.items():
+            with safe_open(folder / file, framework="pt") as f:
+                for name in names:
+                    bar.update()
+                    if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved
+                        continue
+                    t = f.get_tensor(name).to(dtype)
+                    proj = name.rsplit(".", 2)[-2]
+                    if proj in heads and ".self_attn." in name:
+                        t = interleave_rope_rows(t, heads[proj])
+                    state[name] = t
+    if "lm_head.weight" not in state:
+        config.tie_word_embeddings = True
+    elif config.tie_word_embeddings:
+        del state["lm_head.weight"]  # some exporters save the tied copy too
+    logger.info("loaded %d tensors from %s", len(state), folder)
+    return config, state
