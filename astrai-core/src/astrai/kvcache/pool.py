@@ -1,0 +1,330 @@
+"""PagePool: the KV system's top-level manager (storage, req_to_token, allocator, radix)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from astrai.errors import CapacityExceeded
+from astrai.kvcache.allocator import Allocator
+from astrai.kvcache.cache import PREFILL_Q_TILE, KVCache
+from astrai.kvcache.radix import RadixCache, RadixNode
+from astrai.kvcache.req_to_token import ReqToTokenPool
+from astrai.kvcache.storage import KVStorage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVConfig:
+    """How the KV pool is sized. Contiguous mode when neither n_tokens nor memory_budget_bytes is set.
+
+    Raises ValueError on a non-positive size or when both paged sizes are given.
+    """
+
+    max_batch_size: int = 16  # rows of req_to_token (concurrent requests)
+    max_seq_len: int = 2048  # max context per request (columns of req_to_token)
+    page_size: int = 1
+    n_tokens: int | None = None  # paged pool size in token slots (floored to whole pages)
+    memory_budget_bytes: int | None = None  # alternative to n_tokens: K+V bytes over all layers
+    prefix_caching: bool = True  # radix cache; only effective when paged and page_size > 1
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_seq_len < 1 or self.page_size < 1:
+            raise ValueError(f"max_batch_size, max_seq_len and page_size must be >= 1: {self}")
+        if self.n_tokens is not None and self.memory_budget_bytes is not None:
+            raise ValueError("give either n_tokens or memory_budget_bytes, not both")
+        if self.n_tokens is not None and self.n_tokens < 1:
+            raise ValueError(f"n_tokens must be >= 1, got {self.n_tokens}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise ValueError(f"memory_budget_bytes must be >= 1, got {self.memory_budget_bytes}")
+
+    @property
+    def paged(self) -> bool:
+        return self.n_tokens is not None or self.memory_budget_bytes is not None
+
+
+class PagePool:
+    """Owns the KV buffers and decides which slots each request's positions use.
+
+    Contiguous mode: ``max_batch_size * max_seq_len`` slots, ``slot = row * max_seq_len + pos``,
+    nothing is allocated after construction. Paged mode: a shared pool of
+    ``size // page_size`` pages, allocated on demand and ref-counted; position ``pos``
+    of a request lives at ``page * page_size + pos % page_size`` where ``page`` is its
+    ``pos // page_size``-th page. With page_size > 1 and prefix_caching, a RadixCache
+    shares complete pages between requests.
+
+    Host-side only (no device sync) except the small index copies extend() and
+    bind_tasks() make. Not thread-safe: one scheduler thread drives it.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        config: KVConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = n_layers, n_heads, n_kv_heads, head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_ctx_len = config.max_seq_len
+        self.paged = config.paged
+        self.page_size = config.page_size
+        self.allocator: Allocator | None = None
+        self.radix: RadixCache | None = None
+        if self.paged:
+            n_tokens = config.n_tokens
+            if n_tokens is None:
+                per_token = KVStorage.bytes_per_token(n_layers, n_kv_heads, head_dim, dtype)
+                n_tokens = config.memory_budget_bytes // per_token
+            n_pages = n_tokens // self.page_size
+            if n_pages < 1:
+                raise ValueError(f"KV pool of {n_tokens} tokens holds no page of {self.page_size}")
+            self.size = n_pages * self.page_size
+            self.allocator = Allocator(n_pages)
+            if self.page_size > 1 and config.prefix_caching:
+                self.radix = RadixCache(self.page_size, self.allocator)
+            self.req_to_token_pool = ReqToTokenPool(config.max_batch_size, self.max_ctx_len, self.device)
+        else:
+            self.size = config.max_batch_size * config.max_seq_len
+            self.req_to_token_pool = ReqToTokenPool(
+                config.max_batch_size, self.max_ctx_len, self.device, linear_stride=config.max_seq_len
+            )
+        self.storage = KVStorage(n_layers, self.size, n_kv_heads, head_dim, dtype, self.device)
+        rows = config.max_batch_size
+        self._pages: list[list[int]] = [[] for _ in range(rows)]  # paged: page ids in position order
+        self._locks: list[RadixNode | None] = [None] * rows  # deepest radix node each row holds
+        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64)
+        # allocated once, sliced per step: a decode step must not allocate.
+        self._decode_o_part = torch.zeros((rows, n_heads, head_dim), dtype=torch.float32, device=self.device)
+        self._decode_ml_part = torch.zeros((rows, n_heads), dtype=torch.float32, device=self.device)
+        self._decode_out = torch.zeros((rows, n_heads, head_dim), dtype=dtype, device=self.device)
+        logger.info(
+            "KV pool: %s, %d slots, page_size %d, radix %s, %.1f MiB",
+            "paged" if self.paged else "contiguous", self.size, self.page_size,
+            "on" if self.radix is not None else "off", self.storage.nbytes() / 2**20,
+        )
+
+    # ----------------------------------------------------------------- views
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.storage.k_buffer
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.storage.v_buffer
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    def req_len(self, req_idx: int) -> int:
+        """Positions of the request that currently have slots."""
+        self.req_to_token_pool.require_live(req_idx)
+        return self.req_to_token_pool.lens[req_idx]
+
+    def req_pages(self, req_idx: int) -> tuple[int, ...]:
+        """Paged mode: the request's page ids in position order (empty in contiguous mode)."""
+        self.req_to_token_pool.require_live(req_idx)
+        return tuple(self._pages[req_idx])
+
+    def req_lock(self, req_idx: int) -> RadixNode | None:
+        """The deepest radix node the request holds (it pins that node's root path), or None."""
+        return self._locks[req_idx]
+
+    # ----------------------------------------------------------------- request lifecycle
+    def task_alloc(self) -> int:
+        """A free req_to_token row with no positions; raises CapacityExceeded if none is free."""
+        return self.req_to_token_pool.alloc()
+
+    def match_prefix(self, req_idx: int, token_ids: Sequence[int]) -> int:
+        """Share the longest cached complete-page prefix of ``token_ids[:-1]``; returns its length.
+
+        The request takes a reference on each matched page and its positions
+        ``[0, n)`` map to them. Must be called before any extend (ValueError otherwise).
+        """
+        self.req_to_token_pool.require_live(req_idx)
+        if self.req_to_token_pool.lens[req_idx] or self._pages[req_idx]:
+            raise ValueError(f"match_prefix on row {req_idx}, which already has positions")
+        if self.radix is None or len(token_ids) < 2:
+            return 0
+        # token_ids[:-1]: at least one token is left to compute, so no write lands in a shared page.
+        nodes = self.radix.match(token_ids, (len(token_ids) - 1) // self.page_size)
+        if not nodes:
+            return 0
+        pages = [node.page for node in nodes]
+        self.allocator.incref(pages)
+        self.radix.lock(nodes[-1])
+        self._locks[req_idx] = nodes[-1]
+        self._set_pages(req_idx, 0, pages)
+        n = len(pages) * self.page_size
+        self.req_to_token_pool.lens[req_idx] = n
+        return n
+
+    def extend(self, req_idx: int, new_len: int) -> bool:
+        """Give positions ``[0, new_len)`` slots; False (nothing changed) if the pool cannot now.
+
+        Evicts least recently used cache-only radix pages when the free pages fall
+        short. Raises CapacityExceeded when ``new_len > max_ctx_len``.
+        """
+        self.req_to_token_pool.require_live(req_idx)
+        if new_len > self.max_ctx_len:
+            raise CapacityExceeded(f"{new_len} positions exceed max_seq_len {self.max_ctx_len}")
+        lens = self.req_to_token_pool.lens
+        if new_len <= lens[req_idx]:
+            return True
+        if self.paged:
+            pages = self._pages[req_idx]
+            need = -(-new_len // self.page_size) - len(pages)
+            if need > 0:
+                short = need - self.allocator.num_free
+                if short > 0:
+                    if self.radix is None or self.radix.evictable_pages < short:
+                        return False
+                    self.radix.evict(short)
+                self._set_pages(req_idx, len(pages), self.allocator.alloc(need))
+        lens[req_idx] = new_len
+        return True
+
+    def _set_pages(self, req_idx: int, first: int, new_pages: list[int]) -> None:
+        # append new_pages as pages first.. of the row and write their slots into req_to_token.
+        self._pages[req_idx].extend(new_pages)
+        page_t = torch.tensor(new_pages, dtype=torch.int64)
+        slots = (page_t.unsqueeze(1) * self.page_size + self._page_offsets).reshape(-1)
+        self.req_to_token_pool.write(req_idx, first * self.page_size, slots)
+
+    def record(self, req_idx: int, token_ids: Sequence[int]) -> None:
+        """Insert the complete pages of ``token_ids`` (KV materialized at positions 0..len-1).
+
+        No-op without a radix. Raises ValueError if ``token_ids`` is longer than the
+        request's positions, or disagrees with the cached pages it holds.
+        """
+        self.req_to_token_pool.require_live(req_idx)
+        if len(token_ids) > self.req_to_token_pool.lens[req_idx]:
+            raise ValueError(
+                f"record of {len(token_ids)} tokens on row {req_idx} with {self.req_len(req_idx)} positions"
+            )
+        if self.radix is None:
+            return
+        n = len(token_ids) // self.page_size
+        if n:
+            self._locks[req_idx] = self.radix.insert(token_ids, self._pages[req_idx][:n], self._locks[req_idx])
+
+    def task_free(self, req_idx: int) -> None:
+        """Drop the request's page references and release its row (ValueError if not live)."""
+        self.req_to_token_pool.require_live(req_idx)
+        if self.paged:
+            lock = self._locks[req_idx]
+            if lock is not None:
+                self.radix.unlock(lock)
+                self._locks[req_idx] = None
+            self.allocator.decref(self._pages[req_idx])
+            self._pages[req_idx] = []
+        self.req_to_token_pool.free(req_idx)
+
+    # ----------------------------------------------------------------- capacity
+    def available_tokens(self) -> int:
+        """Token slots extend() could obtain now.
+
+        Paged: (free + evictable pages) * page_size. Contiguous: slots not yet given to a
+        live request's positions (each request may still only grow to max_seq_len).
+        """
+        if self.paged:
+            evictable = self.radix.evictable_pages if self.radix is not None else 0
+            return (self.allocator.num_free + evictable) * self.page_size
+        pool = self.req_to_token_pool
+        return self.size - sum(pool.lens[r] for r in pool.live_rows())
+
+    def can_ever_fit(self, n_tokens: int) -> bool:
+        """Whether one request of ``n_tokens`` positions fits max_seq_len and the empty pool."""
+        if n_tokens > self.max_ctx_len:
+            return False
+        return -(-n_tokens // self.page_size) * self.page_size <= self.size
+
+    def stats(self) -> dict:
+        """``kv_tokens_total`` (slots), ``kv_tokens_in_use`` (slots of pages live requests reference;
+        contiguous: their positions), ``kv_tokens_cached`` (slots of pages only the radix holds)."""
+        if not self.paged:
+            pool = self.req_to_token_pool
+            in_use = sum(pool.lens[r] for r in pool.live_rows())
+            return {"kv_tokens_total": self.size, "kv_tokens_in_use": in_use, "kv_tokens_cached": 0}
+        refcount = self.allocator.refcount
+        radix_held = self.radix.page_mask if self.radix is not None else 0
+        live_held = refcount - radix_held
+        cached = int(((refcount == 1) & (live_held == 0)).sum())
+        return {
+            "kv_tokens_total": self.size,
+            "kv_tokens_in_use": int((live_held > 0).sum()) * self.page_size,
+            "kv_tokens_cached": cached * self.page_size,
+        }
+
+    # ----------------------------------------------------------------- per step
+    def bind_tasks(self, req_indices: Sequence[int], q_lens: Sequence[int], seq_lens: Sequence[int]) -> KVCache:
+        """Build this step's KVCache (``plan`` left empty) with one host-to-device copy per dtype.
+
+        Request ``i`` (row ``req_indices[i]``) brings ``q_lens[i] >= 1`` tokens at positions
+        ``[seq_lens[i] - q_lens[i], seq_lens[i])``, which must already have slots.
+        Raises ValueError on an empty batch, mismatched lengths, a repeated or
+        non-live row, ``q_len`` outside ``[1, seq_len]``, or a position without a slot.
+        """
+        rows, ql, sl = [int(r) for r in req_indices], [int(q) for q in q_lens], [int(s) for s in seq_lens]
+        b = len(rows)
+        if b == 0 or len(ql) != b or len(sl) != b:
+            raise ValueError(f"bind_tasks needs equal, non-empty lists, got {len(rows)}, {len(ql)}, {len(sl)}")
+        if len(set(rows)) != b:
+            raise ValueError(f"a request row appears twice in one step: {rows}")
+        lens = self.req_to_token_pool.lens
+        for row, q, s in zip(rows, ql, sl, strict=True):
+            self.req_to_token_pool.require_live(row)
+            if not 1 <= q <= s:
+                raise ValueError(f"row {row}: q_len {q} outside [1, seq_len {s}]")
+            if s > lens[row]:
+                raise ValueError(f"row {row}: position {s - 1} has no slot (extend to {s} first)")
+        host = torch.tensor([rows, ql, sl], dtype=torch.int64)
+        rows_t, q_t, s_t = host[0], host[1], host[2]
+        t = sum(ql)
+        qo_indptr = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(q_t, 0, out=qo_indptr[1:])
+        kv_indptr = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(s_t, 0, out=kv_indptr[1:])
+        # token -> request, then its position: start of the request's new tokens plus offset.
+        batch = torch.arange(b)
+        tok_req = torch.repeat_interleave(batch, q_t, output_size=t)
+        tok_pos = torch.arange(t) - qo_indptr[:-1][tok_req] + (s_t - q_t)[tok_req]
+        tiles = (q_t + PREFILL_Q_TILE - 1) // PREFILL_Q_TILE
+        n_tiles = int(tiles.sum())
+        tile_req = torch.repeat_interleave(batch, tiles, output_size=n_tiles)
+        tile_idx = torch.arange(n_tiles) - (torch.cumsum(tiles, 0) - tiles)[tile_req]
+        longs = torch.cat([rows_t, s_t, rows_t[tok_req], tok_pos]).to(self.device)
+        ints = torch.cat([kv_indptr, qo_indptr, tile_req, tile_idx]).to(torch.int32).to(self.device)
+        req_pool_indices, seq_lens_d, tok_rows, tok_pos_d = torch.split(longs, [b, b, t, t])
+        kv_indptr_d, qo_indptr_d, tile_req_d, tile_idx_d = torch.split(ints, [b + 1, b + 1, n_tiles, n_tiles])
+        out_cache_loc = self.req_to_token[tok_rows, tok_pos_d].to(torch.int64)
+        return KVCache(
+            k_buffer=self.k_buffer,
+            v_buffer=self.v_buffer,
+            req_to_token=self.req_to_token,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens_d,
+            out_cache_loc=out_cache_loc,
+            max_len=max(sl),
+            kv_indptr=kv_indptr_d,
+            qo_indptr=qo_indptr_d,
+            q_tile_to_batch=tile_req_d,
+            q_tile_to_index=tile_idx_d,
+            decode_o_part=self._decode_o_part[:b],
+            decode_ml_part=self._decode_ml_part[:b],
+            decode_out=self._decode_out[:b],
+            max_q_len=max(ql),
+            num_tokens=t,
+            q_lens_host=tuple(ql),
+            seq_lens_host=tuple(sl),
+        )

@@ -1,0 +1,239 @@
+"""RadixCache: exact, page-aligned prefix sharing over ref-counted pages."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from astrai.kvcache.allocator import Allocator
+
+logger = logging.getLogger(__name__)
+
+
+class RadixNode:
+    """One complete page of the cache: an edge from ``parent`` labelled by the page's tokens."""
+
+    __slots__ = ("key", "page", "parent", "children", "depth", "last_access", "lock_count", "hash", "id")
+
+    def __init__(self, key: tuple[int, ...], page: int, parent: RadixNode | None, node_id: int) -> None:
+        self.key = key  # exact token tuple of this page (page_size ids)
+        self.page = page  # page id in the allocator; -1 for the root
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.depth = 0 if parent is None else parent.depth + 1  # pages from the root, root = 0
+        self.last_access = 0
+        # live requests whose deepest held radix page is this node or below it: while > 0 the
+        # node cannot be evicted (it, or a page that hangs under it, is referenced).
+        self.lock_count = 0
+        # introspection only: lookups always compare ``key`` itself.
+        self.hash = hash(key) if parent is None else hash((parent.hash, key))
+        self.id = node_id
+
+    def token_path(self) -> tuple[int, ...]:
+        """All tokens from the root down to and including this page."""
+        keys = []
+        node: RadixNode | None = self
+        while node is not None and node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return tuple(t for key in reversed(keys) for t in key)
+
+
+class RadixCache:
+    """Complete token pages indexed as a tree of exact token tuples (paged mode, page_size > 1).
+
+    Each non-root node holds one page and one reference on it (the radix's own).
+    A child is found under its parent by the exact tuple of the page's tokens, so an
+    identical page is reused only under the identical prefix.
+
+    Eviction is LRU over leaves whose ``lock_count`` is 0, i.e. pages that no live
+    request references, directly or through a page below them; such a page has
+    refcount 1. Evicting a leaf may turn its parent into an evictable leaf.
+    ``evictable_pages`` counts every node with ``lock_count == 0``: repeated leaf
+    eviction can reclaim exactly that many pages.
+
+    Locking is the caller's duty (PagePool): after taking references on pages of a
+    path it calls ``lock`` on the deepest of them, and ``unlock`` when dropping them.
+    """
+
+    def __init__(self, page_size: int, allocator: Allocator) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.allocator = allocator
+        self.root = RadixNode((), -1, None, 0)
+        self._next_id = 1
+        self._tick = 0
+        self._node_of_page: dict[int, RadixNode] = {}
+        #: bool [n_pages]: True where the radix holds a reference on the page
+        self.page_mask = np.zeros(allocator.n_pages, dtype=np.bool_)
+        self.evictable_pages = 0
+        self._evictable_leaves: set[RadixNode] = set()
+        # lazy min-heap of (last_access, id, node); an entry is stale unless the node is still an
+        # evictable leaf with that last_access. Keeps eviction O(k log n), not a scan of the tree.
+        self._heap: list[tuple[int, int, RadixNode]] = []
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_pages(self) -> int:
+        return len(self._node_of_page)
+
+    def node_of_page(self, page: int) -> RadixNode | None:
+        return self._node_of_page.get(page)
+
+    def evictable_leaves(self) -> frozenset[RadixNode]:
+        return frozenset(self._evictable_leaves)
+
+    def iter_nodes(self) -> Iterator[RadixNode]:
+        """Every non-root node, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _key(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:
+        ps = self.page_size
+        return tuple(int(t) for t in token_ids[i * ps : (i + 1) * ps])
+
+    def _touch(self, path: list[RadixNode]) -> None:
+        self._tick += 1
+        for node in path:
+            node.last_access = self._tick
+            if node in self._evictable_leaves:
+                heapq.heappush(self._heap, (node.last_access, node.id, node))
+
+    def match(self, token_ids: Sequence[int], max_pages: int) -> list[RadixNode]:
+        """Nodes of the longest cached prefix of ``token_ids``, at most ``max_pages`` pages.
+
+        Pure lookup plus an LRU touch; takes no reference and no lock.
+        """
+        max_pages = min(max_pages, len(token_ids) // self.page_size)
+        path: list[RadixNode] = []
+        node = self.root
+        for i in range(max_pages):
+            child = node.children.get(self._key(token_ids, i))
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        self._touch(path)
+        return path
+
+    # ----------------------------------------------------------------- insertion
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], lock: RadixNode | None) -> RadixNode | None:
+        """Insert the complete pages of one request; returns its new lock node.
+
+        ``pages[i]`` is the request's page holding tokens ``token_ids[i*ps:(i+1)*ps]``
+        (``len(pages)`` complete pages; any partial tail of ``token_ids`` is ignored).
+        ``lock`` is the request's current lock node (deepest radix page it holds) or None.
+
+        Existing nodes are kept: where the cache already has the page, the request's
+        own copy stays private (it frees it at task_free) and siblings are untouched.
+        New nodes get the radix's reference. Raises ValueError, before any change, if
+        the request's pages disagree with the tree (a page cached at another place).
+        """
+        ps = self.page_size
+        n = min(len(pages), len(token_ids) // ps)
+        keys = [self._key(token_ids, i) for i in range(n)]
+        # validation pass: read-only, so a bad call changes nothing.
+        node = self.root
+        for i in range(n):
+            child = node.children.get(keys[i]) if node is not None else None
+            owner = self._node_of_page.get(int(pages[i]))
+            if owner is not None and owner is not child:
+                raise ValueError(f"page {int(pages[i])} is cached under another prefix than position {i * ps}")
+            node = child
+        deepest = lock
+        path: list[RadixNode] = []
+        node = self.root
+        for i in range(n):
+            page = int(pages[i])
+            child = node.children.get(keys[i])
+            if child is None:
+                child = RadixNode(keys[i], page, node, self._next_id)
+                self._next_id += 1
+                node.children[keys[i]] = child
+                self._evictable_leaves.discard(node)
+                self._node_of_page[page] = child
+                self.page_mask[page] = True
+                self.allocator.incref([page])
+                self.evictable_pages += 1  # lock_count 0 until the lock below
+            if child.page == page and (deepest is None or child.depth > deepest.depth):
+                deepest = child
+            path.append(child)
+            node = child
+        if deepest is not lock:
+            self.lock(deepest)  # lock before unlock: the shared part never looks evictable
+            if lock is not None:
+                self.unlock(lock)
+        self._touch(path)
+        return deepest
+
+    # ----------------------------------------------------------------- locking
+    def lock(self, node: RadixNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (one more live holder below them)."""
+        while node.parent is not None:
+            node.lock_count += 1
+            if node.lock_count == 1:
+                self.evictable_pages -= 1
+                self._evictable_leaves.discard(node)
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one ``lock(node)``."""
+        while node.parent is not None:
+            if node.lock_count <= 0:
+                raise RuntimeError(f"unlock of unlocked radix node at depth {node.depth}")
+            node.lock_count -= 1
+            if node.lock_count == 0:
+                self.evictable_pages += 1
+                self._refresh(node)
+            node = node.parent
+
+    def _refresh(self, node: RadixNode) -> None:
+        if node.parent is None:
+            return
+        if not node.children and node.lock_count == 0:
+            if node not in self._evictable_leaves:
+                self._evictable_leaves.add(node)
+                heapq.heappush(self._heap, (node.last_access, node.id, node))
+        else:
+            self._evictable_leaves.discard(node)
+
+    # ----------------------------------------------------------------- eviction
+    def evict(self, n_pages: int) -> int:
+        """Free up to ``n_pages`` pages, least recently used evictable leaf first; returns pages freed."""
+        freed = 0
+        while freed < n_pages:
+            node = self._pop_lru()
+            if node is None:
+                break
+            parent = node.parent
+            assert parent is not None  # only non-root nodes are ever evictable leaves
+            del parent.children[node.key]
+            del self._node_of_page[node.page]
+            self.page_mask[node.page] = False
+            node.parent = None
+            self.evictable_pages -= 1
+            if not self.allocator.decref([node.page]):
+                raise RuntimeError(f"evicted radix page {node.page} is still referenced")
+            freed += 1
+            self._refresh(parent)
+        if len(self._heap) > 2 * len(self._evictable_leaves) + 64:
+            self._heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
+            heapq.heapify(self._heap)
+        if freed:
+            logger.debug("radix evicted %d page(s), %d evictable left", freed, self.evictable_pages)
+        return freed
+
+    def _pop_lru(self) -> RadixNode | None:
+        while self._heap:
+            last_access, _, node = heapq.heappop(self._heap)
+            if node in self._evictable_leaves and node.last_access == last_access:
+                self._evictable_leaves.remove(node)
+                return node
+        return None
