@@ -1,0 +1,92 @@
+"""Models on real weights: architectures, loaders, tokenizer and chat template."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from astrai.errors import ModelNotFound
+from astrai.model.config import ModelConfig
+from astrai.model.cpu_linear import prepack_linears, prepack_supported
+from astrai.model.llama import LlamaForCausalLM
+from astrai.model.tokenizer import IncrementalDecoder, Tokenizer
+
+__all__ = [
+    "IncrementalDecoder",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "Tokenizer",
+    "build_model",
+    "default_dtype",
+    "load_model",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Architecture name (GGUF ``general.architecture`` / HF ``model_type``) -> model class.
+ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """bfloat16 on CUDA, and on CPUs with native bf16 matmul (AVX512-BF16 or AMX); else float32."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if native_bf16 else torch.float32
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Build the architecture named by ``config.architecture`` with uninitialised-but-finite weights.
+
+    Parameters take ``dtype``; the RoPE table stays float32 whatever the dtype.
+    """
+    cls = ARCHITECTURES.get(config.architecture)
+    if cls is None:
+        raise ModelNotFound(
+            f"architecture {config.architecture!r} is not supported; known: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    model = cls(config).to(device)
+    for p in model.parameters():  # parameters only: buffers (the RoPE table) stay float32
+        p.data = p.data.to(dtype)
+    return model.eval()
+
+
+def load_model(
+    name_or_path: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[LlamaForCausalLM, Tokenizer]:
+    """Load a model and its tokenizer from a name, a ``.gguf`` file or an HF checkpoint folder.
+
+    ``None`` or ``"smollm2-135m"`` is the default model. ``dtype`` defaults to
+    :func:`default_dtype` for ``device``. Raises ``ModelNotFound`` (with the
+    install command for the default model) when the weights are missing.
+    """
+    from astrai.model.gguf_loader import load_gguf
+    from astrai.model.hf_loader import load_hf
+    from astrai.model.resolve import resolve_model
+
+    dtype = dtype or default_dtype(device)
+    kind, path = resolve_model(name_or_path)
+    start = time.perf_counter()
+    if kind == "gguf":
+        config, weights = load_gguf(path, dtype)
+        tokenizer = Tokenizer.from_gguf(path)
+    else:
+        config, weights = load_hf(path, dtype)
+        tokenizer = Tokenizer.from_pretrained(path)
+    config.name = config.name or name_or_path or Path(path).stem
+    merged = sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids))
+    config.eos_token_ids = merged
+    model = build_model(config, dtype, device)
+    model.load_weights({k: v.to(device) for k, v in weights.items()})
+    if prepack_supported(device, dtype):  # after the weights are final: packing copies them
+        prepack_linears(model)
+    logger.info("loaded %s (%s, %s) in %.2f s", config.name, kind, dtype, time.perf_counter() - start)
+    return model, tokenizer

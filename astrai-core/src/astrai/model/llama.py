@@ -1,0 +1,155 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over astrai's paged KV cache.
+
+The forward takes one flattened ragged batch (see ``KVCache``): prefill chunks
+and decode tokens of many requests in a single call, with attention routed
+through the ``astrai.extension`` policy API so any backend can run it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from astrai.extension import RotaryEmbedding, apply_rotary_emb, attention
+
+if TYPE_CHECKING:
+    from astrai.kvcache import KVCache
+    from astrai.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.rms_norm keeps float32 accumulation when given float32 input.
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return y.to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(1, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(1, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        # RoPE before the K/V write: cached keys carry their absolute position.
+        q = apply_rotary_emb(q, freqs)[0]
+        k = apply_rotary_emb(k, freqs)[0]
+        o = attention(q, k, v, self.layer_id, kv_cache, self.scale)
+        return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), freqs, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    """``model.*`` in HF naming: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM whose parameter names match HF checkpoints.
+
+    Q/K projection rows are in llama.cpp's interleaved RoPE layout (the loaders
+    see to it), matching ``apply_rotary_emb``'s complex-pair convention.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one ragged step.
+
+        ``input_ids``/``positions``: ``[T]`` int64, flattened request after request
+        (the layout of ``kv_cache``). ``logits_indices``: ``[B]`` int64 rows of ``T``
+        whose next-token logits are wanted; the LM head runs on those rows only.
+        Returns ``[B, vocab]`` float32. Writes this step's K/V into the pool.
+        """
+        x = self.model.embed_tokens(input_ids)
+        freqs = self.rotary(positions.unsqueeze(0))
+        for layer in self.model.layers:
+            x = layer(x, freqs, kv_cache)
+        x = self.model.norm(x.index_select(0, logits_indices))
+        return self.lm_head(x).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy a loader's state dict in; raises ``ValueError`` on missing or unexpected names."""
+        own = dict(self.named_parameters(remove_duplicate=True))
+        if self.config.tie_word_embeddings:
+            own.pop("lm_head.weight", None)
+            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, param in own.items():
+                src = state_dict[name]
+                if src.shape != param.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(param.shape)}")
+                param.copy_(src)
