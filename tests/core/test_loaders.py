@@ -7,13 +7,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from astrai.errors import ModelNotFound
-from astrai.model.gguf_loader import load_gguf
-from astrai.model.hf_loader import interleave_rope_rows, load_hf
-from astrai.model.resolve import resolve_model
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
+
+from astrai.errors import ModelNotFound
+from astrai.model.gguf_loader import load_gguf
+from astrai.model.hf_loader import interleave_rope_rows, load_hf
 
 
 def interleave_reference(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -27,11 +27,8 @@ def interleave_reference(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def default_gguf():
-    try:
-        return resolve_model(None)[1]
-    except ModelNotFound as e:
-        pytest.skip(str(e))
+def default_gguf(default_model_path):
+    return default_model_path
 
 
 @pytest.fixture(scope="module")
@@ -40,31 +37,9 @@ def smollm_loaded(default_gguf):
 
 
 @pytest.fixture(scope="module")
-def smollm_reference(default_gguf):
-    """transformers' own GGUF import (it undoes llama.cpp's q/k permutation) as a state dict.
-
-    The config is given (from the published model card's numbers) so transformers
-    does not parse the file's metadata a second time; the weights path is unchanged.
-    """
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent),
-        gguf_file=default_gguf.name,
-        config=config,
-        dtype=torch.float32,
-        local_files_only=True,
-    )
-    return model.state_dict()
+def smollm_reference(hf_oracle):
+    """transformers' own GGUF import (it undoes llama.cpp's q/k permutation) as a state dict."""
+    return hf_oracle.state_dict()
 
 
 @pytest.mark.slow

@@ -71,6 +71,15 @@ def attn_backend(backend: ATTN_BACKEND | str) -> Iterator[None]:
         _SELECTED.reset(token)
 
 
+def context_backend() -> str | None:
+    """The backend chosen by an enclosing ``attn_backend(...)`` in this context, or None.
+
+    Threads do not inherit it: the engine captures it when a request is submitted
+    and the scheduler thread re-enters it for that request's steps.
+    """
+    return _SELECTED.get()
+
+
 def requested_backend() -> tuple[str | None, str]:
     """The explicit selection in force here: ``(name, source)``, or ``(None, "automatic")``."""
     name = _SELECTED.get()

@@ -1,0 +1,106 @@
+"""One generation request as the scheduler sees it, and why it finished."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from astrai.sampling import SamplingParams
+    from astrai.stopping import StopChecker
+
+
+class FinishReason(str, Enum):
+    """Why a request ended; the value is what the HTTP layer reports."""
+
+    STOP = "stop"  # EOS or a model stop token id
+    LENGTH = "length"  # max_tokens reached
+    STOP_SEQUENCE = "stop_sequence"  # a stop string matched (Request.stop_sequence says which)
+    ABORT = "abort"  # the caller aborted it
+    ERROR = "error"  # its step failed, or the engine stopped (Request.error says why)
+
+
+class ResultSink(Protocol):
+    """Where a request's output goes. Both methods are called on the scheduler thread."""
+
+    def deliver_piece(self, piece: str) -> None:
+        """A non-empty piece of valid text, in order. May raise: the request then fails."""
+
+    def deliver_final(self, request: Request) -> None:
+        """The request is over and its KV is released; called exactly once."""
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-side state of one request. Mutated only on the scheduler thread.
+
+    ``tokens`` is the prompt followed by every sampled token; the first
+    ``num_computed`` of them have KV materialized in the request's pool row. A
+    request with ``remaining == 1`` is decoding (its last sampled token is the
+    next input); more means prefill, or recompute after a preemption, which runs
+    prompt and already generated tokens through the model again without
+    re-emitting any text.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: ResultSink
+    stopper: StopChecker
+    arrival: int = -1  # submission order; preemption takes the newest
+    tokens: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    req_idx: int = -1  # pool row, -1 while waiting
+    num_computed: int = 0
+    finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None
+    error: BaseException | None = None
+    tried_epoch: int = -1  # pool free-epoch of the last failed admission (no retry until pages free)
+    backend: str | None = None  # attn_backend(...) in force where it was submitted; None = automatic/env
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(
+        self, reason: FinishReason, stop_sequence: str | None = None, error: BaseException | None = None
+    ) -> None:
+        """Mark the request over; the first reason wins."""
+        if self.finish_reason is None:
+            self.finish_reason, self.stop_sequence, self.error = reason, stop_sequence, error
+
+    def accept(self, token: int, eos_token_ids: Container[int]) -> None:
+        """Append one sampled token, emit its text, and apply the stop conditions. O(1) per token."""
+        self.tokens.append(token)
+        self.output_ids.append(token)
+        if token in eos_token_ids and not self.params.ignore_eos:
+            self._end(FinishReason.STOP)
+            return
+        piece, matched = self.stopper.push(token)
+        self._emit(piece)
+        if matched is not None:
+            self.finish(FinishReason.STOP_SEQUENCE, stop_sequence=matched)
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self._end(FinishReason.LENGTH)
+
+    def _end(self, reason: FinishReason) -> None:
+        # the held-back text was not a stop string after all, unless the decoder's last bytes complete one
+        piece, matched = self.stopper.flush()
+        self._emit(piece)
+        if matched is not None:
+            self.finish(FinishReason.STOP_SEQUENCE, stop_sequence=matched)
+        self.finish(reason)
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self.sink.deliver_piece(piece)
