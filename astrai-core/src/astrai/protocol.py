@@ -1,0 +1,237 @@
+"""``ResponseBuilder``: the one class a wire protocol implements (the spec's Strategy pattern).
+
+A protocol is one builder: it declares its route, its request model (pydantic),
+how it frames a stream (media type, SSE or anything else) and how it shapes
+results and errors. A protocol-neutral ``ProtocolHandler`` (astrai-server)
+drives any builder, streaming or not::
+
+    prepared = builder.prepare(request, engine)           # templating, SamplingParams
+    # streaming: format_stream_start, format_chunk per piece, format_stream_end
+    # otherwise: format_response(prepared, result)
+
+Builders are registered in the ``astrai.protocols`` entry-point group (see
+``astrai.plugins``). This module imports pydantic only: no fastapi, no torch,
+so a protocol plugin depends on astrai-core alone and is testable without HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from astrai.sampling import SamplingParams
+
+#: Finish reasons of a ``Choice``: the engine's (``stop``, ``length``, ``stop_sequence``,
+#: ``abort``, ``error``) plus ``tool_calls`` when the text held tool calls that were parsed.
+FINISH_REASONS = ("stop", "length", "stop_sequence", "abort", "error", "tool_calls")
+
+
+@dataclass
+class ToolCall:
+    """One tool call the model emitted. ``arguments`` is a JSON object encoded as text."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@dataclass
+class Choice:
+    """One finished completion of a request (``n`` > 1 gives several, ``index`` 0..n-1)."""
+
+    index: int
+    text: str  # without stop strings and without the tool-call markup
+    finish_reason: str  # one of FINISH_REASONS
+    completion_tokens: int
+    stop_sequence: str | None = None  # the stop string that matched (finish_reason "stop_sequence")
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class ChatResult:
+    """Everything a builder needs to shape a final response or the end of a stream."""
+
+    choices: list[Choice]
+    prompt_tokens: int  # prompt tokens after templating, counted once whatever n is
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Prepared:
+    """What ``ResponseBuilder.prepare`` returns: one request made ready for the engine.
+
+    ``prompt_ids`` are the templated prompt's token ids; ``params`` the sampling
+    parameters of choice 0 (choice i > 0 gets ``seed + i`` when a seed is set).
+    ``max_tokens_explicit`` False lets the handler shorten ``params.max_tokens``
+    to what the context has room for (a defaulted value must not reject a
+    request); an explicit value that cannot fit is a 400. ``tools`` non-empty
+    makes the handler parse tool calls out of the generated text.
+    ``state`` is the builder's own per-request scratch space.
+    """
+
+    request: BaseModel
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    n: int = 1
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens_explicit: bool = True
+    response_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    model: str = "astrai"
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def context_limit(engine: Any) -> int:
+    """Tokens one request of ``engine`` may hold (prompt + generated): the context, capped by the KV pool."""
+    return min(engine.pool.max_ctx_len, engine.pool.size)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh response id such as ``chatcmpl-<24 hex>``."""
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
+    """One Server-Sent Event frame: optional ``event:`` line, one ``data:`` line, blank line.
+
+    ``data`` dicts are compact JSON (no spaces after separators), strings go as is.
+    """
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of ``messages`` (Hugging Face chat convention) through the model's chat template.
+
+    ``tools`` (``[{"type": "function", "function": {...}}]``) go to the template.
+    A template that never mentions ``tools`` (SmolLM2's, for one) would drop
+    them, so they are described in the system message instead, in the
+    Hermes/Qwen ``<tool_call>`` format; likewise an assistant turn's
+    ``tool_calls`` become ``<tool_call>`` text for a template that ignores them.
+    Raises ``RequestRejected`` (from the tokenizer) when the template fails.
+    """
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if tools and "tools" not in template:
+        described = _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if messages and messages[0]["role"] == "system":
+            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{described}"}, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": described}, *messages]
+        tools = None
+    if "tool_calls" not in template:
+        messages = [_inline_tool_calls(m) if m.get("tool_calls") else m for m in messages]
+    return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True))
+
+
+def _inline_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
+    calls = "\n".join(
+        "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) + "\n</tool_call>"
+        for c in message["tool_calls"]
+    )
+    content = f"{message.get('content') or ''}\n{calls}".lstrip("\n")
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
+
+
+class ResponseBuilder(ABC):
+    """A wire protocol: request model, route, and the shape of every response and error.
+
+    Subclasses set the class attributes and implement the five ``format_*`` /
+    ``prepare`` methods; ``format_error`` and ``format_stream_error`` have
+    defaults. Instances are created once per app with the served model name and
+    are shared by concurrent requests: keep per-request state in ``Prepared``.
+    Every ``format_*`` method is pure (no I/O) and must not raise for a valid
+    ``Prepared``.
+    """
+
+    name: ClassVar[str]  # entry-point name, e.g. "openai"
+    route: ClassVar[str]  # POST route, e.g. "/v1/chat/completions"; starts with "/"
+    request_model: ClassVar[type[BaseModel]]  # validates the JSON body
+    stream_media_type: ClassVar[str] = "text/event-stream"
+
+    def __init__(self, model_name: str = "astrai") -> None:
+        self.model_name = model_name
+
+    @abstractmethod
+    def prepare(self, request: BaseModel, engine: Any) -> Prepared:
+        """Turn a validated ``request_model`` instance into a ``Prepared``.
+
+        ``engine`` is the ``InferenceEngine``; builders use ``engine.tokenizer``
+        (``apply_chat_template``, ``encode``). Raises ``astrai.errors.RequestRejected``
+        for a request that passes the schema but cannot be served (a 400).
+        """
+
+    @abstractmethod
+    def format_stream_start(self, prepared: Prepared) -> list[str]:
+        """Frames sent before the first piece (e.g. OpenAI role deltas, Anthropic message_start)."""
+
+    @abstractmethod
+    def format_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
+        """Frames carrying ``text``, a non-empty piece of choice ``index``."""
+
+    @abstractmethod
+    def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
+        """Frames after the last piece: tool calls, finish reasons, usage, terminators."""
+
+    @abstractmethod
+    def format_response(self, prepared: Prepared, result: ChatResult) -> dict[str, Any]:
+        """The JSON body of a non-streaming response."""
+
+    def get_routes(self) -> dict[str, Callable[[Any], dict[str, Any]]]:
+        """GET routes the protocol adds besides its POST route (e.g. a model listing).
+
+        Maps a path (starting with "/") to a function of the engine returning the
+        JSON body. The server guards them with the API key and answers 503 while
+        the engine is not ready. Default: none.
+        """
+        return {}
+
+    def format_error(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+        """The JSON body of an error response with HTTP ``status`` (400, 401, 422, 503, ...).
+
+        ``param`` names the offending request field when known. The default is
+        ``{"error": {"type", "message", "param"}}``; protocols override it.
+        """
+        return {"error": {"type": error_type_for(status), "message": message, "param": param}}
+
+    def format_stream_error(self, prepared: Prepared, status: int, message: str) -> list[str]:
+        """Frames reporting an error after the stream has started (the status line is gone)."""
+        return [sse(self.format_error(status, message), event="error")]
+
+
+def error_type_for(status: int) -> str:
+    """A protocol-neutral error type name for an HTTP status (builders may use their own)."""
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status in (503, 529):
+        return "overloaded_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"

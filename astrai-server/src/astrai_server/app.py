@@ -1,0 +1,159 @@
+"""``create_app(settings, engine)``: the FastAPI application (no import-time state).
+
+Mounts one POST route per protocol builder (every ``astrai.protocols`` entry
+point unless ``settings.protocols`` names some) and the GET routes builders
+declare (OpenAI's ``/v1/models``), plus ``GET /health`` and ``GET /stats``. The engine hangs off ``app.state.engine``
+and may arrive later (``astrai serve`` loads it after the socket is open):
+until then /health is 503 and protocol routes answer 503 in their own shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from astrai.errors import EngineNotReady
+from astrai.protocol import ResponseBuilder
+from astrai_server.config import ServerSettings
+from astrai_server.errors import HTTPProblem, public_message, status_for
+from astrai_server.handler import ProtocolHandler
+
+if TYPE_CHECKING:
+    from astrai.engine import InferenceEngine
+
+logger = logging.getLogger(__name__)
+NOT_READY = {"detail": "Engine not initialized"}
+
+
+def create_app(
+    settings: ServerSettings,
+    engine: InferenceEngine | None,
+    builders: Sequence[ResponseBuilder] | None = None,
+) -> FastAPI:
+    """The app serving ``engine`` (None: not ready yet; set ``app.state.engine`` later).
+
+    ``builders`` defaults to the installed protocols (see ``registry.select_builders``);
+    tests may pass in-memory builders instead. Raises PluginError for a protocol
+    named in ``settings.protocols`` that is missing or broken.
+    """
+    if builders is None:
+        from astrai_server.registry import load_protocols, select_builders
+
+        builders = select_builders(load_protocols(), settings.protocols, settings.served_model_name)
+    app = FastAPI(title="astrai", docs_url=None, redoc_url=None)
+    app.state.engine, app.state.settings = engine, settings
+    for builder in builders:
+        app.add_api_route(builder.route, _protocol_endpoint(builder), methods=["POST"], name=builder.name)
+        for path, body in builder.get_routes().items():
+            app.add_api_route(path, _get_endpoint(body), methods=["GET"], name=f"{builder.name}:{path}")
+        logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/stats", _get_endpoint(lambda engine: engine.get_stats()), methods=["GET"])
+    return app
+
+
+def _authorized(request: Request) -> bool:
+    """No key configured, or ``Authorization: Bearer <key>`` / ``x-api-key: <key>`` matches it."""
+    key = request.app.state.settings.api_key
+    if not key:
+        return True
+    auth = request.headers.get("authorization", "")
+    given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def _ready_engine(request: Request) -> Any:
+    engine = request.app.state.engine
+    if engine is None or not engine.is_healthy():
+        raise EngineNotReady()
+    return engine
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _parse(builder: ResponseBuilder, raw: bytes) -> Any:
+    """The validated request model; HTTPProblem 400 for malformed JSON, 422 for schema errors."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # includes invalid UTF-8
+        raise HTTPProblem(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HTTPProblem(400, "request body must be a JSON object")
+    try:
+        return builder.request_model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        more = f" (and {e.error_count() - 1} more errors)" if e.error_count() > 1 else ""
+        raise HTTPProblem(422, f"{loc or 'body'}: {first['msg']}{more}", param=loc or None) from None
+
+
+def _protocol_endpoint(builder: ResponseBuilder) -> Any:
+    def error(exc: BaseException) -> JSONResponse:
+        status = status_for(exc)
+        if status >= 500 and not isinstance(exc, EngineNotReady):
+            logger.error("%s request failed", builder.name, exc_info=exc)
+        param = exc.param if isinstance(exc, HTTPProblem) else None
+        return JSONResponse(builder.format_error(status, public_message(exc), param), status_code=status)
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            if not _authorized(request):
+                raise HTTPProblem(401, "invalid or missing API key (Authorization: Bearer or x-api-key)")
+            parsed = _parse(builder, await request.body())
+            handler = ProtocolHandler(builder, _ready_engine(request))
+            run = handler.start(parsed)
+        except Exception as exc:  # nothing a client sends may become a bare 500 or a traceback
+            return error(exc)
+        disconnected = lambda: _wait_disconnect(request)  # noqa: E731
+        if run.prepared.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            frames = handler.stream(run, disconnected)
+            return StreamingResponse(frames, media_type=builder.stream_media_type, headers=headers)
+        try:
+            return JSONResponse(await handler.respond(run, disconnected))
+        except Exception as exc:
+            return error(exc)
+
+    endpoint.__name__ = f"{builder.name}_endpoint"
+    return endpoint
+
+
+async def _health(request: Request) -> JSONResponse:
+    engine = request.app.state.engine
+    if engine is None or not engine.is_healthy():
+        return JSONResponse(NOT_READY, status_code=503)
+    return JSONResponse({"status": "ok", "model_loaded": True})
+
+
+def _guarded(request: Request) -> Any:
+    if not _authorized(request):
+        raise HTTPProblem(401, "invalid or missing API key (Authorization: Bearer or x-api-key)")
+    return _ready_engine(request)
+
+
+def _get_endpoint(body: Callable[[Any], dict[str, Any]]) -> Any:
+    async def endpoint(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(body(_guarded(request)))
+        except Exception as exc:
+            return _plain_error(exc)
+
+    return endpoint
+
+
+def _plain_error(exc: BaseException) -> JSONResponse:
+    status = status_for(exc)
+    body = NOT_READY if isinstance(exc, EngineNotReady) else {"detail": public_message(exc)}
+    return JSONResponse(body, status_code=status)

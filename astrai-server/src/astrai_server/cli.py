@@ -1,0 +1,119 @@
+"""``astrai serve``: start the HTTP server (flags, or ``--config serve.yaml``; flags win).
+
+``add_serve_command(subparsers)`` plugs the subcommand into astrai-core's
+``astrai`` parser; ``serve_main(argv)`` is the standalone entry
+(``python -m astrai_server``). The socket opens at once; the model loads in
+the background and /health turns 200 when it is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from astrai.errors import AstraiError
+from astrai_server.config import ServerSettings, load_settings
+
+logger = logging.getLogger(__name__)
+
+
+def _flag(p: argparse.ArgumentParser, name: str, help: str, **kw: Any) -> None:
+    default = ServerSettings.model_fields[name].default
+    p.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS, help=f"{help} (default: {default})", **kw)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every ``ServerSettings`` field as a flag; only flags given explicitly reach the settings."""
+    p.add_argument("--config", default=None, help="YAML file whose 'server:' section sets any option below")
+    _flag(p, "host", "address to bind")
+    _flag(p, "port", "TCP port (0: any free port)", type=int)
+    _flag(p, "model", "model name, .gguf file or HF folder; default: smollm2-135m")
+    _flag(p, "served_model_name", "model name reported by /v1/models")
+    _flag(p, "device", "torch device")
+    _flag(p, "dtype", "weights and KV dtype; default: bf16 where native, else float32", choices=["float32", "bfloat16", "float16"])
+    _flag(p, "attention_backend", "attention backend entry point (as ASTR_BACKEND)")
+    _flag(p, "max_batch_size", "concurrent requests", type=int)
+    _flag(p, "max_seq_len", "context per request; default: the model's", type=int)
+    _flag(p, "paged", "paged KV pool (--no-paged: contiguous)", action=argparse.BooleanOptionalAction)
+    _flag(p, "page_size", "KV page size in tokens", type=int)
+    _flag(p, "prefix_caching", "radix prefix cache", action=argparse.BooleanOptionalAction)
+    _flag(p, "kv_memory", "KV pool budget, e.g. 512MiB")
+    _flag(p, "max_prefill_tokens", "prefill tokens per step (chunked prefill)", type=int)
+    _flag(p, "api_key", "require this key (Authorization: Bearer or x-api-key)")
+    _flag(p, "protocols", "protocol entry points to mount, comma-separated; default: all installed", type=lambda s: [x for x in s.split(",") if x])
+    _flag(p, "log_level", "log level", choices=["debug", "info", "warning", "error"])
+
+
+def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``astrai`` parser's subparsers; its ``args.serve(args)`` runs it."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI and Anthropic APIs over HTTP")
+    add_serve_arguments(p)
+    p.set_defaults(serve=run_serve)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """Settings from parsed args: YAML (``--config``) under the explicit flags. Raises ConfigError."""
+    cli = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields}
+    return load_settings(cli, args.config)
+
+
+def _load_engine(settings: ServerSettings, app: Any) -> None:
+    import torch
+
+    from astrai.engine import InferenceEngine
+
+    try:
+        dtype = getattr(torch, settings.dtype) if settings.dtype else None
+        engine = InferenceEngine.from_model(settings.model, dtype=dtype, device=settings.device, config=settings.engine_config())
+    except Exception:
+        logger.exception("loading the model failed; /health stays 503")
+        return
+    app.state.engine = engine
+    logger.info("engine ready: %s", settings.model or "the default model")
+
+
+def serve(settings: ServerSettings) -> None:
+    """Run uvicorn until interrupted; the engine loads in a background thread meanwhile."""
+    import uvicorn
+
+    from astrai_server.app import create_app
+
+    if settings.attention_backend:
+        os.environ["ASTR_BACKEND"] = settings.attention_backend  # read by the backend policy at each selection
+    app = create_app(settings, None)
+    loader = threading.Thread(target=_load_engine, args=(settings, app), name="astrai-load", daemon=True)
+    loader.start()
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    finally:
+        loader.join()
+        if app.state.engine is not None:
+            app.state.engine.shutdown()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """The ``serve`` subcommand: 0 on a clean stop, 2 on a configuration or plugin error."""
+    try:
+        settings = settings_from_args(args)
+        logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+        for name in ("astrai", "astrai_server"):  # also when the ``astrai`` command configured logging first
+            logging.getLogger(name).setLevel(settings.log_level.upper())
+        serve(settings)
+    except AstraiError as exc:
+        sys.stderr.write(f"astrai serve: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """``python -m astrai_server [flags]``: the same as ``astrai serve [flags]``."""
+    parser = argparse.ArgumentParser(prog="astrai serve", description=__doc__.splitlines()[0])
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))

@@ -1,0 +1,116 @@
+"""``ServerSettings``: every option of ``astrai serve``, from defaults, a YAML file and CLI flags.
+
+Precedence: CLI flags > the YAML file's ``server:`` section > defaults. An
+unknown key, or a value of the wrong type, is a ``ConfigError`` that names it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from astrai_server.errors import ConfigError
+
+#: Top-level YAML sections: ``server`` is read, ``runtime`` belongs to the Docker scripts.
+SECTIONS = ("server", "runtime")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``1073741824``, ``"512MiB"``, ``"2 GB"`` -> bytes; raises ValueError otherwise."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (examples: 536870912, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class ServerSettings(BaseModel):
+    """Settings of one server process. Field names are the YAML keys; flags are ``--key-with-dashes``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model: str | None = None  # name, .gguf file or HF folder; None: the default model
+    served_model_name: str = "astrai"  # the name /v1/models lists
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: astrai.model.default_dtype
+    attention_backend: str | None = None  # an astrai.attention_backends entry point (ASTR_BACKEND)
+    max_batch_size: int = Field(16, ge=1)
+    max_seq_len: int | None = Field(None, ge=2)  # None: the model's context length
+    paged: bool = True
+    page_size: int = Field(16, ge=1)
+    prefix_caching: bool = True
+    kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
+    max_prefill_tokens: int = Field(2048, ge=1)
+    api_key: str | None = None
+    protocols: list[str] | None = None  # entry-point names to mount; None: every installed one
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("kv_memory", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return None if value is None else parse_bytes(value)
+
+    def engine_config(self) -> Any:
+        """The ``astrai.engine.EngineConfig`` these settings describe."""
+        from astrai.engine import EngineConfig
+
+        return EngineConfig(
+            max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, paged=self.paged,
+            page_size=self.page_size, kv_memory_bytes=self.kv_memory, prefix_caching=self.prefix_caching,
+            max_prefill_tokens=self.max_prefill_tokens,
+        )  # fmt: skip
+
+
+def _describe(err: ValidationError, where: str, flags: bool = False) -> str:
+    """One message naming each bad key: ``serve.yaml: unknown key 'server.foo'`` or ``--port: ...``."""
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"])
+        name = "--" + key.replace("_", "-") if flags else f"'server.{key}'"
+        if e["type"] == "extra_forbidden":
+            parts.append(f"{where}unknown key {name} (known keys: {', '.join(ServerSettings.model_fields)})")
+        else:
+            parts.append(f"{where}{name}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(parts)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The ``server:`` section of a YAML config file; raises ConfigError naming what is wrong."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with a 'server:' section")
+    for key in data:
+        if key not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section {key!r} (known sections: {', '.join(SECTIONS)})")
+    section = data.get("server") or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: 'server' must be a mapping of settings")
+    return section
+
+
+def load_settings(cli: dict[str, Any], config_path: str | Path | None = None) -> ServerSettings:
+    """Defaults, overridden by the YAML file's ``server:`` section, overridden by ``cli``.
+
+    ``cli`` holds only the flags given explicitly. Raises ConfigError.
+    """
+    values = read_yaml(config_path) if config_path is not None else {}
+    try:
+        ServerSettings(**values)  # the YAML alone first, so that its errors name the file
+    except ValidationError as e:
+        raise ConfigError(_describe(e, f"{config_path}: ")) from None
+    try:
+        return ServerSettings(**{**values, **cli})
+    except ValidationError as e:
+        raise ConfigError(_describe(e, "", flags=True)) from None

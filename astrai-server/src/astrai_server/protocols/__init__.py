@@ -1,0 +1,1 @@
+"""The protocols astrai-server registers in ``astrai.protocols``: one builder file each."""

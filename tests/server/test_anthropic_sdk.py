@@ -1,0 +1,102 @@
+"""The official ``anthropic`` SDK against a real server on the default model (float32, greedy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import pytest
+
+pytestmark = pytest.mark.slow  # the real default model
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+ANSWER = "The capital of France is Paris."
+GREEDY = {"temperature": 0}  # this SDK has no sampling keywords: they travel in the body
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ONE_SHOT = [
+    {"role": "user", "content": "What is the weather in London?"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "London"}}]},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
+
+
+def _prompt_tokens(engine: Any, messages: list[dict], system: str | None = None) -> int:
+    head = [{"role": "system", "content": system}] if system else []
+    return len(engine.tokenizer.apply_chat_template(head + messages))
+
+
+def test_non_streaming_text_usage_and_end_turn(anthropic_client: Any, engine: Any) -> None:
+    m = anthropic_client.messages.create(model="astrai", max_tokens=32, messages=FRANCE, extra_body=GREEDY)
+    assert engine.chat(FRANCE, max_tokens=32, temperature=0) == ANSWER
+    assert [(b.type, b.text) for b in m.content] == [("text", ANSWER)]
+    assert (m.role, m.stop_reason, m.stop_sequence, m.type) == ("assistant", "end_turn", None, "message")
+    assert m.usage.input_tokens == _prompt_tokens(engine, FRANCE)
+    assert m.usage.output_tokens == len(engine.tokenizer.encode(ANSWER)) + 1  # + the EOS token
+    assert m.id.startswith("msg_")
+
+
+def test_streaming_reports_real_input_tokens_from_message_start(anthropic_client: Any, engine: Any) -> None:
+    with anthropic_client.messages.stream(model="astrai", max_tokens=32, messages=FRANCE, extra_body=GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    start = events[0]
+    assert start.type == "message_start" and start.message.usage.input_tokens == _prompt_tokens(engine, FRANCE)
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert text == ANSWER and final.content[0].text == ANSWER
+    assert (final.stop_reason, final.usage.output_tokens) == ("end_turn", 8)
+    assert final.usage.input_tokens == _prompt_tokens(engine, FRANCE)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequence_reports_which_one_and_is_not_returned(anthropic_client: Any, stream: bool) -> None:
+    kw = {"model": "astrai", "max_tokens": 32, "messages": FRANCE, "extra_body": GREEDY, "stop_sequences": ["nope", "Paris"]}
+    if stream:
+        with anthropic_client.messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        m = anthropic_client.messages.create(**kw)
+    assert (m.content[0].text, m.stop_reason, m.stop_sequence) == ("The capital of France is ", "stop_sequence", "Paris")
+
+
+def test_max_tokens_and_system_forms(anthropic_client: Any, engine: Any) -> None:
+    kw = {"model": "astrai", "max_tokens": 3, "messages": FRANCE, "extra_body": GREEDY}
+    as_text = anthropic_client.messages.create(**kw, system="Answer briefly.")
+    as_blocks = anthropic_client.messages.create(
+        **kw, system=[{"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}]
+    )
+    assert as_text.stop_reason == "max_tokens" and as_text.usage.output_tokens == 3
+    assert as_text.content[0].text == as_blocks.content[0].text
+    assert as_text.usage.input_tokens == as_blocks.usage.input_tokens == _prompt_tokens(engine, FRANCE, "Answer briefly.")
+
+
+def test_tool_call_comes_back_as_tool_use(anthropic_client: Any) -> None:
+    kw = {"model": "astrai", "max_tokens": 40, "messages": ONE_SHOT, "tools": [WEATHER], "extra_body": GREEDY}
+    m = anthropic_client.messages.create(**kw)
+    assert m.stop_reason == "tool_use"
+    (block,) = [b for b in m.content if b.type == "tool_use"]
+    assert (block.name, block.input) == ("get_weather", {"city": "Paris"}) and block.id.startswith("toolu_")
+    with anthropic_client.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [("get_weather", {"city": "Paris"})]
+    assert final.stop_reason == "tool_use"
+
+
+def test_errors_are_typed_sdk_exceptions(anthropic_client: Any, engine: Any, keyed_url: str, api_key: str) -> None:
+    long = [{"role": "user", "content": "hello " * 1100}]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model="astrai", max_tokens=4, messages=long)
+    body = info.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert f"{_prompt_tokens(engine, long)} tokens" in body["error"]["message"] and "1024" in body["error"]["message"]
+    with pytest.raises(anthropic.UnprocessableEntityError):
+        anthropic_client.messages.create(model="astrai", max_tokens=4, messages=[{"role": "system", "content": "x"}])
+    wrong = anthropic.Anthropic(base_url=keyed_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as auth:
+        wrong.messages.create(model="astrai", max_tokens=1, messages=FRANCE)
+    assert auth.value.body["error"]["type"] == "authentication_error"
+    right = anthropic.Anthropic(base_url=keyed_url, api_key=api_key, max_retries=0)
+    assert right.messages.create(model="astrai", max_tokens=1, messages=FRANCE).usage.output_tokens == 1

@@ -1,0 +1,85 @@
+"""``astrai serve`` configuration: defaults, YAML ``server:`` section, CLI flags (which win), errors naming keys."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from astrai.engine import EngineConfig
+from astrai_server.cli import add_serve_command, serve_main, settings_from_args
+from astrai_server.config import ServerSettings, load_settings, parse_bytes
+from astrai_server.errors import ConfigError
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Through a parser shaped like astrai-core's ``astrai`` command: ``astrai serve ...``."""
+    parser = argparse.ArgumentParser(prog="astrai")
+    add_serve_command(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *argv])
+
+
+def _yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_loopback_default_model_and_paged_prefix_cached_kv() -> None:
+    s = settings_from_args(_parse([]))
+    assert (s.host, s.port, s.model, s.paged, s.prefix_caching, s.api_key) == ("127.0.0.1", 8000, None, True, True, None)
+    cfg = s.engine_config()
+    assert isinstance(cfg, EngineConfig) and (cfg.paged, cfg.prefix_caching, cfg.page_size) == (True, True, 16)
+
+
+def test_cli_flags_override_the_yaml_section(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "server:\n  host: 0.0.0.0\n  port: 8001\n  max_batch_size: 4\n  kv_memory: 64MiB\n  dtype: bfloat16\nruntime:\n  gpus: all\n")
+    args = _parse(["--config", path, "--port", "9000", "--no-prefix-caching", "--protocols", "openai", "--api-key", "k"])
+    assert args.serve.__name__ == "run_serve"
+    s = settings_from_args(args)
+    assert (s.host, s.port, s.max_batch_size, s.dtype) == ("0.0.0.0", 9000, 4, "bfloat16")  # port: CLI wins
+    assert (s.kv_memory, s.prefix_caching, s.protocols, s.api_key) == (64 * 2**20, False, ["openai"], "k")
+    cfg = s.engine_config()
+    assert (cfg.max_batch_size, cfg.kv_memory_bytes, cfg.prefix_caching) == (4, 64 * 2**20, False)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("server:\n  prot: 1\n", "unknown key 'server.prot'"),
+        ("server:\n  port: many\n", "'server.port'"),
+        ("serverz:\n  port: 1\n", "unknown section 'serverz'"),
+        ("server: [1, 2]\n", "'server' must be a mapping"),
+        ("server:\n  kv_memory: lots\n", "'server.kv_memory'"),
+        ("server: {port: 1\n", "cannot read config"),
+    ],
+    ids=["unknown-key", "bad-type", "unknown-section", "not-mapping", "bad-size", "bad-yaml"],
+)
+def test_bad_yaml_is_an_error_that_names_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = _yaml(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_settings({}, path)
+    assert path in str(info.value)
+
+
+def test_bad_flag_value_names_the_flag_and_serve_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="--max-batch-size"):
+        load_settings({"max_batch_size": 0})
+    assert serve_main(["--config", _yaml(tmp_path, "server:\n  nope: 1\n")]) == 2
+    assert "unknown key 'server.nope'" in capsys.readouterr().err
+
+
+def test_help_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        serve_main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    missing = [k for k in ServerSettings.model_fields if "--" + k.replace("_", "-") not in out]
+    assert missing == []
+
+
+def test_parse_bytes() -> None:
+    assert [parse_bytes(v) for v in (1024, "512MiB", "2 GB", "1.5KiB")] == [1024, 512 * 2**20, 2 * 10**9, 1536]
+    with pytest.raises(ValueError):
+        parse_bytes("12 parsecs")
