@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+
 from astrai.errors import BackendUnavailable, KernelUnavailable, PluginError
 from astrai.extension import ATTN_BACKEND, AttentionBackend, attention, attn_backend, available_backends, ops
 from astrai.extension.backend.policy import BackendRegistry, get_registry, requested_backend, reset_registry

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai.kvcache.cache import PREFILL_Q_TILE, KVCache
 

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+
 from astrai.engine import DEFAULT_KV_MEMORY_BYTES, EngineConfig, GenerateResult, InferenceEngine
 from astrai.kvcache.storage import KVStorage
 from astrai.request import FinishReason

@@ -47,10 +47,12 @@ class Req:
 
 
 class KVMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 2, 4]), n_pages=st.integers(3, 8))
+    @initialize(page_size=st.sampled_from([1, 2, 4, 2, 4]), n_pages=st.integers(3, 8))
     def setup(self, page_size, n_pages):
         self.ps = page_size
-        config = KVConfig(max_batch_size=ROWS, max_seq_len=MAX_SEQ, page_size=page_size, n_tokens=n_pages * page_size)
+        config = KVConfig(
+            max_batch_size=ROWS, max_seq_len=MAX_SEQ, page_size=page_size, n_tokens=n_pages * page_size
+        )
         self.pool = PagePool(1, 1, 1, 1, config, torch.float32, "cpu")
         self.reqs: dict[int, Req] = {}
         self.cached: set[tuple[int, ...]] = set()  # shadow of the radix: recorded, not evicted
@@ -167,7 +169,10 @@ class KVMachine(RuleBasedStateMachine):
     def pressure(self, slack):
         """A filler request takes all but ``slack`` pages of what is available (evicting), then leaves."""
         row = self.pool.task_alloc()
-        target = min(self.pool.available_tokens() - slack * self.ps, MAX_SEQ)
+        available = self.pool.available_tokens()
+        if available + self.ps <= MAX_SEQ:  # one page too many: must fail without evicting anything
+            assert not self.checked_extend(row, 0, available + self.ps)
+        target = min(available - slack * self.ps, MAX_SEQ)
         if target > 0:
             assert self.checked_extend(row, 0, target)
             if not slack and target + self.ps <= MAX_SEQ:
@@ -213,7 +218,7 @@ class KVMachine(RuleBasedStateMachine):
         check_pool_invariants(self.pool)
 
 
-KVMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+KVMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 TestKVLifecycle = KVMachine.TestCase
 
 
@@ -224,9 +229,7 @@ TestKVLifecycle = KVMachine.TestCase
     batch=st.lists(st.tuples(st.integers(1, 150), st.integers(0, 149)), min_size=1, max_size=4),
 )
 def test_bind_tasks_agrees_with_a_per_token_reference(paged, page_size, batch):
-    config = KVConfig(
-        max_batch_size=4, max_seq_len=150, page_size=page_size, n_tokens=600 if paged else None
-    )
+    config = KVConfig(max_batch_size=4, max_seq_len=150, page_size=page_size, n_tokens=600 if paged else None)
     pool = PagePool(1, 2, 1, 4, config)
     rows, q_lens, seq_lens = [], [], []
     for seq_len, cached in batch:

@@ -189,6 +189,20 @@ def test_extend_evicts_only_what_it_needs_and_never_a_referenced_page():
     check_pool_invariants(pool)
 
 
+def test_extend_evicts_exactly_the_shortfall_in_lru_order():
+    pool = make_pool(n_pages=8)
+    for tokens in (A + [0], B + [0], C + [0]):
+        run(pool, tokens)
+    probe(pool, A + [0])  # B is now the least recently used
+    row = pool.task_alloc()
+    assert pool.allocator.num_free == 5
+    assert pool.extend(row, 6 * PS)
+    assert cached_paths(pool) == {tuple(A), tuple(C)}
+    assert pool.extend(row, 7 * PS)
+    assert cached_paths(pool) == {tuple(A)}
+    check_pool_invariants(pool)
+
+
 def test_record_beyond_the_request_positions_is_rejected():
     pool = make_pool()
     row = pool.task_alloc()

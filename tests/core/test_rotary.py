@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from astrai.errors import AstraiError
 from astrai.extension import RotaryEmbedding, apply_rotary_emb
 from astrai.extension.backend.rotary import register_rotary_kernel

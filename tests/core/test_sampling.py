@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from astrai.errors import RequestRejected
 from astrai.sampling import (
     BaseSamplingStrategy,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from astrai.sampling import SamplingBatch, SamplingParams, SamplingPipeline
 from astrai.sampling.noise import BLOCK, categorical, mix32, uniform_noise
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from astrai.errors import PluginError, RequestRejected
 from astrai.sampling import (
     SamplingBatch,

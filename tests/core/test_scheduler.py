@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+
 from astrai.engine import GenerateResult
 from astrai.errors import EngineNotReady, RequestRejected
 from astrai.kvcache import KVConfig, PagePool, assert_nothing_held, check_pool_invariants

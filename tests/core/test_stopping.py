@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from astrai.model import IncrementalDecoder
-from astrai.stopping import StopChecker, find_stop, held_suffix_len
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from astrai.model import IncrementalDecoder
+from astrai.stopping import StopChecker, find_stop, held_suffix_len
 
 
 def checker(tokenizer, stop):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from astrai.errors import ModelNotFound, RequestRejected
 from astrai.model.resolve import DEFAULT_MODEL, resolve_model
 from astrai.model.tokenizer import IncrementalDecoder, Tokenizer
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 TEXTS = [
     "Hello, world!",

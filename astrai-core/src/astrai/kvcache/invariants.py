@@ -129,8 +129,17 @@ def check_pool_invariants(pool: PagePool) -> None:
     if pool.radix is not None:
         _check_radix(pool, live, holders)
     stats = pool.stats()
-    cached = int((radix_mask & (holders == 0)).sum()) * ps
-    in_use = int((holders > 0).sum()) * ps
+    # a radix page is reclaimable ("cached") unless a live request holds it or holds a radix
+    # page below it (its path is pinned); everything else allocated is in use
+    pinned = np.zeros(alloc.n_pages, dtype=np.bool_)
+    if pool.radix is not None:
+        for page in np.flatnonzero(radix_mask & (holders > 0)).tolist():
+            node = pool.radix.node_of_page(page)
+            while node is not None and node.page >= 0 and not pinned[node.page]:
+                pinned[node.page] = True
+                node = node.parent
+    cached = int((radix_mask & ~pinned & (holders == 0)).sum()) * ps
+    in_use = int(((holders > 0) | pinned).sum()) * ps
     if (stats["kv_tokens_cached"], stats["kv_tokens_in_use"]) != (cached, in_use):
         _fail(f"stats {stats} but in_use {in_use}, cached {cached}")
     if in_use + cached + len(free) * ps != stats["kv_tokens_total"] or stats["kv_tokens_total"] != pool.size:

@@ -37,10 +37,9 @@ class KVConfig:
             raise ValueError(f"max_batch_size, max_seq_len and page_size must be >= 1: {self}")
         if self.n_tokens is not None and self.memory_budget_bytes is not None:
             raise ValueError("give either n_tokens or memory_budget_bytes, not both")
-        if self.n_tokens is not None and self.n_tokens < 1:
-            raise ValueError(f"n_tokens must be >= 1, got {self.n_tokens}")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
-            raise ValueError(f"memory_budget_bytes must be >= 1, got {self.memory_budget_bytes}")
+        for name in ("n_tokens", "memory_budget_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def paged(self) -> bool:
@@ -62,14 +61,8 @@ class PagePool:
     """
 
     def __init__(
-        self,
-        n_layers: int,
-        n_heads: int,
-        n_kv_heads: int,
-        head_dim: int,
-        config: KVConfig,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, config: KVConfig,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
         self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = n_layers, n_heads, n_kv_heads, head_dim
@@ -100,18 +93,15 @@ class PagePool:
             )
         self.storage = KVStorage(n_layers, self.size, n_kv_heads, head_dim, dtype, self.device)
         rows = config.max_batch_size
-        self._pages: list[list[int]] = [[] for _ in range(rows)]  # paged: page ids in position order
+        self._pages = self.req_to_token_pool.pages  # paged: each row's page ids in position order
         self._locks: list[RadixNode | None] = [None] * rows  # deepest radix node each row holds
-        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64)
         # allocated once, sliced per step: a decode step must not allocate.
         self._decode_o_part = torch.zeros((rows, n_heads, head_dim), dtype=torch.float32, device=self.device)
         self._decode_ml_part = torch.zeros((rows, n_heads), dtype=torch.float32, device=self.device)
         self._decode_out = torch.zeros((rows, n_heads, head_dim), dtype=dtype, device=self.device)
-        logger.info(
-            "KV pool: %s, %d slots, page_size %d, radix %s, %.1f MiB",
-            "paged" if self.paged else "contiguous", self.size, self.page_size,
-            "on" if self.radix is not None else "off", self.storage.nbytes() / 2**20,
-        )
+        mode = ("paged, radix" if self.radix else "paged") if self.paged else "contiguous"
+        logger.info("KV pool (%s): %d slots, page_size %d, %.1f MiB", mode, self.size, self.page_size,
+                    self.storage.nbytes() / 2**20)
 
     # ----------------------------------------------------------------- views
     @property
@@ -164,7 +154,7 @@ class PagePool:
         self.allocator.incref(pages)
         self.radix.lock(nodes[-1])
         self._locks[req_idx] = nodes[-1]
-        self._set_pages(req_idx, 0, pages)
+        self.req_to_token_pool.append_pages(req_idx, pages, self.page_size)
         n = len(pages) * self.page_size
         self.req_to_token_pool.lens[req_idx] = n
         return n
@@ -190,16 +180,9 @@ class PagePool:
                     if self.radix is None or self.radix.evictable_pages < short:
                         return False
                     self.radix.evict(short)
-                self._set_pages(req_idx, len(pages), self.allocator.alloc(need))
+                self.req_to_token_pool.append_pages(req_idx, self.allocator.alloc(need), self.page_size)
         lens[req_idx] = new_len
         return True
-
-    def _set_pages(self, req_idx: int, first: int, new_pages: list[int]) -> None:
-        # append new_pages as pages first.. of the row and write their slots into req_to_token.
-        self._pages[req_idx].extend(new_pages)
-        page_t = torch.tensor(new_pages, dtype=torch.int64)
-        slots = (page_t.unsqueeze(1) * self.page_size + self._page_offsets).reshape(-1)
-        self.req_to_token_pool.write(req_idx, first * self.page_size, slots)
 
     def record(self, req_idx: int, token_ids: Sequence[int]) -> None:
         """Insert the complete pages of ``token_ids`` (KV materialized at positions 0..len-1).
@@ -227,7 +210,6 @@ class PagePool:
                 self.radix.unlock(lock)
                 self._locks[req_idx] = None
             self.allocator.decref(self._pages[req_idx])
-            self._pages[req_idx] = []
         self.req_to_token_pool.free(req_idx)
 
     # ----------------------------------------------------------------- capacity
@@ -240,8 +222,11 @@ class PagePool:
         if self.paged:
             evictable = self.radix.evictable_pages if self.radix is not None else 0
             return (self.allocator.num_free + evictable) * self.page_size
+        return self.size - self._live_positions()
+
+    def _live_positions(self) -> int:
         pool = self.req_to_token_pool
-        return self.size - sum(pool.lens[r] for r in pool.live_rows())
+        return sum(pool.lens[r] for r in pool.live_rows())
 
     def can_ever_fit(self, n_tokens: int) -> bool:
         """Whether one request of ``n_tokens`` positions fits max_seq_len and the empty pool."""
@@ -250,19 +235,17 @@ class PagePool:
         return -(-n_tokens // self.page_size) * self.page_size <= self.size
 
     def stats(self) -> dict:
-        """``kv_tokens_total`` (slots), ``kv_tokens_in_use`` (slots of pages live requests reference;
-        contiguous: their positions), ``kv_tokens_cached`` (slots of pages only the radix holds)."""
+        """``kv_tokens_total`` (slots), ``kv_tokens_cached`` (slots of pages only the radix keeps,
+        i.e. what eviction could reclaim now), ``kv_tokens_in_use`` (every other allocated slot:
+        pages live requests reference or pin through their cached path; contiguous: their positions).
+        ``in_use + cached + free == total``."""
         if not self.paged:
-            pool = self.req_to_token_pool
-            in_use = sum(pool.lens[r] for r in pool.live_rows())
-            return {"kv_tokens_total": self.size, "kv_tokens_in_use": in_use, "kv_tokens_cached": 0}
-        refcount = self.allocator.refcount
-        radix_held = self.radix.page_mask if self.radix is not None else 0
-        live_held = refcount - radix_held
-        cached = int(((refcount == 1) & (live_held == 0)).sum())
+            return {"kv_tokens_total": self.size, "kv_tokens_in_use": self._live_positions(), "kv_tokens_cached": 0}
+        cached = self.radix.evictable_pages if self.radix is not None else 0
+        in_use = self.allocator.n_pages - self.allocator.num_free - cached
         return {
             "kv_tokens_total": self.size,
-            "kv_tokens_in_use": int((live_held > 0).sum()) * self.page_size,
+            "kv_tokens_in_use": in_use * self.page_size,
             "kv_tokens_cached": cached * self.page_size,
         }
 
@@ -309,22 +292,11 @@ class PagePool:
         kv_indptr_d, qo_indptr_d, tile_req_d, tile_idx_d = torch.split(ints, [b + 1, b + 1, n_tiles, n_tiles])
         out_cache_loc = self.req_to_token[tok_rows, tok_pos_d].to(torch.int64)
         return KVCache(
-            k_buffer=self.k_buffer,
-            v_buffer=self.v_buffer,
-            req_to_token=self.req_to_token,
-            req_pool_indices=req_pool_indices,
-            seq_lens=seq_lens_d,
-            out_cache_loc=out_cache_loc,
-            max_len=max(sl),
-            kv_indptr=kv_indptr_d,
-            qo_indptr=qo_indptr_d,
-            q_tile_to_batch=tile_req_d,
-            q_tile_to_index=tile_idx_d,
-            decode_o_part=self._decode_o_part[:b],
-            decode_ml_part=self._decode_ml_part[:b],
+            k_buffer=self.k_buffer, v_buffer=self.v_buffer, req_to_token=self.req_to_token,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens_d, out_cache_loc=out_cache_loc,
+            max_len=max(sl), kv_indptr=kv_indptr_d, qo_indptr=qo_indptr_d,
+            q_tile_to_batch=tile_req_d, q_tile_to_index=tile_idx_d,
+            decode_o_part=self._decode_o_part[:b], decode_ml_part=self._decode_ml_part[:b],
             decode_out=self._decode_out[:b],
-            max_q_len=max(ql),
-            num_tokens=t,
-            q_lens_host=tuple(ql),
-            seq_lens_host=tuple(sl),
+            max_q_len=max(ql), num_tokens=t, q_lens_host=tuple(ql), seq_lens_host=tuple(sl),
         )

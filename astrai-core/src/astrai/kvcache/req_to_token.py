@@ -41,6 +41,8 @@ class ReqToTokenPool:
             self.req_to_token = table.to(torch.int32).to(self.device)
         #: positions of each row that have a slot (0 for rows that are not live)
         self.lens: list[int] = [0] * num_reqs
+        #: paged mode: each row's page ids in position order (empty for rows that are not live)
+        self.pages: list[list[int]] = [[] for _ in range(num_reqs)]
         self._live = [False] * num_reqs
         # reversed so that alloc hands out row 0 first: deterministic, easy to read in logs.
         self._free_rows = list(range(num_reqs - 1, -1, -1))
@@ -64,6 +66,7 @@ class ReqToTokenPool:
         self.require_live(row)
         self._live[row] = False
         self.lens[row] = 0
+        self.pages[row] = []
         self._free_rows.append(row)
 
     def is_live(self, row: int) -> bool:
@@ -81,6 +84,14 @@ class ReqToTokenPool:
     def free_rows(self) -> list[int]:
         """A copy of the free-row stack (for invariant checks)."""
         return list(self._free_rows)
+
+    def append_pages(self, row: int, new_pages: list[int], page_size: int) -> None:
+        """Paged mode: give ``row`` the next ``len(new_pages)`` pages and write their slots."""
+        first = len(self.pages[row]) * page_size
+        self.pages[row].extend(new_pages)
+        page_t = torch.tensor(new_pages, dtype=torch.int64)
+        slots = (page_t.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)
+        self.write(row, first, slots)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Set ``req_to_token[row, start:start+len(slots)]``, clipped at ``max_ctx_len``.

@@ -86,6 +86,7 @@ def load_model(
     config.eos_token_ids = merged
     model = build_model(config, dtype, device)
     model.load_weights({k: v.to(device) for k, v in weights.items()})
+    model.fuse_projections()
     if prepack_supported(device, dtype):  # after the weights are final: packing copies them
         prepack_linears(model)
     logger.info("loaded %s (%s, %s) in %.2f s", config.name, kind, dtype, time.perf_counter() - start)

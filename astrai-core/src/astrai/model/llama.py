@@ -48,12 +48,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        kv = self.n_kv_heads * self.head_dim
+        self._split = [self.n_heads * self.head_dim, kv, kv]
+
+    def fuse(self) -> None:
+        """Merge q/k/v into one ``qkv_proj`` (one GEMM instead of three); after loading weights."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+        with torch.no_grad():
+            fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]))
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(1, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(1, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(1, t, self.n_heads, self.head_dim)
+        k = k.view(1, t, self.n_kv_heads, self.head_dim)
+        v = v.view(t, self.n_kv_heads, self.head_dim)
         # RoPE before the K/V write: cached keys carry their absolute position.
         q = apply_rotary_emb(q, freqs)[0]
         k = apply_rotary_emb(k, freqs)[0]
@@ -70,8 +87,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def fuse(self) -> None:
+        """Merge gate/up into one ``gate_up_proj`` (one GEMM instead of two); after loading weights."""
+        fused = nn.Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False)
+        with torch.no_grad():
+            fused.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -136,6 +165,16 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, freqs, kv_cache)
         x = self.model.norm(x.index_select(0, logits_indices))
         return self.lm_head(x).float()
+
+    def fuse_projections(self) -> None:
+        """Merge q/k/v and gate/up projections for inference; call once weights are final.
+
+        Afterwards the state dict holds ``qkv_proj``/``gate_up_proj`` instead of the HF
+        names, so ``load_weights`` must come first.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy a loader's state dict in; raises ``ValueError`` on missing or unexpected names."""
