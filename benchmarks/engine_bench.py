@@ -130,6 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
+    ap.add_argument("--only", default="offline,single,prefix", help="comma-separated workloads to run")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -151,24 +152,28 @@ def main() -> None:
         _run_astrai(engine, _prompts(tokenizer, 2, 16, 32), 4)
         _run_hf(hf, _prompts(tokenizer, 2, 16, 32), 4, pad)
 
+        only = set(args.only.split(","))
         prompts = _prompts(tokenizer, n_req, 32, 512)
-        a = _run_astrai(engine, prompts, new_tok)
-        h = _run_hf(hf, prompts, new_tok, pad)
-        summary["offline"] = {"requests": n_req, "new_tokens": new_tok, "astrai": a, "transformers": h,
-                              "ratio": a["tokens_per_s"] / h["tokens_per_s"]}
-
-        single = _prompts(tokenizer, 1, 32, 32)[0]
-        ra = _decode_rate_astrai(engine, single, new_tok)
-        rh = _decode_rate_hf(hf, single, new_tok, pad)
-        summary["single"] = {"astrai_tokens_per_s": ra, "transformers_tokens_per_s": rh, "ratio": ra / rh}
+        a = h = None
+        if "offline" in only:
+            a = _run_astrai(engine, prompts, new_tok)
+            h = _run_hf(hf, prompts, new_tok, pad)
+            summary["offline"] = {"requests": n_req, "new_tokens": new_tok, "astrai": a, "transformers": h,
+                                  "ratio": a["tokens_per_s"] / h["tokens_per_s"]}
+        if "single" in only:
+            single = _prompts(tokenizer, 1, 32, 32)[0]
+            ra = _decode_rate_astrai(engine, single, new_tok)
+            rh = _decode_rate_hf(hf, single, new_tok, pad)
+            summary["single"] = {"astrai_tokens_per_s": ra, "transformers_tokens_per_s": rh, "ratio": ra / rh}
     finally:
         engine.shutdown()
 
-    n_pref = 4 if args.quick else 16
-    on = _prefix_ttft(model, tokenizer, True, n_pref, 1000)
-    off = _prefix_ttft(model, tokenizer, False, n_pref, 1000)
-    summary["prefix"] = {"requests": n_pref, "prefix_tokens": 1000, "ttft_cached_s": on,
-                         "ttft_uncached_s": off, "ratio": off / on}
+    if "prefix" in args.only.split(","):
+        n_pref = 4 if args.quick else 16
+        on = _prefix_ttft(model, tokenizer, True, n_pref, 1000)
+        off = _prefix_ttft(model, tokenizer, False, n_pref, 1000)
+        summary["prefix"] = {"requests": n_pref, "prefix_tokens": 1000, "ttft_cached_s": on,
+                             "ttft_uncached_s": off, "ratio": off / on}
     print(json.dumps(summary, indent=2))
 
 

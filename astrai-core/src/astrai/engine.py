@@ -41,7 +41,7 @@ class EngineConfig:
     contiguous pool (``max_batch_size * max_seq_len`` slots, no prefix caching).
     """
 
-    max_batch_size: int = 16
+    max_batch_size: int = 64
     max_seq_len: int | None = None  # None: the model's context length
     paged: bool = True
     page_size: int = 16

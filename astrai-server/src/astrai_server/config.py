@@ -41,7 +41,7 @@ class ServerSettings(BaseModel):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: astrai.model.default_dtype
     attention_backend: str | None = None  # an astrai.attention_backends entry point (ASTR_BACKEND)
-    max_batch_size: int = Field(16, ge=1)
+    max_batch_size: int = Field(64, ge=1)
     max_seq_len: int | None = Field(None, ge=2)  # None: the model's context length
     paged: bool = True
     page_size: int = Field(16, ge=1)
