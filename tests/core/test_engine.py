@@ -108,7 +108,7 @@ def test_engine_config_maps_onto_kv_config(tiny_model):
     mc = tiny_model.config
     per_token = KVStorage.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, torch.float32)
     kv = EngineConfig().kv_config(mc, torch.float32)
-    expected = min(16 * 512, DEFAULT_KV_MEMORY_BYTES // per_token)
+    expected = min(EngineConfig().max_batch_size * 512, DEFAULT_KV_MEMORY_BYTES // per_token)
     assert (kv.paged, kv.page_size, kv.max_seq_len, kv.n_tokens, kv.prefix_caching) == (True, 16, 512, expected, True)
     kv = EngineConfig(max_seq_len=4096, kv_memory_bytes=1 << 20, max_batch_size=3).kv_config(mc, torch.float32)
     assert (kv.max_seq_len, kv.memory_budget_bytes, kv.n_tokens, kv.max_batch_size) == (512, 1 << 20, None, 3)
