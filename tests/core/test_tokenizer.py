@@ -28,11 +28,8 @@ SYSTEM = (
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return resolve_model(None)[1]
-    except ModelNotFound as e:
-        pytest.skip(str(e))
+def gguf_path(default_model_path):
+    return default_model_path
 
 
 @pytest.fixture(scope="module")
