@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from astrai.extension.backend import torch_native
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai.kvcache.cache import PREFILL_Q_TILE, KVCache
 
@@ -111,24 +112,41 @@ def test_mixed_ragged_batch(dtype, head_dim, group):
 @pytest.mark.parametrize("group", [1, 3], ids=["mha", "gqa3"])
 def test_pure_decode_with_different_lengths(group):
     kv = run_and_check([1] * 6, [0, 3, 17, 40, 8, 1], 2, group, 64, torch.float32, seed=1)
-    assert kv.plan["torch_native"].q_rows is None  # took the decode path
+    assert kv.plan["torch_native"].prefill is None  # took the decode path only
+
+
+def test_large_bf16_decode_batch_multiplies_in_bf16_within_tolerance():
+    # 12 requests x ~450 positions is past _DECODE_F32_POSITIONS: bf16 bmm, float32 softmax.
+    prefix = [400 + 9 * i for i in range(12)]
+    assert 12 * (max(prefix) + 1) > torch_native._DECODE_F32_POSITIONS
+    run_and_check([1] * 12, prefix, 3, 3, 64, torch.bfloat16, seed=11, layers=(0, 1))
 
 
 def test_decode_with_equal_lengths_needs_no_mask():
     kv = run_and_check([1] * 4, [9] * 4, 3, 3, 64, torch.float32, seed=2)
-    assert kv.plan["torch_native"].mask is None
+    assert kv.plan["torch_native"].decode.mask is None
 
 
 def test_fresh_equal_prompts_use_plain_causal():
     kv = run_and_check([12] * 3, [0] * 3, 1, 3, 64, torch.float32, seed=3)
-    assert kv.plan["torch_native"].is_causal
+    assert kv.plan["torch_native"].decode is None and kv.plan["torch_native"].prefill.is_causal
 
 
-def test_long_prompt_among_decodes_is_cut_into_query_tiles():
+def test_long_prompt_among_decodes_runs_apart_from_them():
     kv = run_and_check([1] * 10 + [40], [5] * 10 + [3], 1, 3, 64, torch.float32, seed=8)
     plan = kv.plan["torch_native"]
-    # Decodes are not padded to 40 query rows: the prompt spans several smaller tiles.
-    assert plan.kv_slots.shape[0] > 11 and plan.mask.shape[2] < 40
+    # Decodes are not padded to 40 query rows: they take the decode path, the prompt its tile.
+    assert plan.decode.max_len == 6 and plan.decode.flat_rows.numel() == 10 * 6 and plan.decode.tok_rows.tolist() == list(range(10))
+    assert plan.prefill.kv_slots.shape[0] == 1 and plan.prefill.mask.shape[2] == 40
+
+
+def test_decodes_interleaved_with_prompts_of_different_lengths():
+    q_lens, prefix = [1, 23, 1, 70, 1, 1, 5, 1], [30, 0, 2, 9, 0, 61, 4, 7]
+    kv = run_and_check(q_lens, prefix, 2, 3, 64, torch.bfloat16, seed=10, layers=(0, 1))
+    plan = kv.plan["torch_native"]
+    assert plan.decode.tok_rows.tolist() == [0, 24, 95, 96, 102]
+    # 70 and 23 query rows share tiles: one request spans several
+    assert plan.prefill.kv_slots.shape[0] > 3
 
 
 def test_without_host_facts():
@@ -142,7 +160,7 @@ def test_without_host_facts():
     out = TorchNativeBackend().forward(q, k, v, 0, kv, 0.125)
     want = reference(q, k, v, k_old, v_old, slots, [7, 2, 12], [4, 0, 9], 0.125)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
-    assert kv.plan["torch_native"].kv_slots.shape[0] == 3
+    assert kv.plan["torch_native"].prefill.kv_slots.shape[0] == 3
 
 
 def test_single_long_prefill_over_cached_prefix():

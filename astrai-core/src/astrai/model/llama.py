@@ -65,15 +65,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
         if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
+            qkv = self.qkv_proj(x)
+            n_qk = self._split[0] + self._split[1]
+            # RoPE before the K/V write: cached keys carry their absolute position. Queries and
+            # keys sit side by side in the fused output: one rotation covers both.
+            qk = apply_rotary_emb(qkv[:, :n_qk].view(1, t, -1, self.head_dim), freqs)[0]
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+            v = qkv[:, n_qk:].view(t, self.n_kv_heads, self.head_dim)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(1, t, self.n_heads, self.head_dim)
-        k = k.view(1, t, self.n_kv_heads, self.head_dim)
-        v = v.view(t, self.n_kv_heads, self.head_dim)
-        # RoPE before the K/V write: cached keys carry their absolute position.
-        q = apply_rotary_emb(q, freqs)[0]
-        k = apply_rotary_emb(k, freqs)[0]
+            q = apply_rotary_emb(self.q_proj(x).view(1, t, self.n_heads, self.head_dim), freqs)[0]
+            k = apply_rotary_emb(self.k_proj(x).view(1, t, self.n_kv_heads, self.head_dim), freqs)[0]
+            v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
         o = attention(q, k, v, self.layer_id, kv_cache, self.scale)
         return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
 

@@ -1,14 +1,19 @@
-"""``TorchNativeBackend``: K/V gather through ``req_to_token`` plus one SDPA call per layer.
+"""``TorchNativeBackend``: K/V gathered through ``req_to_token``, attention in plain PyTorch.
 
 Runs anywhere PyTorch runs (any dtype, device and head dim), so it is the
-always-available fallback. A step's ragged batch (prefill and decode mixed) is
-cut into query tiles of ``C`` rows (one tile per decode request; a long prompt
-spans several), padded into ``[E, heads, C, D]`` queries over ``[E, kv_heads,
-max_len, D]`` keys with an additive mask, ``E`` = number of tiles. ``C`` is the
-candidate that minimises padded rows plus K/V gathers, so a batch mixing one
-long prompt with many decodes does not pad every decode to the prompt length.
-The indices and the mask depend only on the step, so they are built once, on
-the first layer, and kept in ``kv_cache.plan["torch_native"]`` for the others.
+always-available fallback. A step's ragged batch is split in two on the host:
+
+- decode rows (``q_len == 1``): K/V gathered into ``[B, kv_heads, L, D]`` and two
+  batched matmuls in float32 (GQA as ``[B, kv_heads, group, D]`` queries), with an
+  additive length mask. For one query row per request this is several times faster
+  than SDPA's CPU kernel, and float32 scores are more accurate than bf16 ones;
+- prefill rows: cut into query tiles of ``C`` rows (a long prompt spans several),
+  padded into ``[E, heads, C, D]`` queries over ``[E, kv_heads, max_len, D]`` keys
+  with an additive causal mask, ``E`` = number of tiles, one SDPA call. ``C`` is
+  the candidate that minimises padded rows plus K/V gathers.
+
+The indices and masks depend only on the step, so they are built once, on the
+first layer, and kept in ``kv_cache.plan["torch_native"]`` for the others.
 """
 
 from __future__ import annotations
@@ -27,74 +32,192 @@ if TYPE_CHECKING:
 _GATHER_COST_ROWS = 8
 
 
+class _Subset(NamedTuple):
+    """Some of the step's requests, described for planning (device tensors unless noted)."""
+
+    rows: torch.Tensor  # [b] req_to_token row
+    seq: torch.Tensor  # [b] int64 KV length after this step
+    q_start: torch.Tensor  # [b] int64 first token row in the step
+    q_len: torch.Tensor  # [b] int64
+    q_lens_host: torch.Tensor | None  # [b] CPU int64, None when the KVCache has no host facts
+    max_len: int
+    max_q: int
+    uniform: bool  # every seq equals max_len (known on the host)
+
+
+class _DecodePlan(NamedTuple):
+    tok_rows: torch.Tensor | None  # [b] token row of each decode request; None: all rows, in order
+    flat_rows: torch.Tensor  # [Hkv * b * L] int64 rows of the [size * Hkv, D] pool view, head-major
+    mask: torch.Tensor | None  # [Hkv * b, 1, L] float32 additive; None: no padding
+    max_len: int
+
+
+class _PrefillPlan(NamedTuple):
+    tok_rows: torch.Tensor | None  # [Tp] token rows of these requests; None: all rows, in order
+    kv_slots: torch.Tensor  # [E, L] int64
+    mask: torch.Tensor | None  # [E, 1, C, L] q dtype additive; None with is_causal
+    is_causal: bool  # fresh equal prompts: SDPA's own causal mask suffices
+    q_rows: torch.Tensor  # [E * C] int64: row of q for each padded query row
+    out_rows: torch.Tensor  # [Tp] int64: padded output row of each of these tokens
+
+
 class _StepPlan(NamedTuple):
-    """Per-step metadata shared by every layer."""
-
-    kv_slots: torch.Tensor  # [E, max_len] int64: slot per position of the tile's request; padding -> 0
-    mask: torch.Tensor | None  # [E, 1, C, max_len] q dtype: 0 = may attend, -inf = hidden; None = no mask
-    is_causal: bool  # no padding and no cached prefix anywhere: SDPA's own causal mask suffices
-    q_rows: torch.Tensor | None  # [E * C] int64: row of q for each padded query row (None: decode)
-    out_rows: torch.Tensor | None  # [T] int64: padded output row of each token (None: decode)
+    decode: _DecodePlan | None
+    prefill: _PrefillPlan | None
 
 
-def _tiling(kv: KVCache) -> tuple[int, torch.Tensor, int]:
-    """Host-side choice of the tile size ``C``: ``(C, tiles per request [B] (CPU), E)``."""
-    max_q = kv.max_q_len
-    if not kv.q_lens_host:  # no host facts: one tile per request
-        n_req = kv.req_pool_indices.shape[0]
+def _subset(kv: KVCache, pick: torch.Tensor | None) -> _Subset:
+    """The requests ``pick`` (CPU int64 indices; ``None`` = all) of the step."""
+    qo = kv.qo_indptr.long()
+    q_start, q_len, seq, rows = qo[:-1], qo[1:] - qo[:-1], kv.seq_lens.long(), kv.req_pool_indices
+    host_q = torch.tensor(kv.q_lens_host) if kv.q_lens_host else None
+    host_seq = torch.tensor(kv.seq_lens_host) if kv.seq_lens_host else None
+    if pick is None:
+        max_len, max_q = kv.max_len, kv.max_q_len
+    else:
+        dev = pick.to(seq.device)
+        q_start, q_len, seq, rows = q_start[dev], q_len[dev], seq[dev], rows[dev]
+        host_q, host_seq = host_q[pick], host_seq[pick]  # a split is only made with host facts
+        max_len, max_q = int(host_seq.max()), int(host_q.max())
+    uniform = host_seq is not None and bool((host_seq == max_len).all())
+    return _Subset(rows, seq, q_start, q_len, host_q, max_len, max_q, uniform)
+
+
+def _gather_slots(kv: KVCache, sub: _Subset) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv_slots [b, L], valid [b, L])``; columns past a request's length point at slot 0."""
+    pos = torch.arange(sub.max_len, device=sub.seq.device)
+    valid = pos[None, :] < sub.seq[:, None]
+    # Columns past seq_len may hold stale or invalid slots: point them at slot 0 (masked anyway).
+    return torch.where(valid, kv.req_to_token[sub.rows, : sub.max_len].long(), 0), valid
+
+
+def _decode_plan(kv: KVCache, sub: _Subset, whole: bool) -> _DecodePlan:
+    kv_slots, valid = _gather_slots(kv, sub)
+    n_kv = kv.k_buffer.shape[2]
+    # Row (slot * Hkv + h) of the pool seen as [size * Hkv, D] is head h of a slot: gathering in
+    # (head, request, position) order gives K/V ready for one bmm per head and request, no copy.
+    heads = torch.arange(n_kv, device=kv_slots.device)[:, None, None]
+    flat_rows = (kv_slots[None] * n_kv + heads).view(-1)
+    mask = None
+    if not sub.uniform:
+        mask = torch.where(valid, 0.0, float("-inf"))[None, :, None, :].expand(n_kv, -1, -1, -1)
+        mask = mask.reshape(-1, 1, sub.max_len)
+    return _DecodePlan(None if whole else sub.q_start, flat_rows, mask, sub.max_len)
+
+
+def _tiling(sub: _Subset) -> tuple[int, torch.Tensor, int]:
+    """Host-side choice of the tile size ``C``: ``(C, tiles per request [b] (CPU), E)``."""
+    max_q, n_req = sub.max_q, sub.rows.shape[0]
+    if sub.q_lens_host is None:  # no host facts: one tile per request
         return max_q, torch.ones(n_req, dtype=torch.int64), n_req
-    q_lens = torch.tensor(kv.q_lens_host)
     sizes = torch.tensor(sorted({max_q} | {1 << i for i in range(max_q.bit_length()) if 1 << i < max_q}))
-    tiles = (q_lens[None, :] + sizes[:, None] - 1) // sizes[:, None]  # [candidates, B]
+    tiles = (sub.q_lens_host[None, :] + sizes[:, None] - 1) // sizes[:, None]  # [candidates, b]
     entries = tiles.sum(1)
     best = int(torch.argmin(entries * sizes + entries * _GATHER_COST_ROWS))
     return int(sizes[best]), tiles[best], int(entries[best])
 
 
-def _plan(kv: KVCache, dtype: torch.dtype) -> _StepPlan:
-    """Build the step's gather indices and mask with tensor ops (no loop over requests or tokens)."""
-    device = kv.seq_lens.device
-    max_len, max_q = kv.max_len, kv.max_q_len
-    seq = kv.seq_lens.long()
-    pos = torch.arange(max_len, device=device)
-    valid = pos[None, :] < seq[:, None]  # [B, L]: position holds this request's KV
-    # Columns past seq_len may hold stale or invalid slots: point them at slot 0 (masked anyway).
-    kv_slots = torch.where(valid, kv.req_to_token[kv.req_pool_indices, :max_len].long(), 0)
-    uniform = bool(kv.seq_lens_host) and all(s == max_len for s in kv.seq_lens_host)
-    hidden = torch.tensor(float("-inf"), dtype=dtype, device=device)
-    zero = torch.tensor(0.0, dtype=dtype, device=device)
-
-    if max_q == 1:  # pure decode: row b of q is request b, it sees all of its KV
-        mask = None if uniform else torch.where(valid, zero, hidden)[:, None, None, :]
-        return _StepPlan(kv_slots, mask, False, None, None)
-
-    size, tiles_host, n_entries = _tiling(kv)
+def _prefill_plan(kv: KVCache, sub: _Subset, whole: bool, dtype: torch.dtype) -> _PrefillPlan:
+    """Tiles, gather indices and causal mask with tensor ops (no loop over requests or tokens)."""
+    device = sub.seq.device
+    kv_slots, valid = _gather_slots(kv, sub)
+    size, tiles_host, n_entries = _tiling(sub)
     tiles = tiles_host.to(device)
     n_req = tiles.shape[0]
-    qo = kv.qo_indptr.long()
-    q_len = qo[1:] - qo[:-1]
-    first_entry = torch.cumsum(tiles, 0) - tiles  # [B]: first tile of each request
+    n_tok = int(sub.q_lens_host.sum()) if sub.q_lens_host is not None else kv.num_tokens
+    first_entry = torch.cumsum(tiles, 0) - tiles  # [b]: first tile of each request
     entry_req = torch.repeat_interleave(torch.arange(n_req, device=device), tiles, output_size=n_entries)
     entry_tile = torch.arange(n_entries, device=device) - first_entry[entry_req]
     local = entry_tile[:, None] * size + torch.arange(size, device=device)[None, :]  # [E, C]: row in request
-    # Padded rows (local >= q_len) read some valid row of q and are dropped at the end.
-    q_rows = (qo[entry_req][:, None] + local).clamp_(max=kv.num_tokens - 1).reshape(-1)
+    # Padded rows (local >= q_len) read the request's last row and are dropped at the end.
+    q_rows = (sub.q_start[entry_req][:, None] + local.minimum(sub.q_len[entry_req][:, None] - 1)).reshape(-1)
     # Row `local` of request b is the token at position seq - q_len + local; it sees positions up
     # to its own. A padded row's "position" is >= seq, so it sees every valid key: never a fully
     # masked row, hence no NaN from the softmax (and its output is discarded anyway).
-    q_pos = (seq - q_len)[entry_req][:, None] + local  # [E, C]
+    q_pos = (sub.seq - sub.q_len)[entry_req][:, None] + local  # [E, C]
+    pos = torch.arange(sub.max_len, device=device)
     allowed = (pos[None, None, :] <= q_pos[:, :, None]) & valid[entry_req][:, None, :]  # [E, C, L]
-    tok = torch.arange(kv.num_tokens, device=device)
-    req_of_tok = torch.repeat_interleave(torch.arange(n_req, device=device), q_len, output_size=kv.num_tokens)
-    out_rows = first_entry[req_of_tok] * size + (tok - qo[req_of_tok])
-    fresh = uniform and size == max_q == max_len and all(n == max_q for n in kv.q_lens_host)
+    req_of_tok = torch.repeat_interleave(torch.arange(n_req, device=device), sub.q_len, output_size=n_tok)
+    local_tok = torch.arange(n_tok, device=device) - (torch.cumsum(sub.q_len, 0) - sub.q_len)[req_of_tok]
+    out_rows = first_entry[req_of_tok] * size + local_tok
+    fresh = (
+        sub.uniform
+        and size == sub.max_q == sub.max_len
+        and sub.q_lens_host is not None
+        and bool((sub.q_lens_host == sub.max_q).all())
+    )
     # An additive mask in q's dtype: SDPA would otherwise convert a boolean one in every layer.
-    mask = None if fresh else torch.where(allowed, zero, hidden)[:, None]
-    return _StepPlan(kv_slots[entry_req], mask, fresh, q_rows, out_rows)
+    hidden = torch.tensor(float("-inf"), dtype=dtype, device=device)
+    mask = None if fresh else torch.where(allowed, torch.zeros((), dtype=dtype, device=device), hidden)[:, None]
+    tok_rows = None if whole else sub.q_start[req_of_tok] + local_tok
+    return _PrefillPlan(tok_rows, kv_slots[entry_req], mask, fresh, q_rows, out_rows)
+
+
+def _plan(kv: KVCache, dtype: torch.dtype) -> _StepPlan:
+    """Split the step into decode and prefill requests (on the host) and plan each part."""
+    if kv.max_q_len == 1:
+        return _StepPlan(_decode_plan(kv, _subset(kv, None), whole=True), None)
+    if not kv.q_lens_host:  # no host facts: everything through the tiled path, one tile each
+        return _StepPlan(None, _prefill_plan(kv, _subset(kv, None), True, dtype))
+    is_decode = torch.tensor(kv.q_lens_host) == 1
+    if not bool(is_decode.any()):
+        return _StepPlan(None, _prefill_plan(kv, _subset(kv, None), True, dtype))
+    decode = _decode_plan(kv, _subset(kv, is_decode.nonzero()[:, 0]), whole=False)
+    prefill = _prefill_plan(kv, _subset(kv, (~is_decode).nonzero()[:, 0]), False, dtype)
+    return _StepPlan(decode, prefill)
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``buf[slots]`` as ``[E, kv_heads, L, D]``; index_select over flat slots is ~4x faster on CPU."""
+    return buf.index_select(0, slots.view(-1)).view(*slots.shape, *buf.shape[1:]).transpose(1, 2)
+
+
+#: Below this many K/V positions in a decode step, scores and values are multiplied in
+#: float32 even for bf16 models (cheap there); above it in the model dtype, whose batched
+#: matmul on the CPU is several times faster than float32's. Softmax is always float32.
+_DECODE_F32_POSITIONS = 1024
+
+
+def _decode_attention(q, k_buf, v_buf, plan: _DecodePlan, scale: float) -> torch.Tensor:
+    """One query row per request: ``[b, Hq, D]``, as one bmm per (kv head, request) pair."""
+    if plan.tok_rows is not None:
+        q = q.index_select(0, plan.tok_rows)
+    n_req, n_heads, head_dim = q.shape
+    n_kv = k_buf.shape[1]
+    group = n_heads // n_kv
+    keys = k_buf.view(-1, head_dim).index_select(0, plan.flat_rows).view(n_kv * n_req, plan.max_len, head_dim)
+    values = v_buf.view(-1, head_dim).index_select(0, plan.flat_rows).view(n_kv * n_req, plan.max_len, head_dim)
+    compute = torch.float32 if n_req * plan.max_len <= _DECODE_F32_POSITIONS else q.dtype
+    # [b, Hkv, group, D] -> [Hkv * b, group, D], scaled first so the scores need no extra pass
+    queries = (q.view(n_req, n_kv, group, head_dim).transpose(0, 1).float() * scale).to(compute)
+    queries = queries.reshape(n_kv * n_req, group, head_dim)
+    scores = torch.bmm(queries, keys.to(compute).transpose(1, 2)).float()
+    if plan.mask is not None:
+        scores += plan.mask
+    probs = torch.softmax(scores, -1).to(compute)
+    out = torch.bmm(probs, values.to(compute))  # [Hkv * b, group, D]
+    return out.view(n_kv, n_req, group, head_dim).transpose(0, 1).reshape(n_req, n_heads, head_dim).to(q.dtype)
+
+
+def _prefill_attention(q, k_buf, v_buf, plan: _PrefillPlan, scale: float) -> torch.Tensor:
+    """Tiled ragged prefill through one SDPA call: ``[Tp, Hq, D]``."""
+    n_entries, (n_heads, head_dim) = plan.kv_slots.shape[0], q.shape[1:]
+    keys, values = _gather(k_buf, plan.kv_slots), _gather(v_buf, plan.kv_slots)
+    queries = q[plan.q_rows].view(n_entries, -1, n_heads, head_dim).transpose(1, 2)  # [E, Hq, C, D]
+    out = F.scaled_dot_product_attention(
+        queries,
+        keys.to(q.dtype),
+        values.to(q.dtype),
+        attn_mask=plan.mask,
+        is_causal=plan.is_causal,
+        scale=scale,
+        enable_gqa=n_heads != keys.shape[1],
+    )
+    return out.transpose(1, 2).reshape(-1, n_heads, head_dim)[plan.out_rows]
 
 
 class TorchNativeBackend(AttentionBackend):
-    """SDPA over K/V gathered through ``req_to_token``; see ``AttentionBackend.forward``."""
+    """Attention over K/V gathered through ``req_to_token``; see ``AttentionBackend.forward``."""
 
     name = "torch_native"
     priority = 100
@@ -117,7 +240,7 @@ class TorchNativeBackend(AttentionBackend):
         kv_cache: KVCache,
         scale: float,
     ) -> torch.Tensor:
-        """Write ``k``/``v`` at ``out_cache_loc``, then one SDPA call for the whole ragged batch.
+        """Write ``k``/``v`` at ``out_cache_loc``, then attend: decode and prefill rows apart.
 
         ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]`` in ``q``'s dtype.
         """
@@ -129,27 +252,11 @@ class TorchNativeBackend(AttentionBackend):
         plan = kv_cache.plan.get(self.name)
         if plan is None:
             plan = kv_cache.plan[self.name] = _plan(kv_cache, q.dtype)
-
-        n_entries = plan.kv_slots.shape[0]
-        n_heads, head_dim = q.shape[1], q.shape[2]
-        # index_select over flat slots rather than k_buf[kv_slots]: on CPU, advanced indexing
-        # is ~4x slower for this gather, which dominates large decode batches.
-        flat, gathered = plan.kv_slots.view(-1), (*plan.kv_slots.shape, *k_buf.shape[1:])
-        keys = k_buf.index_select(0, flat).view(gathered).transpose(1, 2)  # [E, Hkv, L, D]
-        values = v_buf.index_select(0, flat).view(gathered).transpose(1, 2)
-        if plan.q_rows is None:
-            queries = q[:, :, None, :]  # [B, Hq, 1, D]
-        else:
-            queries = q[plan.q_rows].view(n_entries, -1, n_heads, head_dim).transpose(1, 2)  # [E, Hq, C, D]
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=plan.mask,
-            is_causal=plan.is_causal,
-            scale=scale,
-            enable_gqa=n_heads != keys.shape[1],
-        )
-        if plan.out_rows is None:
-            return out[:, :, 0, :]
-        return out.transpose(1, 2).reshape(-1, n_heads, head_dim)[plan.out_rows]
+        if plan.prefill is None:
+            return _decode_attention(q, k_buf, v_buf, plan.decode, scale)
+        prefill = _prefill_attention(q, k_buf, v_buf, plan.prefill, scale)
+        if plan.decode is None:
+            return prefill
+        out = torch.empty_like(q)
+        out.index_copy_(0, plan.decode.tok_rows, _decode_attention(q, k_buf, v_buf, plan.decode, scale))
+        return out.index_copy_(0, plan.prefill.tok_rows, prefill)
