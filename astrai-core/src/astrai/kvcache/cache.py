@@ -45,6 +45,10 @@ class KVCache:
     num_tokens: int = 0  # T
     q_lens_host: tuple[int, ...] = ()  # per-request q_len
     seq_lens_host: tuple[int, ...] = ()  # per-request seq_len
+    # Slots come in aligned runs of page_size: positions [j*page_size, (j+1)*page_size) of a
+    # request sit in slots [p*page_size, (p+1)*page_size), in order. The pool's page size in
+    # paged mode, max_seq_len in contiguous mode; 1 promises nothing.
+    page_size: int = 1
     # Per-step scratch for backends: metadata a backend derives once per step (gather
     # indices, masks, block tables) and reuses in every layer, keyed by backend name.
     plan: dict[str, Any] = field(default_factory=dict)

@@ -299,4 +299,5 @@ class PagePool:
             decode_o_part=self._decode_o_part[:b], decode_ml_part=self._decode_ml_part[:b],
             decode_out=self._decode_out[:b],
             max_q_len=max(ql), num_tokens=t, q_lens_host=tuple(ql), seq_lens_host=tuple(sl),
+            page_size=self.page_size if self.paged else self.max_ctx_len,
         )
