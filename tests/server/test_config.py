@@ -75,8 +75,25 @@ def test_help_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
         serve_main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    missing = [k for k in ServerSettings.model_fields if "--" + k.replace("_", "-") not in out]
+    # plugin_options has no flag of its own: each hook plugin's option is a flag (and a YAML key)
+    missing = [k for k in ServerSettings.model_fields if "--" + k.replace("_", "-") not in out and k != "plugin_options"]
     assert missing == []
+
+
+def test_sampling_defaults_and_plugin_options_from_yaml_and_flags(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "server:\n  sampling: {min_p: 0.2}\n  trace_file: /tmp/a\n")
+    plugin = {"trace_file": None, "trace_level": 1}  # what a hook plugin declared (dest -> default)
+    s = load_settings({"trace_level": 3}, path, plugin)
+    assert s.sampling == {"min_p": 0.2} and s.plugin_options == {"trace_file": "/tmp/a", "trace_level": 3}
+    cfg = s.engine_config()
+    assert (cfg.sampling, cfg.plugin_options) == ({"min_p": 0.2}, {"trace_file": "/tmp/a", "trace_level": 3})
+    with pytest.raises(ConfigError, match="unknown key 'server.trace_file' .*known keys: .*plugin_options"):
+        load_settings({}, path)  # without the plugin installed its key is unknown
+    path = _yaml(tmp_path, "server:\n  sampling: {min_p: 0.2, top_a: 1}\n")
+    args = _parse(["--config", path, "--sampling", "min_p=0.05", "--sampling", "mode=fast"])
+    assert settings_from_args(args).sampling == {"min_p": 0.05, "mode": "fast"}  # the flags replace the YAML's
+    with pytest.raises(SystemExit):
+        _parse(["--sampling", "min_p"])  # not KEY=VALUE
 
 
 def test_parse_bytes() -> None:

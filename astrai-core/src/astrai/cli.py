@@ -1,23 +1,66 @@
-"""The ``astrai`` command: stream text from a model on the command line.
+"""The ``astrai`` command: stream text from a model, list plugins, and (with astrai-server) serve.
 
 ``astrai chat "Hello"`` applies the model's chat template; ``astrai generate
-"Once upon a time"`` continues raw text. Without ``--model`` both use the
-default model (SmolLM2-135M-Instruct).
+"Once upon a time"`` continues raw text; without ``--model`` both use the default
+model (SmolLM2-135M-Instruct). ``astrai plugins`` lists every installed plugin of
+every entry-point group. ``astrai serve`` exists when astrai-server is installed.
+Hook plugins add options to the commands that run an engine (``astrai_add_options``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
+import json
 import logging
 import sys
+from typing import Any
 
 from astrai.errors import AstraiError
+from astrai.plugins import ATTENTION_BACKENDS, GROUPS, PluginManager, load_plugins
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def parse_key_value(text: str) -> tuple[str, Any]:
+    """``"min_p=0.05"`` -> ``("min_p", 0.05)``: the value as an int, a float, or else the string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return key.strip(), kind(raw)
+    return key.strip(), raw
+
+
+class PluginOptions:
+    """The argument group that hook plugins fill through ``astrai_add_options``.
+
+    Offers argparse's ``add_argument``. Flags default to "absent" so that a config
+    file can sit under them (``astrai serve``); the plugin's own ``default`` is kept
+    in :attr:`defaults`, by ``dest``.
+    """
+
+    def __init__(self, parser: argparse.ArgumentParser, pm: PluginManager) -> None:
+        self._group = parser.add_argument_group("plugin options", "added by installed hook plugins")
+        self.defaults: dict[str, Any] = {}
+        pm.notify("astrai_add_options", parser=self)
+
+    def add_argument(self, *flags: str, **kwargs: Any) -> argparse.Action:
+        """As ``argparse.ArgumentParser.add_argument``."""
+        default = kwargs.pop("default", None)
+        kwargs["help"] = f"{kwargs.get('help') or ''} (default: {default})".lstrip()
+        action = self._group.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
+        self.defaults[action.dest] = default
+        return action
+
+    def values(self, args: argparse.Namespace) -> dict[str, Any]:
+        """Every option's value: the flag when given, else the plugin's default."""
+        return {dest: getattr(args, dest, default) for dest, default in self.defaults.items()}
+
+
+def _add_model_args(p: argparse.ArgumentParser, pm: PluginManager) -> None:
     p.add_argument("--model", default=None, help="model name, .gguf file or HF folder (default: smollm2-135m)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 where native, else fp32")
@@ -27,34 +70,89 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--sampling", action="append", type=parse_key_value, default=[], metavar="KEY=VALUE",
+        help="parameter of a sampling plugin for every request, e.g. min_p=0.05 (repeatable)",
+    )  # fmt: skip
+    p.set_defaults(plugin_options=PluginOptions(p, pm))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(pm: PluginManager | None = None) -> argparse.ArgumentParser:
+    """The ``astrai`` parser; ``pm`` (default: discovered) supplies the hook plugins' options."""
+    pm = PluginManager.discover() if pm is None else pm
     parser = argparse.ArgumentParser(prog="astrai", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.set_defaults(plugins=pm)
     sub = parser.add_subparsers(dest="command", required=True)
     chat = sub.add_parser("chat", help="stream a chat completion (the model's chat template)")
     chat.add_argument("message", help="the user message")
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_model_args(chat)
+    _add_model_args(chat, pm)
     gen = sub.add_parser("generate", help="stream a raw text continuation")
     gen.add_argument("prompt")
-    _add_model_args(gen)
+    _add_model_args(gen, pm)
+    plugins = sub.add_parser("plugins", help="list installed plugins: group, name, distribution, status")
+    plugins.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     # `astrai serve` exists when astrai-server is installed; core never imports it otherwise.
     with contextlib.suppress(ImportError):
         from astrai_server.cli import add_serve_command
 
-        add_serve_command(sub)
+        add_serve_command(sub, pm)
     return parser
+
+
+def plugin_rows() -> list[dict[str, Any]]:
+    """One row per installed entry point of every astrai group, loaded to tell whether it works.
+
+    Keys: group, name, target, distribution, version, loaded (bool), error (the
+    failure, or None), can_run (attention backends: ``is_available()``; else None), reason.
+    """
+    rows = []
+    for group in GROUPS:
+        loaded = load_plugins(group)
+        for ep in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
+            failure = loaded.failures.get(ep.name)
+            row = {
+                "group": group, "name": ep.name, "target": ep.value,
+                "distribution": ep.dist.metadata["Name"] if ep.dist else "unknown",
+                "version": ep.dist.version if ep.dist else "unknown",
+                "loaded": failure is None,
+                "error": None if failure is None else f"{type(failure.error).__name__}: {failure.error}",
+                "can_run": None, "reason": "",
+            }  # fmt: skip
+            if group == ATTENTION_BACKENDS and failure is None:
+                try:
+                    row["can_run"], row["reason"] = loaded.classes[ep.name].is_available()
+                except Exception as err:  # the contract says it must not raise; report, don't crash
+                    row["can_run"], row["reason"] = False, f"is_available() raised {type(err).__name__}: {err}"
+            rows.append(row)
+    return rows
+
+
+def _print_plugins(as_json: bool) -> None:
+    rows = plugin_rows()
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    table = [("GROUP", "NAME", "DISTRIBUTION", "VERSION", "LOADED", "CAN RUN")]
+    for r in rows:
+        can_run = "-" if r["can_run"] is None else "yes" if r["can_run"] else f"no: {r['reason']}"
+        table.append((r["group"], r["name"], r["distribution"], r["version"], "yes" if r["loaded"] else "no", can_run))
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    for i, row in enumerate(table):
+        sys.stdout.write("  ".join(row[c].ljust(widths[c]) for c in range(5)) + "  " + row[5] + "\n")
+        if i and rows[i - 1]["error"]:
+            sys.stdout.write(f"    error: {rows[i - 1]['error']}\n")
 
 
 def _run(args: argparse.Namespace) -> None:
     import torch
 
-    from astrai.engine import InferenceEngine
+    from astrai.engine import EngineConfig, InferenceEngine
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    engine = InferenceEngine.from_model(args.model, dtype=dtype, device=args.device)
+    config = EngineConfig(sampling=dict(args.sampling), plugin_options=args.plugin_options.values(args))
+    engine = InferenceEngine.from_model(args.model, dtype=dtype, device=args.device, config=config, plugins=args.plugins)
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -79,12 +177,18 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # configured before the parser loads the hook plugins, so that their load failures read as warnings
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if getattr(args, "serve", None):
         return args.serve(args)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        logging.getLogger().setLevel(logging.INFO)
     try:
-        _run(args)
+        if args.command == "plugins":
+            _print_plugins(args.json)
+        else:
+            _run(args)
     except AstraiError as exc:
         print(f"astrai: error: {exc}", file=sys.stderr)  # noqa: T201 - the CLI's own output
         return 2

@@ -1,31 +1,42 @@
-"""InferenceEngine: the user-facing API over the scheduler, and GenerateResult, a request's handle."""
+"""InferenceEngine: the user-facing API over the scheduler (the spec's Engine API).
+
+``GenerateResult`` (a request's handle) lives in ``astrai.result`` and is re-exported here.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from astrai.cpu_tuning import tune_malloc
 from astrai.extension.backend.policy import context_backend
 from astrai.kvcache import KVConfig, PagePool
 from astrai.kvcache.storage import KVStorage
 from astrai.model import IncrementalDecoder
-from astrai.request import FinishReason, Request
-from astrai.sampling import SamplingParams
+from astrai.plugins import HookThread, PluginManager
+from astrai.request import FinishedRequest, Request
+from astrai.result import GenerateResult
+from astrai.sampling import SamplingParams, SamplingPipeline
 from astrai.scheduler import InferenceScheduler
 from astrai.stopping import StopChecker
 
 if TYPE_CHECKING:
     from astrai.model import ModelConfig, Tokenizer
 
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "GenerateResult", "InferenceEngine"]
+
 logger = logging.getLogger(__name__)
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 #: KV budget of a paged pool when neither n_tokens nor kv_memory_bytes is given.
 DEFAULT_KV_MEMORY_BYTES = 512 * 2**20
@@ -33,12 +44,15 @@ DEFAULT_KV_MEMORY_BYTES = 512 * 2**20
 
 @dataclass
 class EngineConfig:
-    """How the engine batches and sizes its KV pool (maps onto ``KVConfig``).
+    """How the engine batches and sizes its KV pool (maps onto ``KVConfig``), and its plugins' settings.
 
     Paged by default: ``page_size`` 16 with radix prefix caching, the pool sized by
     ``n_tokens`` or ``kv_memory_bytes`` (default: ``DEFAULT_KV_MEMORY_BYTES``, capped
     at ``max_batch_size * max_seq_len`` tokens). ``paged=False`` gives the spec's
     contiguous pool (``max_batch_size * max_seq_len`` slots, no prefix caching).
+    ``sampling``: defaults of plugin sampling parameters for every request, e.g.
+    ``{"min_p": 0.05}`` (see ``SamplingPipeline``). ``plugin_options``: values of the
+    options hook plugins declared (``astrai_add_options``), by ``dest``.
     """
 
     max_batch_size: int = 64
@@ -50,6 +64,8 @@ class EngineConfig:
     prefix_caching: bool = True
     max_prefill_tokens: int = 2048
     attention_backend: str | None = None  # strict selection for every step (as ASTR_BACKEND); None: policy
+    sampling: dict[str, Any] = field(default_factory=dict)
+    plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def kv_config(self, model_config: ModelConfig, dtype: torch.dtype) -> KVConfig:
         """The pool configuration for a model; raises ValueError on an impossible size."""
@@ -66,117 +82,54 @@ class EngineConfig:
         return KVConfig(self.max_batch_size, seq, self.page_size, n_tokens, budget, self.prefix_caching)
 
 
-class GenerateResult:
-    """The caller's handle on one request; written only by the scheduler thread.
-
-    Non-streaming callers block in ``wait_completion()`` (a Condition); streaming
-    callers wait on ``wait()`` (an Event set by every new piece and at the end) and
-    read ``pieces()``. ``on_piece(piece)`` (the spec's ``cb(token)``) and
-    ``on_done(result)`` run on the scheduler thread and must not block; an
-    exception from ``on_piece`` fails this request only. After completion:
-    ``text``, ``output_ids`` (EOS included when generated), ``prompt_tokens``,
-    ``completion_tokens``, ``finish_reason``, ``stop_sequence``, ``error``.
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_tokens: int,
-        on_piece: Callable[[str], None] | None = None,
-        on_done: Callable[[GenerateResult], None] | None = None,
-    ) -> None:
-        self.request_id, self.prompt_tokens = request_id, prompt_tokens
-        self.output_ids: list[int] = []
-        self.finish_reason: FinishReason | None = None
-        self.stop_sequence: str | None = None
-        self.error: BaseException | None = None
-        self._on_piece, self._on_done = on_piece, on_done
-        self._pieces: list[str] = []
-        self._done = False
-        self._cond = threading.Condition()
-        self._event = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    @property
-    def text(self) -> str:
-        with self._cond:
-            return "".join(self._pieces)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.output_ids)
-
-    def deliver_piece(self, piece: str) -> None:
-        with self._cond:
-            self._pieces.append(piece)
-            self._event.set()
-        if self._on_piece is not None:
-            self._on_piece(piece)
-
-    def deliver_final(self, request: Request) -> None:
-        with self._cond:
-            self.output_ids = list(request.output_ids)
-            self.finish_reason, self.stop_sequence = request.finish_reason, request.stop_sequence
-            self.error = request.error
-            self._done = True
-            self._cond.notify_all()
-            self._event.set()
-        if self._on_done is not None:
-            self._on_done(self)
-
-    def wait_completion(self, timeout: float | None = None) -> bool:
-        """Block until the request is over (no timeout by default); False if ``timeout`` passed."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._done, timeout)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until a new piece arrives or the request ends; False if ``timeout`` passed."""
-        return self._event.wait(timeout)
-
-    def pieces(self) -> Iterator[str]:
-        """Yield the text pieces as they arrive, until the request ends (one consumer)."""
-        seen = 0
-        while True:
-            self._event.wait()
-            with self._cond:
-                self._event.clear()
-                new, done = self._pieces[seen:], self._done
-            seen += len(new)
-            yield from new
-            if done:
-                return
-
-    def raise_for_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
 class InferenceEngine:
     """Continuous-batching generation over ``model`` and ``tokenizer`` (the spec's Engine API).
 
     Starts the scheduler thread on construction; ``shutdown()`` (or leaving a
     ``with`` block) stops it. Sampling keywords are those of ``SamplingParams``
-    (``stop`` may be a single string). Raises RequestRejected for a request that
-    can never fit, EngineNotReady once shut down or if the scheduler died.
+    (``stop`` may be a single string) plus the parameters of installed sampling
+    plugins (``min_p=0.1`` goes to ``SamplingParams.extra``). Raises RequestRejected
+    for a request that can never fit, EngineNotReady once shut down or if the
+    scheduler died.
+
+    Plugins: the sampling strategies of the ``astrai.sampling`` entry points, and the
+    hook plugins of ``plugins`` (default: ``PluginManager.discover()``, every
+    ``astrai.plugins`` entry point). Hooks: ``astrai_engine_started`` before the
+    constructor returns, ``astrai_request_finished`` on a hook thread of the engine's
+    own, ``astrai_engine_stopped`` in ``shutdown()``. Raises PluginError when
+    ``config.sampling`` names a missing or broken sampling plugin.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        plugins: PluginManager | None = None,
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.config = config or EngineConfig()
+        self.plugins = PluginManager.discover() if plugins is None else plugins
+        self.pipeline = SamplingPipeline.discover(self.config.sampling)
+        self._stopped = False
+        self._stop_lock = threading.Lock()
         mc = model.config
         param = next(model.parameters())
+        if param.device.type == "cpu":
+            tune_malloc()  # keep freed step temporaries mapped: see astrai.cpu_tuning
         self.pool = PagePool(
             mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
             self.config.kv_config(mc, param.dtype), dtype=param.dtype, device=param.device,
         )
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
+        # Built only when someone listens: the scheduler then just queues a small record per request.
+        self._hooks = HookThread(self.plugins) if self.plugins.has_impls("astrai_request_finished") else None
         self.scheduler = InferenceScheduler(
-            model, self.pool, self.config.max_prefill_tokens, eos, backend=self.config.attention_backend
-        )
+            model, self.pool, self.config.max_prefill_tokens, eos, pipeline=self.pipeline,
+            backend=self.config.attention_backend, on_finished=self._request_finished if self._hooks else None,
+        )  # fmt: skip
         self.scheduler.start()
+        self.plugins.notify("astrai_engine_started", engine=self)
 
     @classmethod
     def from_model(
@@ -185,12 +138,13 @@ class InferenceEngine:
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         config: EngineConfig | None = None,
+        plugins: PluginManager | None = None,
     ) -> InferenceEngine:
         """Load a model with ``astrai.model.load_model`` and start an engine on it."""
         from astrai.model import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
-        return cls(model, tokenizer, config)
+        return cls(model, tokenizer, config, plugins)
 
     # ------------------------------------------------------------ low level
     def submit(
@@ -269,8 +223,17 @@ class InferenceEngine:
         return self.scheduler.healthy
 
     def shutdown(self) -> None:
-        """Stop the scheduler; pending requests fail with EngineNotReady. Idempotent."""
+        """Stop the scheduler (pending requests fail with EngineNotReady), let the hook thread
+        finish its queued ``astrai_request_finished`` calls, then call ``astrai_engine_stopped``.
+        Idempotent."""
         self.scheduler.stop()
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if self._hooks is not None:
+            self._hooks.close()
+        self.plugins.notify("astrai_engine_stopped", engine=self)
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -279,9 +242,16 @@ class InferenceEngine:
         self.shutdown()
 
     # ------------------------------------------------------------ helpers
+    def _request_finished(self, req: Request) -> None:  # on the scheduler thread: a snapshot and a put
+        self._hooks.post("astrai_request_finished", engine=self, request=FinishedRequest.of(req))
+
     def _params(self, sampling: dict[str, Any]) -> SamplingParams:
         if isinstance(sampling.get("stop"), str):
             sampling = {**sampling, "stop": [sampling["stop"]]}
+        plugin = {k: sampling[k] for k in sampling.keys() & self.pipeline.extra_keys if k not in _FIELDS}
+        if plugin:
+            sampling = {k: v for k, v in sampling.items() if k not in plugin}
+            sampling["extra"] = {**(sampling.get("extra") or {}), **plugin}
         return SamplingParams(**sampling)
 
     def _encode(self, prompt: str) -> list[int]:

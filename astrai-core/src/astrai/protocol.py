@@ -102,6 +102,17 @@ def context_limit(engine: Any) -> int:
     return min(engine.pool.max_ctx_len, engine.pool.size)
 
 
+def plugin_sampling(request: BaseModel) -> dict[str, Any]:
+    """The request's undeclared fields (``model_extra``), for ``SamplingParams.extra``.
+
+    How parameters of sampling plugins travel without any protocol naming them: a
+    request model with ``extra="allow"`` keeps ``"min_p": 0.1``, and the engine's
+    pipeline runs the strategy named by such a key (ignoring keys no strategy claims)
+    and validates its value at admission.
+    """
+    return dict(request.model_extra or {})
+
+
 def new_id(prefix: str) -> str:
     """A fresh response id such as ``chatcmpl-<24 hex>``."""
     return f"{prefix}{uuid.uuid4().hex[:24]}"

@@ -1,7 +1,8 @@
-"""One generation request as the scheduler sees it, and why it finished."""
+"""One generation request as the scheduler sees it, why it finished, and what plugins learn of it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum
@@ -59,6 +60,14 @@ class Request:
     error: BaseException | None = None
     tried_epoch: int = -1  # pool free-epoch of the last failed admission (no retry until pages free)
     backend: str | None = None  # attn_backend(...) in force where it was submitted; None = automatic/env
+    # Timings, time.perf_counter() seconds; 0.0 until it happens. Set on the scheduler thread,
+    # except submitted_at (the submitting thread, before the scheduler sees the request).
+    submitted_at: float = field(default_factory=time.perf_counter)
+    submitted_wall: float = field(default_factory=time.time)  # the same instant, Unix time
+    admitted_at: float = 0.0  # first admission (a preempted request keeps it)
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission; -1: never admitted
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -78,9 +87,12 @@ class Request:
         """Mark the request over; the first reason wins."""
         if self.finish_reason is None:
             self.finish_reason, self.stop_sequence, self.error = reason, stop_sequence, error
+            self.finished_at = time.perf_counter()
 
     def accept(self, token: int, eos_token_ids: Container[int]) -> None:
         """Append one sampled token, emit its text, and apply the stop conditions. O(1) per token."""
+        if not self.output_ids:
+            self.first_token_at = time.perf_counter()
         self.tokens.append(token)
         self.output_ids.append(token)
         if token in eos_token_ids and not self.params.ignore_eos:
@@ -104,3 +116,41 @@ class Request:
     def _emit(self, piece: str) -> None:
         if piece:
             self.sink.deliver_piece(piece)
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """What the ``astrai_request_finished`` hook learns of one request (see ``astrai.hookspecs``).
+
+    Durations are seconds from submission (``time.perf_counter`` differences); a
+    duration is None when its event never happened (no token, never admitted).
+    """
+
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int  # generated tokens, EOS included when generated
+    cached_tokens: int  # prompt tokens served by the prefix cache (0 when never admitted)
+    finish_reason: str  # a FinishReason value: stop, length, stop_sequence, abort, error
+    error: str | None  # "ExceptionClass: message" when finish_reason is "error"
+    submitted_at: float  # Unix time of submission
+    queue_time: float | None  # until first admitted to the running batch
+    time_to_first_token: float | None
+    total_time: float  # until finished
+
+    @classmethod
+    def of(cls, req: Request) -> FinishedRequest:
+        """Snapshot a finished ``req``; cheap (no tensors, no copies of token lists)."""
+        since = lambda t: t - req.submitted_at if t else None  # noqa: E731
+        reason = req.finish_reason.value if req.finish_reason is not None else FinishReason.ERROR.value
+        return cls(
+            request_id=req.request_id,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=max(req.cached_tokens, 0),
+            finish_reason=reason,
+            error=None if req.error is None else f"{type(req.error).__name__}: {req.error}",
+            submitted_at=req.submitted_wall,
+            queue_time=since(req.admitted_at),
+            time_to_first_token=since(req.first_token_at),
+            total_time=(req.finished_at or req.submitted_at) - req.submitted_at,
+        )

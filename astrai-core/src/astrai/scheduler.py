@@ -19,6 +19,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from itertools import chain, count
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ from astrai.request import FinishReason, Request
 from astrai.sampling import SamplingBatch, SamplingPipeline
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from astrai.kvcache import PagePool
 
@@ -46,7 +47,10 @@ class InferenceScheduler:
 
     ``model(input_ids [T], positions [T], kv_cache, logits_indices [B]) -> [B, vocab] f32``.
     A failing step fails only the requests in it; a failing loop fails everyone
-    and leaves ``healthy`` False with ``reason`` set.
+    and leaves ``healthy`` False with ``reason`` set. ``pipeline.prepare`` admits each
+    request's sampling parameters in ``submit``. ``on_finished(request)`` runs on the
+    scheduler thread after each request's result is delivered: it must be cheap (hand
+    the request over to another thread) and must not raise (it is logged if it does).
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class InferenceScheduler:
         eos_token_ids: Iterable[int] = (),
         pipeline: SamplingPipeline | None = None,
         backend: str | None = None,
+        on_finished: Callable[[Request], None] | None = None,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
@@ -66,6 +71,7 @@ class InferenceScheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pipeline = pipeline or SamplingPipeline.default()
         self.backend = backend  # attention backend for requests that did not choose one
+        self.on_finished = on_finished  # after a request's result is delivered; cheap, on this thread
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: the last one is the newest
@@ -95,7 +101,7 @@ class InferenceScheduler:
         n, limit = len(req.prompt_ids) + req.params.max_tokens, min(self.pool.max_ctx_len, self.pool.size)
         if not req.prompt_ids:
             raise RequestRejected("empty prompt: at least one token is needed")
-        self.pipeline.validate(req.params, self.vocab_size)
+        req.params = self.pipeline.prepare(req.params, self.vocab_size)
         if not self.pool.can_ever_fit(n):
             raise RequestRejected(
                 f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} = {n} tokens "
@@ -298,6 +304,8 @@ class InferenceScheduler:
             return False
         req.req_idx, req.num_computed = idx, hit
         self.counters["prefix_hit_tokens"] += hit
+        if req.cached_tokens < 0:  # first admission: what the client waited for and what the cache saved
+            req.admitted_at, req.cached_tokens = time.perf_counter(), min(hit, len(req.prompt_ids))
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         return True
 
@@ -337,6 +345,8 @@ class InferenceScheduler:
         self._by_id.pop(req.request_id, None)
         try:
             req.sink.deliver_final(req)
+            if self.on_finished is not None:
+                self.on_finished(req)
         except Exception:
             logger.exception("completion callback of %s failed", req.request_id)
 

@@ -2,9 +2,11 @@
 
 Mounts one POST route per protocol builder (every ``astrai.protocols`` entry
 point unless ``settings.protocols`` names some) and the GET routes builders
-declare (OpenAI's ``/v1/models``), plus ``GET /health`` and ``GET /stats``. The engine hangs off ``app.state.engine``
-and may arrive later (``astrai serve`` loads it after the socket is open):
-until then /health is 503 and protocol routes answer 503 in their own shape.
+declare (OpenAI's ``/v1/models``), plus ``GET /health`` and ``GET /stats``; then
+hook plugins extend the app (``astrai_server_app``). The engine hangs off
+``app.state.engine`` and may arrive later (``astrai serve`` loads it after the
+socket is open): until then /health is 503 and protocol routes answer 503 in
+their own shape.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from astrai.errors import EngineNotReady
+from astrai.plugins import PluginManager
 from astrai.protocol import ResponseBuilder
 from astrai_server.config import ServerSettings
 from astrai_server.errors import HTTPProblem, public_message, status_for
@@ -36,19 +39,23 @@ def create_app(
     settings: ServerSettings,
     engine: InferenceEngine | None,
     builders: Sequence[ResponseBuilder] | None = None,
+    plugins: PluginManager | None = None,
 ) -> FastAPI:
     """The app serving ``engine`` (None: not ready yet; set ``app.state.engine`` later).
 
     ``builders`` defaults to the installed protocols (see ``registry.select_builders``);
-    tests may pass in-memory builders instead. Raises PluginError for a protocol
-    named in ``settings.protocols`` that is missing or broken.
+    tests may pass in-memory builders instead. ``plugins`` (default: the engine's, else
+    discovered) get ``astrai_server_app`` once the routes are mounted. Raises
+    PluginError for a protocol named in ``settings.protocols`` that is missing or broken.
     """
     if builders is None:
         from astrai_server.registry import load_protocols, select_builders
 
         builders = select_builders(load_protocols(), settings.protocols, settings.served_model_name)
+    if plugins is None:
+        plugins = getattr(engine, "plugins", None) or PluginManager.discover()
     app = FastAPI(title="astrai", docs_url=None, redoc_url=None)
-    app.state.engine, app.state.settings = engine, settings
+    app.state.engine, app.state.settings, app.state.plugins = engine, settings, plugins
     for builder in builders:
         app.add_api_route(builder.route, _protocol_endpoint(builder), methods=["POST"], name=builder.name)
         for path, body in builder.get_routes().items():
@@ -56,6 +63,7 @@ def create_app(
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/stats", _get_endpoint(lambda engine: engine.get_stats()), methods=["GET"])
+    plugins.notify("astrai_server_app", app=app, settings=settings)
     return app
 
 

@@ -15,7 +15,9 @@ import sys
 import threading
 from typing import Any
 
+from astrai.cli import PluginOptions, parse_key_value
 from astrai.errors import AstraiError
+from astrai.plugins import PluginManager
 from astrai_server.config import ServerSettings, load_settings
 
 logger = logging.getLogger(__name__)
@@ -46,30 +48,46 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "api_key", "require this key (Authorization: Bearer or x-api-key)")
     _flag(p, "protocols", "protocol entry points to mount, comma-separated; default: all installed", type=lambda s: [x for x in s.split(",") if x])
     _flag(p, "log_level", "log level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--sampling", dest="sampling", action="append", type=parse_key_value, default=argparse.SUPPRESS,
+        metavar="KEY=VALUE", help="parameter of a sampling plugin for every request, e.g. min_p=0.05 (repeatable)",
+    )  # fmt: skip
 
 
-def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``serve`` to the ``astrai`` parser's subparsers; its ``args.serve(args)`` runs it."""
-    p = subparsers.add_parser("serve", help="serve the OpenAI and Anthropic APIs over HTTP")
+def add_serve_command(subparsers: Any, pm: PluginManager | None = None) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``astrai`` parser's subparsers; its ``args.serve(args)`` runs it.
+
+    ``pm`` (default: discovered) is the hook plugin manager: its plugins' options join
+    the flags, and the engine and app of the server use it.
+    """
+    pm = PluginManager.discover() if pm is None else pm
+    p = subparsers.add_parser("serve", help="serve the installed protocols (OpenAI, Anthropic, ...) over HTTP")
     add_serve_arguments(p)
-    p.set_defaults(serve=run_serve)
+    p.set_defaults(serve=run_serve, plugins=pm, plugin_options=PluginOptions(p, pm))
     return p
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """Settings from parsed args: YAML (``--config``) under the explicit flags. Raises ConfigError."""
     cli = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields}
-    return load_settings(cli, args.config)
+    if "sampling" in cli:
+        cli["sampling"] = dict(cli["sampling"])
+    plugin_options = getattr(args, "plugin_options", None)
+    if plugin_options is not None:
+        cli.update({k: v for k, v in vars(args).items() if k in plugin_options.defaults})
+    return load_settings(cli, args.config, plugin_options.defaults if plugin_options else None)
 
 
-def _load_engine(settings: ServerSettings, app: Any) -> None:
+def _load_engine(settings: ServerSettings, app: Any, pm: PluginManager) -> None:
     import torch
 
     from astrai.engine import InferenceEngine
 
     try:
         dtype = getattr(torch, settings.dtype) if settings.dtype else None
-        engine = InferenceEngine.from_model(settings.model, dtype=dtype, device=settings.device, config=settings.engine_config())
+        engine = InferenceEngine.from_model(
+            settings.model, dtype=dtype, device=settings.device, config=settings.engine_config(), plugins=pm
+        )
     except Exception:
         logger.exception("loading the model failed; /health stays 503")
         return
@@ -77,16 +95,22 @@ def _load_engine(settings: ServerSettings, app: Any) -> None:
     logger.info("engine ready: %s", settings.model or "the default model")
 
 
-def serve(settings: ServerSettings) -> None:
-    """Run uvicorn until interrupted; the engine loads in a background thread meanwhile."""
+def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
+    """Run uvicorn until interrupted; the engine loads in a background thread meanwhile.
+
+    ``pm`` (default: discovered) serves both the app (``astrai_server_app``) and the engine.
+    """
     import uvicorn
 
+    from astrai.sampling import SamplingPipeline
     from astrai_server.app import create_app
 
+    pm = PluginManager.discover() if pm is None else pm
+    SamplingPipeline.discover(settings.sampling)  # a bad --sampling fails now, not in the background loader
     if settings.attention_backend:
         os.environ["ASTR_BACKEND"] = settings.attention_backend  # read by the backend policy at each selection
-    app = create_app(settings, None)
-    loader = threading.Thread(target=_load_engine, args=(settings, app), name="astrai-load", daemon=True)
+    app = create_app(settings, None, plugins=pm)
+    loader = threading.Thread(target=_load_engine, args=(settings, app, pm), name="astrai-load", daemon=True)
     loader.start()
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
@@ -103,7 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         for name in ("astrai", "astrai_server"):  # also when the ``astrai`` command configured logging first
             logging.getLogger(name).setLevel(settings.log_level.upper())
-        serve(settings)
+        serve(settings, getattr(args, "plugins", None))
     except AstraiError as exc:
         sys.stderr.write(f"astrai serve: error: {exc}\n")
         return 2
@@ -116,4 +140,6 @@ def serve_main(argv: list[str] | None = None) -> int:
     """``python -m astrai_server [flags]``: the same as ``astrai serve [flags]``."""
     parser = argparse.ArgumentParser(prog="astrai serve", description=__doc__.splitlines()[0])
     add_serve_arguments(parser)
+    pm = PluginManager.discover()
+    parser.set_defaults(plugins=pm, plugin_options=PluginOptions(parser, pm))
     return run_serve(parser.parse_args(argv))

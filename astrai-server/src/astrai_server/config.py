@@ -2,11 +2,14 @@
 
 Precedence: CLI flags > the YAML file's ``server:`` section > defaults. An
 unknown key, or a value of the wrong type, is a ``ConfigError`` that names it.
+Options that hook plugins add (``astrai_add_options``) are keys of the same
+section, by ``dest``; their values land in ``ServerSettings.plugin_options``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,6 +54,8 @@ class ServerSettings(BaseModel):
     api_key: str | None = None
     protocols: list[str] | None = None  # entry-point names to mount; None: every installed one
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    sampling: dict[str, Any] = {}  # plugin sampling parameters for every request: {"min_p": 0.05}
+    plugin_options: dict[str, Any] = {}  # values of hook plugins' options, by dest
 
     @field_validator("kv_memory", mode="before")
     @classmethod
@@ -64,18 +69,20 @@ class ServerSettings(BaseModel):
         return EngineConfig(
             max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, paged=self.paged,
             page_size=self.page_size, kv_memory_bytes=self.kv_memory, prefix_caching=self.prefix_caching,
-            max_prefill_tokens=self.max_prefill_tokens,
+            max_prefill_tokens=self.max_prefill_tokens, sampling=dict(self.sampling),
+            plugin_options=dict(self.plugin_options),
         )  # fmt: skip
 
 
-def _describe(err: ValidationError, where: str, flags: bool = False) -> str:
+def _describe(err: ValidationError, where: str, flags: bool = False, plugin_keys: Iterable[str] = ()) -> str:
     """One message naming each bad key: ``serve.yaml: unknown key 'server.foo'`` or ``--port: ...``."""
     parts = []
+    known = ", ".join([*ServerSettings.model_fields, *plugin_keys])
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])
         name = "--" + key.replace("_", "-") if flags else f"'server.{key}'"
         if e["type"] == "extra_forbidden":
-            parts.append(f"{where}unknown key {name} (known keys: {', '.join(ServerSettings.model_fields)})")
+            parts.append(f"{where}unknown key {name} (known keys: {known})")
         else:
             parts.append(f"{where}{name}: {e['msg']} (got {e.get('input')!r})")
     return "; ".join(parts)
@@ -100,17 +107,28 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return section
 
 
-def load_settings(cli: dict[str, Any], config_path: str | Path | None = None) -> ServerSettings:
+def load_settings(
+    cli: dict[str, Any],
+    config_path: str | Path | None = None,
+    plugin_defaults: Mapping[str, Any] | None = None,
+) -> ServerSettings:
     """Defaults, overridden by the YAML file's ``server:`` section, overridden by ``cli``.
 
-    ``cli`` holds only the flags given explicitly. Raises ConfigError.
+    ``cli`` holds only the flags given explicitly. ``plugin_defaults`` are the options
+    hook plugins declared (``dest`` -> default): those keys, in the YAML section or in
+    ``cli``, go to ``plugin_options`` (over the defaults). Raises ConfigError.
     """
     values = read_yaml(config_path) if config_path is not None else {}
+    plugin = dict(plugin_defaults or {})
+    given = values.get("plugin_options") or {}
+    options = {**plugin, **(given if isinstance(given, dict) else {})}  # a non-mapping fails validation below
+    for source in (values, cli):
+        options.update({k: source.pop(k) for k in [k for k in source if k in plugin]})
     try:
         ServerSettings(**values)  # the YAML alone first, so that its errors name the file
     except ValidationError as e:
-        raise ConfigError(_describe(e, f"{config_path}: ")) from None
+        raise ConfigError(_describe(e, f"{config_path}: ", plugin_keys=plugin)) from None
     try:
-        return ServerSettings(**{**values, **cli})
+        return ServerSettings(**{**values, **cli, "plugin_options": options})
     except ValidationError as e:
-        raise ConfigError(_describe(e, "", flags=True)) from None
+        raise ConfigError(_describe(e, "", flags=True, plugin_keys=plugin)) from None

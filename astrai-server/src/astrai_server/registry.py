@@ -1,66 +1,23 @@
-"""Protocol discovery: the ``astrai.protocols`` entry-point group, loaded with stevedore.
+"""Which protocols to mount: the installed ``astrai.protocols`` builders, selected strictly.
 
-Every installed builder is validated when it loads (a ``ResponseBuilder``
-subclass, ``name`` equal to its entry-point name, a route starting with "/",
-a pydantic request model). A broken plugin is logged and skipped, unless it
-was asked for by name: then its error is raised.
-
-(Kept here until ``astrai.plugins`` grows a protocol loader; it reuses that
-module's group name and failure records.)
+Loading and load-time validation are astrai-core's (``astrai.plugins.load_protocols``,
+``check_builder_class``: a ``ResponseBuilder`` subclass, ``name`` equal to its
+entry-point name, a route starting with "/", a pydantic request model). A broken
+plugin is logged and skipped, unless it was asked for by name: then its error is raised.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from collections.abc import Sequence
 
-from pydantic import BaseModel
-
 from astrai.errors import PluginError
-from astrai.plugins import PROTOCOLS, LoadedPlugins, PluginFailure, distribution_of
+from astrai.plugins import LoadedPlugins, check_builder_class, load_protocols
 from astrai.protocol import ResponseBuilder
 
+__all__ = ["check_builder_class", "load_protocols", "select_builders"]
+
 logger = logging.getLogger(__name__)
-
-
-def check_builder_class(name: str, plugin: object, origin: str) -> type[ResponseBuilder]:
-    """Return ``plugin`` if it is a valid builder for entry point ``name``; raise PluginError otherwise."""
-    if not (isinstance(plugin, type) and issubclass(plugin, ResponseBuilder)):
-        raise PluginError(f"{origin}: {plugin!r} is not a subclass of astrai.protocol.ResponseBuilder")
-    if getattr(plugin, "name", None) != name:
-        raise PluginError(f"{origin}: {plugin.__qualname__}.name is {getattr(plugin, 'name', None)!r}, not {name!r}")
-    route = getattr(plugin, "route", None)
-    if not (isinstance(route, str) and route.startswith("/")):
-        raise PluginError(f"{origin}: {plugin.__qualname__}.route must be a path starting with '/', got {route!r}")
-    model = getattr(plugin, "request_model", None)
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        raise PluginError(f"{origin}: {plugin.__qualname__}.request_model must be a pydantic BaseModel subclass")
-    return plugin
-
-
-def load_protocols() -> LoadedPlugins:
-    """Import every ``astrai.protocols`` entry point; failures are kept, never raised."""
-    from stevedore import ExtensionManager
-
-    loaded = LoadedPlugins()
-
-    def keep_failure(_manager: object, ep: importlib.metadata.EntryPoint, err: BaseException) -> None:
-        dist = distribution_of(PROTOCOLS, ep.name, ep.value)
-        loaded.failures[ep.name] = PluginFailure(PROTOCOLS, ep.name, ep.value, dist, err)
-
-    ExtensionManager.ENTRY_POINT_CACHE.pop(PROTOCOLS, None)  # see newly installed plugins
-    manager = ExtensionManager(PROTOCOLS, invoke_on_load=False, on_load_failure_callback=keep_failure)
-    for ext in manager.extensions:
-        target = ext.entry_point.value
-        dist = distribution_of(PROTOCOLS, ext.name, target)
-        try:
-            cls = check_builder_class(ext.name, ext.plugin, f"entry point {ext.name!r} = {target} of {dist}")
-        except PluginError as err:
-            loaded.failures[ext.name] = PluginFailure(PROTOCOLS, ext.name, target, dist, err)
-            continue
-        loaded.classes.setdefault(ext.name, cls)
-    return loaded
 
 
 def select_builders(
@@ -79,14 +36,16 @@ def select_builders(
         chosen = list(names)
         for name in chosen:
             if name in loaded.failures:
-                raise loaded.failures[name].as_error()
+                failure = loaded.failures[name]
+                raise failure.as_error() from failure.error
             if name not in loaded.classes:
                 installed = ", ".join(sorted(loaded.classes)) or "none"
                 raise PluginError(f"protocol {name!r} not found; misspelled or not installed? Installed: {installed}")
     builders = [loaded.classes[name](model_name) for name in chosen]
     routes: dict[str, str] = {}
     for b in builders:
-        if b.route in routes:
-            raise PluginError(f"protocols {routes[b.route]!r} and {b.name!r} both claim route {b.route}")
-        routes[b.route] = b.name
+        for path in (b.route, *b.get_routes()):
+            if path in routes:
+                raise PluginError(f"protocols {routes[path]!r} and {b.name!r} both claim route {path}")
+            routes[path] = b.name
     return builders

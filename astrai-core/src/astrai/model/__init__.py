@@ -8,13 +8,14 @@ from pathlib import Path
 
 import torch
 
-from astrai.errors import ModelNotFound
+from astrai.model.architecture import Architecture, get_architecture
 from astrai.model.config import ModelConfig
 from astrai.model.cpu_linear import prepack_linears, prepack_supported
 from astrai.model.llama import LlamaForCausalLM
 from astrai.model.tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = [
+    "Architecture",
     "IncrementalDecoder",
     "LlamaForCausalLM",
     "ModelConfig",
@@ -25,13 +26,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Architecture name (GGUF ``general.architecture`` / HF ``model_type``) -> model class.
-ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-}
-
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """bfloat16 on CUDA, and on CPUs with native bf16 matmul (AVX512-BF16 or AMX); else float32."""
@@ -44,14 +38,11 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
     """Build the architecture named by ``config.architecture`` with uninitialised-but-finite weights.
 
-    Parameters take ``dtype``; the RoPE table stays float32 whatever the dtype.
+    The class comes from the ``astrai.models`` entry point of that name (built-ins:
+    ``llama``, ``qwen2``). Parameters take ``dtype``; the RoPE table stays float32
+    whatever the dtype. Raises ModelNotFound for an architecture nobody provides.
     """
-    cls = ARCHITECTURES.get(config.architecture)
-    if cls is None:
-        raise ModelNotFound(
-            f"architecture {config.architecture!r} is not supported; known: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    model = cls(config).to(device)
+    model = get_architecture(config.architecture).model_class(config).to(device)
     for p in model.parameters():  # parameters only: buffers (the RoPE table) stay float32
         p.data = p.data.to(dtype)
     return model.eval()

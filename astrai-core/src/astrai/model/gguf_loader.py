@@ -1,13 +1,13 @@
 """Load a GGUF file into astrai's state-dict layout (HF names, llama.cpp RoPE layout).
 
 Parsing and dequantization are gguf-py's (``GGUFReader``, ``gguf.quants``);
-this module maps names and metadata and converts one tensor at a time.
+this module reads metadata and converts one tensor at a time. Tensor names map
+through the file's ``astrai.models`` architecture (``Architecture.hf_name``).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from astrai.errors import ModelNotFound
+from astrai.model.architecture import get_architecture
 from astrai.model.config import ModelConfig
 from astrai.model.hf_loader import interleave_rope_rows
 
@@ -29,36 +30,6 @@ logger = logging.getLogger(__name__)
 SUPPORTED_TYPES = frozenset(
     ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 )
-# llama.cpp's converter permutes q/k rows to interleaved-pair RoPE only for
-# "norm"-RoPE architectures; NEOX-RoPE ones (qwen2) are stored in HF layout.
-_STORED_INTERLEAVED = {"llama": True, "qwen2": False}
-
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a llama.cpp tensor name; None when there is none."""
-    top, _, suffix = gguf_name.rpartition(".")
-    if top in _TOP:
-        return f"{_TOP[top]}.{suffix}"
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
-    return None
-
-
 class _MappedReader(GGUFReader):
     """A GGUFReader whose buffer is a plain ndarray view of the file's memory map.
 
@@ -92,10 +63,7 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     """ModelConfig from GGUF metadata (``{arch}.*`` and ``tokenizer.ggml.*`` keys)."""
     arch = _field(reader, "general.architecture")
-    if arch not in _STORED_INTERLEAVED:
-        raise ModelNotFound(
-            f"{path}: architecture {arch!r} is not supported (known: {sorted(_STORED_INTERLEAVED)})"
-        )
+    get_architecture(arch, str(path))  # raises ModelNotFound (or the plugin's error) early
 
     def key(name: str, default: Any = ...) -> Any:
         value = _field(reader, f"{arch}.{name}", None if default is ... else default)
@@ -203,12 +171,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
     if rope_freqs is not None:
         config.rope_scaling = _llama3_scaling(np.asarray(rope_freqs.data, np.float32), config, path)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    permute = not _STORED_INTERLEAVED[config.architecture]
+    arch = get_architecture(config.architecture, str(path))
+    permute = not arch.gguf_rope_interleaved
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=None):
         if t is rope_freqs:
             continue
-        name, qtype = hf_name(t.name), t.tensor_type.name
+        name, qtype = arch.hf_name(t.name), t.tensor_type.name
         if name is None:
             raise ModelNotFound(f"{path}: unexpected tensor {t.name!r}")
         if qtype not in SUPPORTED_TYPES:

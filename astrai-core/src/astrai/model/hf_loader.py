@@ -15,16 +15,13 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from astrai.errors import ModelNotFound
+from astrai.model.architecture import get_architecture
 from astrai.model.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-# Architectures (HF ``model_type``) this loader knows, with their q/k/v bias default.
-_ATTENTION_BIAS = {"llama": False, "mistral": False, "qwen2": True}
-
 
 def interleave_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Permute q/k projection rows from HF's rotate_half layout to interleaved pairs.
@@ -67,14 +64,11 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
     """ModelConfig from a parsed ``config.json`` (and ``generation_config.json`` if present).
 
     ``tie_word_embeddings`` is as declared; ``load_hf`` also ties when the
-    checkpoint has no ``lm_head.weight``. Raises ModelNotFound for an unknown
-    ``model_type`` or a missing required key.
+    checkpoint has no ``lm_head.weight``. Raises ModelNotFound for a ``model_type``
+    no ``astrai.models`` entry point provides, or a missing required key.
     """
     arch = cfg.get("model_type")
-    if arch not in _ATTENTION_BIAS:
-        raise ModelNotFound(
-            f"{folder}: model_type {arch!r} is not supported (known: {sorted(_ATTENTION_BIAS)})"
-        )
+    architecture = get_architecture(arch, f"{folder}: model_type")
     try:
         hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         theta, scaling = _rope(cfg)
@@ -96,7 +90,7 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", _ATTENTION_BIAS[arch])),
+            attention_bias=bool(cfg.get("attention_bias", architecture.attention_bias)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             name=folder.name,

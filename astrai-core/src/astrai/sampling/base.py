@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
+
+from astrai.errors import RequestRejected
 
 if TYPE_CHECKING:
     import torch
 
-    from astrai.sampling.params import SamplingBatch
+    from astrai.sampling.params import SamplingBatch, SamplingParams
 
 __all__ = ["SamplingStrategy", "BaseSamplingStrategy"]
 
@@ -19,19 +23,39 @@ class SamplingStrategy(ABC):
     Implementations are registered in the ``astrai.sampling`` entry-point group under
     :attr:`name`. The built-ins ``temperature``, ``top_k`` and ``top_p`` always run, in
     that order; any other strategy is an *extra* that a
-    :class:`~astrai.sampling.pipeline.SamplingPipeline` runs after them, either on the
-    rows whose ``SamplingParams.strategy`` names it or, when the configuration enables
-    it, on every row. An extra is always called with the whole batch; the pipeline keeps
-    its result only on the rows that selected it, so it must be row-local (row ``i`` of
-    the result may depend on row ``i`` of ``logits`` and of ``batch`` only).
+    :class:`~astrai.sampling.pipeline.SamplingPipeline` runs after them on the rows that
+    select it: ``SamplingParams.strategy`` names it, or ``SamplingParams.extra`` has a key
+    equal to its name (an HTTP request's ``"min_p": 0.1`` lands there), or the
+    configuration enables it for every row. An extra is always called with the whole
+    batch; the pipeline keeps its result only on the rows that selected it, so it must
+    be row-local (row ``i`` of the result may depend on row ``i`` of ``logits`` and of
+    ``batch`` only).
 
     Per-row parameters come from ``batch``: the built-in fields (``batch.temperature``,
     ``batch.top_k``, ...) or, for plugins, ``batch.extra_tensor(key, default)``, which
-    reads ``SamplingParams.extra[key]`` of every row.
+    reads ``SamplingParams.extra[key]`` of every row. Declare those keys in
+    :attr:`extra_params`; :meth:`validate` checks them when a request is admitted.
     """
 
     name: ClassVar[str]
     """Entry-point name; also the value of ``SamplingParams.strategy`` that selects it."""
+
+    extra_params: ClassVar[tuple[str, ...]] = ()
+    """Keys of ``SamplingParams.extra`` this strategy reads (by convention the first is
+    :attr:`name`); configuration may give them defaults (``--sampling min_p=0.05``)."""
+
+    def validate(self, params: SamplingParams) -> None:
+        """Check this strategy's parameters of one request that selected it, at admission.
+
+        Called on the submitting thread, never per step, so that a bad value is the
+        request's own 400 rather than a failed step. The default requires every key of
+        :attr:`extra_params` present in ``params.extra`` to be a finite number. Raises
+        :class:`~astrai.errors.RequestRejected` naming the parameter.
+        """
+        for key in self.extra_params:
+            value = params.extra.get(key, 0.0)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise RequestRejected(f"{key} must be a finite number, got {value!r}")
 
     @abstractmethod
     def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,7 +18,12 @@ from astrai.sampling.temperature import TemperatureStrategy
 from astrai.sampling.top_k import TopKStrategy
 from astrai.sampling.top_p import TopPStrategy
 
+if TYPE_CHECKING:
+    from astrai.plugins import PluginFailure
+
 __all__ = ["BUILTINS", "SamplingPipeline", "sample"]
+
+logger = logging.getLogger(__name__)
 
 BUILTINS: dict[str, type[SamplingStrategy]] = {
     "temperature": TemperatureStrategy,
@@ -29,18 +37,25 @@ class SamplingPipeline(SamplingStrategy):
     """Composes the strategies and draws one token per row.
 
     Order: penalties and logit bias, then the stages (Temperature -> Top-K -> Top-P),
-    then each extra strategy on the rows that selected it (``SamplingParams.strategy``)
-    or on every row when it is ``enabled``, then a draw from the softmax of the result.
-    Temperature 0 rows take the argmax of the penalised logits instead.
+    then each extra strategy on the rows that select it (``SamplingParams.strategy``
+    names it or ``SamplingParams.extra`` has its name as a key) or on every row when
+    it is ``enabled``, then a draw from the softmax of the result. Temperature 0 rows
+    take the argmax of the penalised logits instead.
 
     Args:
         stages: the strategies every row goes through; default the three built-ins.
         extra: plugin strategies, selectable per request by their ``name``.
-        enabled: names of extras that run on every row (from configuration).
+        enabled: names of extras that run on every row.
+        defaults: configured values of extra parameters (``{"min_p": 0.05}``), merged
+            under every request's ``extra`` by :meth:`prepare`; a default for an
+            extra's name thus selects it for every request that does not override it.
+        failures: sampling plugins that failed to load, by name: selecting one (by
+            ``strategy``, an ``extra`` key or a default) raises its error.
 
     Raises:
-        PluginError: an extra is not a SamplingStrategy, two share a name, or an enabled
-            name is not among the extras.
+        PluginError: an extra is not a SamplingStrategy, two share a name, an enabled
+            name is not among the extras, a default names no extra's parameter or a
+            failed plugin, or a default's value is invalid.
     """
 
     name = "pipeline"
@@ -50,6 +65,8 @@ class SamplingPipeline(SamplingStrategy):
         stages: Iterable[SamplingStrategy] | None = None,
         extra: Iterable[SamplingStrategy] = (),
         enabled: Iterable[str] = (),
+        defaults: Mapping[str, Any] | None = None,
+        failures: Mapping[str, PluginFailure] | None = None,
     ) -> None:
         self.stages = [cls() for cls in BUILTINS.values()] if stages is None else list(stages)
         self.extra: dict[str, SamplingStrategy] = {}
@@ -62,13 +79,28 @@ class SamplingPipeline(SamplingStrategy):
                     f"sampling strategy {type(strategy).__name__} has a missing or duplicate name {name!r}"
                 )
             self.extra[name] = strategy
+        self.failures = dict(failures or {})
         self.enabled = tuple(enabled)
         for name in self.enabled:
-            if name not in self.extra:
-                raise PluginError(
-                    f"sampling strategy {name!r} not found; misspelled or not installed? "
-                    f"Installed: {', '.join([*BUILTINS, *self.extra]) or 'none'}"
-                )
+            self._require(name, "sampling strategy")
+        self.defaults = dict(defaults or {})
+        for key in self.defaults:
+            if key not in self.extra_keys:
+                self._require(key, "sampling parameter")
+        try:
+            self.validate(SamplingParams(extra=self.defaults))
+        except RequestRejected as err:
+            raise PluginError(f"configured sampling defaults {self.defaults}: {err}") from err
+
+    def _require(self, name: str, what: str) -> None:
+        """Raise the failure of plugin ``name``, or PluginError when no extra is called ``name``."""
+        if name in self.failures:
+            raise self.failures[name].as_error() from self.failures[name].error
+        if name not in self.extra:
+            raise PluginError(
+                f"{what} {name!r} not found; misspelled or not installed? "
+                f"Installed: {', '.join([*BUILTINS, *self.extra]) or 'none'}"
+            )
 
     @classmethod
     def default(cls, extra: Iterable[SamplingStrategy] = (), enabled: Iterable[str] = ()) -> SamplingPipeline:
@@ -76,10 +108,26 @@ class SamplingPipeline(SamplingStrategy):
         return cls(None, extra, enabled)
 
     @classmethod
+    def discover(cls, defaults: Mapping[str, Any] | None = None) -> SamplingPipeline:
+        """The pipeline of every installed ``astrai.sampling`` strategy (see :meth:`from_strategies`).
+
+        Plugins that failed to load are logged and kept as ``failures``; raises their
+        error when ``defaults`` selects one.
+        """
+        from astrai.plugins import load_sampling_strategies
+
+        loaded = load_sampling_strategies()
+        for failure in loaded.failures.values():
+            logger.warning("sampling strategy skipped: %s", failure.describe())
+        return cls.from_strategies(loaded.classes, defaults=defaults, failures=loaded.failures)
+
+    @classmethod
     def from_strategies(
         cls,
         strategies: Mapping[str, SamplingStrategy | type[SamplingStrategy]],
         enabled: Iterable[str] = (),
+        defaults: Mapping[str, Any] | None = None,
+        failures: Mapping[str, PluginFailure] | None = None,
     ) -> SamplingPipeline:
         """Build from the ``astrai.sampling`` entry points (name -> class or instance).
 
@@ -100,14 +148,39 @@ class SamplingPipeline(SamplingStrategy):
                 )
             found[ep_name] = strategy
         stages = [found.pop(name, None) or builtin() for name, builtin in BUILTINS.items()]
-        return cls(stages, found.values(), enabled)
+        return cls(stages, found.values(), enabled, defaults, failures)
+
+    @property
+    def extra_keys(self) -> frozenset[str]:
+        """Every name and ``extra_params`` key of the extras: what ``SamplingParams.extra`` may set."""
+        return frozenset(key for s in self.extra.values() for key in (s.name, *s.extra_params))
+
+    def _selected(self, name: str, params: SamplingParams) -> bool:
+        return name in self.enabled or params.strategy == name or name in params.extra
+
+    def prepare(self, params: SamplingParams, vocab_size: int | None = None) -> SamplingParams:
+        """``params`` with the configured defaults merged under its ``extra``, validated.
+
+        Call once per request at admission. Returns ``params`` itself when there are no
+        defaults to add; raises as :meth:`validate`.
+        """
+        missing = {k: v for k, v in self.defaults.items() if k not in params.extra}
+        if missing:
+            params = dataclasses.replace(params, extra={**missing, **params.extra})
+        self.validate(params, vocab_size)
+        return params
 
     def validate(self, params: SamplingParams, vocab_size: int | None = None) -> None:
         """Reject a request this pipeline cannot serve (call at admission, not per step).
 
-        Raises RequestRejected for an unknown ``strategy`` or a ``logit_bias`` token id
-        outside ``[0, vocab_size)``.
+        Raises RequestRejected for an unknown ``strategy``, a ``logit_bias`` token id
+        outside ``[0, vocab_size)`` or an invalid parameter of a selected extra
+        (``SamplingStrategy.validate``); the plugin's PluginError when the request
+        selects a sampling plugin that failed to load.
         """
+        for name in (params.strategy, *params.extra):
+            if name in self.failures:
+                raise self.failures[name].as_error() from self.failures[name].error
         if (
             params.strategy is not None
             and params.strategy not in self.extra
@@ -117,6 +190,9 @@ class SamplingPipeline(SamplingStrategy):
                 f"sampling strategy {params.strategy!r} not found; available: "
                 f"{', '.join([*BUILTINS, *self.extra])}"
             )
+        for name, strategy in self.extra.items():
+            if self._selected(name, params):
+                strategy.validate(params)
         if vocab_size is not None and any(t >= vocab_size for t in params.logit_bias):
             raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab_size}")
 
@@ -181,9 +257,8 @@ class SamplingPipeline(SamplingStrategy):
     def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         for stage in self.stages:
             logits = stage.apply(logits, batch)
-        strategies = batch.strategies
         for name, strategy in self.extra.items():
-            rows = [s == name for s in strategies]
+            rows = [self._selected(name, p) for p in batch.params]  # host side: no tensor per row
             if name in self.enabled or all(rows):
                 logits = strategy.apply(logits, batch)
             elif any(rows):

@@ -16,7 +16,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from astrai.errors import RequestRejected
-from astrai.protocol import ChatResult, Prepared, ResponseBuilder, chat_prompt_ids, new_id, sse
+from astrai.protocol import (
+    ChatResult,
+    Prepared,
+    ResponseBuilder,
+    chat_prompt_ids,
+    new_id,
+    plugin_sampling,
+    sse,
+)
 from astrai.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,9 +75,9 @@ class ToolChoice(BaseModel):
 
 
 class MessagesRequest(BaseModel):
-    """The request body of ``POST /v1/messages`` (unknown fields are ignored)."""
+    """The request body of ``POST /v1/messages``; undeclared fields are kept for sampling plugins."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str = "astrai"
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -149,6 +157,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
             stop=[s for s in request.stop_sequences or [] if s],
+            extra=plugin_sampling(request),
         )
         return Prepared(
             request=request, prompt_ids=prompt_ids, params=params, stream=bool(request.stream), tools=tools,

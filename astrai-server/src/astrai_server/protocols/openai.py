@@ -26,6 +26,7 @@ from astrai.protocol import (
     context_limit,
     error_type_for,
     new_id,
+    plugin_sampling,
     sse,
 )
 from astrai.sampling import SamplingParams
@@ -88,9 +89,9 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """The request body of ``POST /v1/chat/completions`` (unknown fields are ignored)."""
+    """The request body of ``POST /v1/chat/completions``; undeclared fields are kept for sampling plugins."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str = "astrai"
     messages: list[Message] = Field(min_length=1)
@@ -175,6 +176,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
             presence_penalty=request.presence_penalty or 0.0,
             logit_bias=dict(request.logit_bias or {}),
             ignore_eos=request.ignore_eos,
+            extra=plugin_sampling(request),
         )
         include_usage = request.stream_options.include_usage if request.stream_options else True
         return Prepared(

@@ -1,0 +1,93 @@
+"""``astrai plugins`` and the plugin options of ``astrai serve``, run as a user runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def astrai(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "astrai.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_plugins_lists_every_group_with_distribution_version_and_status() -> None:
+    done = astrai("plugins", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {(r["group"], r["name"]): r for r in json.loads(done.stdout)}
+    expected = {
+        ("astrai.attention_backends", "torch_native"): "astrai-core",
+        ("astrai.protocols", "openai"): "astrai-server",
+        ("astrai.protocols", "ollama"): "astrai-ollama",
+        ("astrai.sampling", "top_p"): "astrai-core",
+        ("astrai.sampling", "min_p"): "astrai-min-p",
+        ("astrai.models", "qwen2"): "astrai-core",
+        ("astrai.plugins", "request_log"): "astrai-request-log",
+    }
+    for key, dist in expected.items():
+        assert rows[key]["distribution"] == dist and rows[key]["version"] == "0.1.0" and rows[key]["loaded"], key
+    assert rows["astrai.attention_backends", "torch_native"]["can_run"] is True
+    assert rows["astrai.protocols", "ollama"]["can_run"] is None  # only backends say whether they can run
+    broken = {key: r for key, r in rows.items() if r["distribution"] == "astrai-broken-plugin"}
+    assert set(broken) == {
+        ("astrai.protocols", "broken"), ("astrai.sampling", "not_a_strategy"),
+        ("astrai.models", "broken_arch"), ("astrai.plugins", "broken_hooks"),
+    }  # fmt: skip
+    assert not any(r["loaded"] for r in broken.values())
+    assert "needs libbroken" in broken["astrai.protocols", "broken"]["error"]
+    assert "not a subclass of astrai.sampling.base.SamplingStrategy" in broken["astrai.sampling", "not_a_strategy"]["error"]
+    assert "unknown hook 'astrai_request_finsihed'" in broken["astrai.plugins", "broken_hooks"]["error"]
+
+
+def test_plugins_table() -> None:
+    done = astrai("plugins")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["GROUP", "NAME", "DISTRIBUTION", "VERSION", "LOADED", "CAN", "RUN"]
+    assert any(line.split()[:6] == ["astrai.attention_backends", "torch_native", "astrai-core", "0.1.0", "yes", "yes"] for line in lines)
+    broken = lines.index(next(line for line in lines if line.split()[1:2] == ["broken"]))
+    assert lines[broken].split()[2:5] == ["astrai-broken-plugin", "0.1.0", "no"]
+    assert "error: ImportError: astrai-broken-plugin needs libbroken" in lines[broken + 1]
+    assert "hook plugin skipped" in done.stderr and "astrai-broken-plugin 0.1.0" in done.stderr  # reported, not fatal
+
+
+def test_hook_plugins_add_options_to_the_engine_commands() -> None:
+    for command in ("serve", "chat", "generate"):
+        done = astrai(command, "--help")
+        assert done.returncode == 0, done.stderr
+        plugin_section = done.stdout.split("plugin options:")[1]
+        assert "--request-log PATH" in plugin_section, command
+        assert "--sampling KEY=VALUE" in done.stdout
+
+
+def test_bad_sampling_configuration_stops_serve() -> None:
+    done = astrai("serve", "--sampling", "min_p=5", "--port", "0")
+    assert done.returncode == 2 and "min_p must be in [0, 1]" in done.stderr
+    done = astrai("serve", "--sampling", "not_a_strategy=1", "--port", "0")  # selects the broken plugin
+    assert done.returncode == 2 and "astrai-broken-plugin 0.1.0" in done.stderr
+
+
+def test_explicitly_selected_broken_protocol_stops_serve() -> None:
+    done = astrai("serve", "--protocols", "openai,broken", "--port", "0")
+    assert done.returncode == 2
+    assert "astrai serve: error:" in done.stderr and "astrai-broken-plugin 0.1.0" in done.stderr
+    assert "needs libbroken" in done.stderr
+
+
+@pytest.mark.slow
+def test_chat_takes_sampling_defaults_and_plugin_options(plugin_engine: Any, tmp_path: Path) -> None:
+    """``astrai chat --sampling min_p=1.0 --request-log PATH``: greedy for any seed, one line logged."""
+    question = "What is the capital of France?"
+    greedy = plugin_engine.chat([{"role": "user", "content": question}], temperature=0, max_tokens=12)
+    log = tmp_path / "requests.jsonl"
+    done = astrai("chat", question, "--dtype", "float32", "--max-tokens", "12", "--temperature", "1.0",
+                  "--seed", "5", "--sampling", "min_p=1.0", "--request-log", str(log))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == greedy + "\n"
+    (line,) = log.read_text().splitlines()
+    record = json.loads(line)
+    assert record["finish_reason"] in ("stop", "length") and record["completion_tokens"] <= 12
