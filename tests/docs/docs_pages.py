@@ -2,8 +2,8 @@
 
 A marker is a line ``<!-- kind -->`` or ``<!-- kind: argument -->``; the next non-blank
 lines are its block, either a fenced code block (its body) or a pipe table (its rows;
-a cell may not contain a pipe). The kinds are listed in ``KINDS``; an unknown kind is an
-error, so a typo never turns a checked block into an unchecked one.
+a pipe inside a cell must be inside a code span). The kinds are listed in ``KINDS``; an
+unknown kind is an error, so a typo never turns a checked block into an unchecked one.
 """
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 
 KINDS = {
-    "doctest": "a python block the tests execute",
+    "doctest": "a python block the tests execute (argument: a name; blocks of one page with the same "
+    "name share one namespace and run in order)",
+    "excerpt": "a code block found verbatim in a repository file (argument: its path from the repository "
+    "root); a line '# ...' separates pieces that appear in that order",
     "golden": "a block equal to what tests/docs/goldens.py generates under that name",
     "fields": "a table of a pydantic request model's fields (argument: module:Class)",
     "mapping": "a two-column table equal to a dict (argument: module:NAME)",
@@ -23,7 +27,15 @@ KINDS = {
     "status-map": "astrai_server.errors.STATUS_BY_ERROR, in order",
     "endpoints": "every route astrai-server mounts",
     "entry-point-groups": "astrai.plugins.GROUPS and what this repository registers in them",
-    "hooks": "the hooks of astrai.hookspecs",
+    "hooks": "the hooks of astrai.hookspecs (a cell 'name(arg, ...)' also gives their arguments)",
+    "plugin-groups": "astrai.plugins.GROUPS in order, with their constants and validators",
+    "dataclass-fields": "a dataclass's fields in order, with their annotations (argument: module:Class)",
+    "plugins-output": "lines of 'astrai plugins' output, compared with the real command's",
+    "serve-options": "every 'astrai serve' flag and ServerSettings field: type, default, range",
+    "cli-options": "every option of the 'astrai' command and of its chat, generate and plugins subcommands",
+    "serve-yaml": "a serve.yaml that load_settings reads as written (argument: hook-plugin options it "
+    "uses, comma-separated)",
+    "env-vars": "every ASTR*_ environment variable the distributions' sources name",
 }
 
 _MARKER = re.compile(r"^<!--\s*([a-z-]+)(?::\s*(\S+))?\s*-->\s*$")
@@ -58,7 +70,16 @@ def plain(cell: str) -> str:
 
 
 def _split_row(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
+    """A row's cells; a pipe inside a code span belongs to its cell, as Python-Markdown reads it."""
+    cells, current, in_code = [], [], False
+    for ch in line.strip().removeprefix("|").removesuffix("|"):
+        in_code ^= ch == "`"
+        if ch == "|" and not in_code:
+            cells.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    return [*cells, "".join(current).strip()]
 
 
 def _block_after(lines: list[str], i: int, block: Block) -> None:

@@ -10,18 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from docs_pages import DOCS, Block, all_blocks
+from docs_pages import DOCS, KINDS, ROOT, Block, all_blocks
 
 from astrai import hookspecs, plugins
-
-ROOT = DOCS.parent
 
 DOCTESTS = all_blocks("doctest")
 
 
 def test_markers_are_well_formed() -> None:
     blocks = all_blocks()  # raises on an unknown marker or a marker with no block
-    assert {b.kind for b in blocks} >= {"doctest", "golden", "fields", "entry-point-groups", "hooks"}
+    assert {b.kind for b in blocks} == set(KINDS), "every kind of marker is in use"
     for b in blocks:
         assert bool(b.rows) != bool(b.text), f"{b.where}: a marker takes one table or one code block"
     for b in DOCTESTS:
@@ -30,8 +28,11 @@ def test_markers_are_well_formed() -> None:
 
 @pytest.mark.parametrize("block", DOCTESTS, ids=[f"{b.page}:{b.line}" for b in DOCTESTS])
 def test_python_example_runs(block: Block) -> None:
-    code = compile(block.text, block.where, "exec")
-    exec(code, {"__name__": "__doctest__"})
+    """A block runs after the earlier blocks of its page that share its name, in one namespace."""
+    earlier = [b for b in DOCTESTS if b.argument and (b.page, b.argument) == (block.page, block.argument)]
+    namespace = {"__name__": "__doctest__"}
+    for b in [b for b in earlier if b.line < block.line] + [block]:
+        exec(compile(b.text, b.where, "exec"), namespace)
 
 
 def test_site_builds_strictly(tmp_path: Path) -> None:
@@ -79,9 +80,20 @@ def test_entry_point_groups_table_matches_the_pyprojects() -> None:
         assert documented or cell == "none", f"{block.where}: {group}"
 
 
-def test_hooks_table_lists_every_hookspec() -> None:
-    (block,) = all_blocks("hooks")
-    specs = sorted(
-        name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("astrai_")
-    )
-    assert sorted(r["Hook"] for r in block.records()) == specs
+HOOK_TABLES = all_blocks("hooks")
+
+
+@pytest.mark.parametrize("block", HOOK_TABLES, ids=[f"{b.page}:{b.line}" for b in HOOK_TABLES])
+def test_hooks_table_lists_every_hookspec(block: Block) -> None:
+    """Each hook once; a cell written ``name(arg, ...)`` names the hookspec's arguments exactly."""
+    specs = {
+        name: list(inspect.signature(fn).parameters)
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if name.startswith("astrai_")
+    }
+    cells = [re.fullmatch(r"(\w+)(?:\((.*)\))?", r["Hook"]) for r in block.records()]
+    assert all(cells), f"{block.where}: a Hook cell is a name or name(arg, ...)"
+    assert sorted(m[1] for m in cells) == sorted(specs), block.where
+    for m in cells:
+        if m[2] is not None:
+            assert [a.strip() for a in m[2].split(",")] == specs[m[1]], f"{block.where}: arguments of {m[1]}"
