@@ -17,7 +17,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests", "examples", "packaging", "lint", "docs"]
+nox.options.sessions = ["tests", "cuda_compile", "examples", "packaging", "lint", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -66,6 +66,14 @@ def tests(session: nox.Session, backend: str) -> None:
             session.skip(f"backend {backend!r} cannot run here: {reason}")
     args = session.posargs or BACKEND_TESTS[backend]
     session.run("python", "-m", "pytest", *args, env={"ASTR_BACKEND": backend})
+
+
+@nox.session
+def cuda_compile(session: nox.Session) -> None:
+    """Compile every CUDA kernel with nvcc for sm_80 and sm_90, warnings as errors (no GPU needed)."""
+    session.install(TORCH)
+    session.install("-e", "./astrai-core", "-e", "./astrai-backend-cuda")
+    session.run("python", "-m", "astrai_backend_cuda.compile_check")
 
 
 @nox.session

@@ -14,6 +14,7 @@ from astrai.kvcache import (
     assert_nothing_held,
     check_pool_invariants,
 )
+from astrai.kvcache.cache import DECODE_MAX_SPLITS
 
 N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 
@@ -196,8 +197,8 @@ def test_bind_tasks_matches_a_per_token_reference(name, q_lens, seq_lens):
     assert kv.q_lens_host == tuple(q_lens) and kv.seq_lens_host == tuple(seq_lens)
     assert kv.k_buffer is pool.k_buffer and kv.v_buffer is pool.v_buffer
     assert kv.req_to_token is pool.req_to_token and kv.plan == {}
-    assert kv.decode_o_part.shape == (3, N_HEADS, HEAD_DIM) and kv.decode_o_part.dtype == torch.float32
-    assert kv.decode_ml_part.shape == (3, N_HEADS) and kv.decode_ml_part.dtype == torch.float32
+    assert kv.decode_o_part.shape == (3, N_HEADS, DECODE_MAX_SPLITS, HEAD_DIM) and kv.decode_o_part.dtype == torch.float32
+    assert kv.decode_ml_part.shape == (3, N_HEADS, DECODE_MAX_SPLITS) and kv.decode_ml_part.dtype == torch.float32
     assert kv.decode_out.shape == (3, N_HEADS, HEAD_DIM) and kv.decode_out.dtype == torch.bfloat16
 
 

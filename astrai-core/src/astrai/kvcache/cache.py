@@ -9,6 +9,8 @@ import torch
 
 #: Query rows per prefill tile; ``q_tile_to_batch``/``q_tile_to_index`` are in these units.
 PREFILL_Q_TILE = 64
+#: Split-K partial slots per request and head in ``decode_o_part``/``decode_ml_part``.
+DECODE_MAX_SPLITS = 32
 
 
 @dataclass
@@ -37,8 +39,8 @@ class KVCache:
     qo_indptr: torch.Tensor  # [B + 1] int32: prefix sum of per-request q_len
     q_tile_to_batch: torch.Tensor  # [num_q_tiles] int32: prefill Q tile -> request
     q_tile_to_index: torch.Tensor  # [num_q_tiles] int32: prefill Q tile -> tile index within its request
-    decode_o_part: torch.Tensor  # [B, n_heads, head_dim] f32: decode split-K partial output
-    decode_ml_part: torch.Tensor  # [B, n_heads] f32: decode split-K partial max / log-sum
+    decode_o_part: torch.Tensor  # [B, n_heads, DECODE_MAX_SPLITS, head_dim] f32: split-K partial outputs
+    decode_ml_part: torch.Tensor  # [B, n_heads, DECODE_MAX_SPLITS] f32: split-K partial log-sum-exp
     decode_out: torch.Tensor  # [B, n_heads, head_dim] model dtype: decode output accumulator
     # Host-side facts, so no backend has to read a device tensor to learn them.
     max_q_len: int = 0  # max(q_len); 1 means a pure decode step

@@ -10,7 +10,7 @@ import torch
 
 from astrai.errors import CapacityExceeded
 from astrai.kvcache.allocator import Allocator
-from astrai.kvcache.cache import PREFILL_Q_TILE, KVCache
+from astrai.kvcache.cache import DECODE_MAX_SPLITS, PREFILL_Q_TILE, KVCache
 from astrai.kvcache.radix import RadixCache, RadixNode
 from astrai.kvcache.req_to_token import ReqToTokenPool
 from astrai.kvcache.storage import KVStorage
@@ -96,8 +96,10 @@ class PagePool:
         self._pages = self.req_to_token_pool.pages  # paged: each row's page ids in position order
         self._locks: list[RadixNode | None] = [None] * rows  # deepest radix node each row holds
         # allocated once, sliced per step: a decode step must not allocate.
-        self._decode_o_part = torch.zeros((rows, n_heads, head_dim), dtype=torch.float32, device=self.device)
-        self._decode_ml_part = torch.zeros((rows, n_heads), dtype=torch.float32, device=self.device)
+        # split-K partials of the CUDA decode kernel: DECODE_MAX_SPLITS slots per request and head.
+        partial = (rows, n_heads, DECODE_MAX_SPLITS)
+        self._decode_o_part = torch.zeros((*partial, head_dim), dtype=torch.float32, device=self.device)
+        self._decode_ml_part = torch.zeros(partial, dtype=torch.float32, device=self.device)
         self._decode_out = torch.zeros((rows, n_heads, head_dim), dtype=dtype, device=self.device)
         mode = ("paged, radix" if self.radix else "paged") if self.paged else "contiguous"
         logger.info("KV pool (%s): %d slots, page_size %d, %.1f MiB", mode, self.size, self.page_size,

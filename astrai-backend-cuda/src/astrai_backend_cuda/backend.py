@@ -1,0 +1,121 @@
+"""``CudaBackend``: paged decode and ragged paged prefill on astrai's own CUDA kernels.
+
+Decode steps (one token per request) are a single ``attn_paged_decode`` launch that
+writes the new K/V and attends straight from the pool through ``req_to_token``, split-K
+(the split count chosen per step from the batch, the longest sequence and the GPU's
+size); other steps write K/V with ``index_copy_`` and run ``attn_paged_prefill``.
+Nothing is gathered, nothing is allocated in decode, the device is never synchronised.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from astrai.errors import KernelUnavailable
+from astrai.extension import ops
+from astrai.extension.backend.base import AttentionBackend
+from astrai_backend_cuda.build import load_kernels
+from astrai_backend_cuda.plan import HEAD_DIMS, MAX_GROUP, decode_num_splits
+
+if TYPE_CHECKING:
+    from astrai.kvcache.cache import KVCache
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class CudaBackend(AttentionBackend):
+    """Attention on astrai's CUDA kernels; see ``AttentionBackend.forward``.
+
+    Handles bfloat16/float16 on CUDA devices of compute capability 8.0 or newer, head
+    dims 64 and 128, up to 16 query heads per KV head; ``supports()`` names what it
+    cannot handle so the policy falls back (automatic) or raises (explicit).
+    """
+
+    name = "cuda"
+    priority = 10
+    #: Device type of the tensors the ops accept.
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._slots: dict[
+            tuple[int, torch.dtype, int, int], tuple[int, int]
+        ] = {}  # (device, dtype, D, group)
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """A CUDA device of compute capability >= 8.0, and the kernels load (building them on first use)."""
+        if not torch.cuda.is_available():
+            return False, "no CUDA device (torch.cuda.is_available() is False)"
+        major, minor = torch.cuda.get_device_capability()
+        if major < 8:
+            return False, f"compute capability {major}.{minor}: the kernels need 8.0 (Ampere) or newer"
+        try:
+            load_kernels()
+        except KernelUnavailable as err:
+            return False, str(err)
+        return True, ""
+
+    def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
+        """None, or the first of: dtype, head_dim, head grouping, decode scratch shape, device (host facts only)."""
+        if q.dtype not in _DTYPES or kv_cache.k_buffer.dtype != q.dtype:
+            return f"dtype {q.dtype} (KV {kv_cache.k_buffer.dtype}) not supported: bfloat16 or float16"
+        head_dim, n_heads, n_kv = q.shape[-1], q.shape[1], kv_cache.k_buffer.shape[2]
+        if head_dim not in HEAD_DIMS:
+            return f"head_dim {head_dim} not supported ({', '.join(map(str, HEAD_DIMS))})"
+        if n_heads % n_kv or n_heads // n_kv > MAX_GROUP:
+            return (
+                f"{n_heads} query heads over {n_kv} KV heads not supported (at most {MAX_GROUP} per KV head)"
+            )
+        if kv_cache.decode_o_part.dim() != 4:
+            return "decode_o_part has no split dimension ([B, n_heads, splits, head_dim] expected)"
+        if q.device.type != self.device_type:
+            return f"device {q.device.type}"
+        return None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> torch.Tensor:
+        """Decode steps: one fused launch, result in ``kv_cache.decode_out``; others: write, then prefill."""
+        kv = kv_cache
+        if q.shape[0] == kv.req_pool_indices.shape[0]:  # T == B: every request brings one token
+            splits = kv.plan.get(self.name)
+            if splits is None:
+                splits = kv.plan[self.name] = self._decode_splits(q, kv)
+            return ops.attn_paged_decode(
+                q, k, v, kv.k_buffer, kv.v_buffer, layer_id, kv.req_to_token, kv.req_pool_indices,
+                kv.seq_lens, kv.out_cache_loc, kv.max_len, splits, kv.decode_o_part, kv.decode_ml_part,
+                kv.decode_out, scale,
+            )  # fmt: skip
+        kv.k_buffer[layer_id].index_copy_(0, kv.out_cache_loc, k)
+        kv.v_buffer[layer_id].index_copy_(0, kv.out_cache_loc, v)
+        return ops.attn_paged_prefill(
+            q, kv.k_buffer, kv.v_buffer, layer_id, kv.req_to_token, kv.req_pool_indices, kv.qo_indptr,
+            kv.kv_indptr, kv.q_tile_to_batch, kv.q_tile_to_index, scale,
+        )  # fmt: skip
+
+    def _decode_splits(self, q: torch.Tensor, kv: KVCache) -> int:
+        """The step's split count, from host facts and the (cached) size of the device."""
+        n_kv = kv.k_buffer.shape[2]
+        num_sms, blocks_per_sm = self._device_slots(q, q.shape[1] // n_kv)
+        return decode_num_splits(
+            q.shape[0], n_kv, kv.max_len, num_sms, blocks_per_sm, kv.decode_o_part.shape[2]
+        )
+
+    def _device_slots(self, q: torch.Tensor, group: int) -> tuple[int, int]:
+        """``(SM count, decode blocks per SM)`` of q's device for this shape, asked once per key."""
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        key = (device, q.dtype, q.shape[-1], group)
+        if key not in self._slots:
+            with torch.cuda.device(device):
+                blocks = torch.ops.astrai.paged_decode_blocks_per_sm(q.dtype, q.shape[-1], group)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self._slots[key] = (sms, max(1, blocks))
+        return self._slots[key]

@@ -1,0 +1,244 @@
+// attn_paged_prefill: causal attention of a ragged batch of query tiles over the paged pool.
+//
+// Grid (n_heads, num_q_tiles): one block per (head, 64-row Q tile); q_tile_to_batch and
+// q_tile_to_index name the tile's request and its tile index within the request. Request b's row j
+// sits at position kv_len - q_len + j (a request resuming after a prefix hit attends to its cached
+// positions) and sees positions 0 .. its own. Four warps own 16 query rows each. K/V tiles of 64
+// positions are gathered by slot through req_to_token with cp.async (double-buffered, slots fetched
+// a tile ahead) into XOR-swizzled shared memory; S = Q K^T and O += P V run on tensor cores
+// (mma.m16n8k16 with ldmatrix), the online softmax in float32 registers (FlashAttention-2 style).
+// Heads are the fastest grid dimension, so the heads of a GQA group, which read the same K/V
+// rows, run side by side and share them through L2.
+#include "common.cuh"
+#include "kernels.h"
+#include "ptx.cuh"
+
+namespace astrai {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTileQ = kPrefillTileQ;
+constexpr int kTileK = 64;
+static_assert(kTileQ == 16 * kThreads / 32, "each warp owns 16 query rows");
+
+template <int D>
+struct PrefillShape {
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kPassesQ = kTileQ / kRowsPerPass;
+  static constexpr int kPassesK = kTileK / kRowsPerPass;
+  static constexpr int kTileElems = kTileK * D;
+  static constexpr size_t kSmemBytes = size_t(kTileQ * D + 4 * kTileElems) * 2;  // Q, 2 x K, 2 x V
+  static_assert(kTileQ == kTileK, "Q and K/V tiles share the swizzled [64][D] layout");
+  static_assert(kChunks >= 8, "the swizzle permutes 8 chunks");
+};
+
+// Element offset of chunk c of `row` in a [64][D] tile; chunk ^ (row % 8) spreads the 8 rows an
+// ldmatrix reads over all banks.
+template <int D>
+__device__ __forceinline__ int tile_off(int row, int c) {
+  return row * D + ((c ^ (row & 7)) << 3);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillArgs a) {
+  using S = PrefillShape<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* qs = reinterpret_cast<T*>(smem);
+  T* ks = qs + kTileQ * D;
+  T* vs = ks + 2 * S::kTileElems;
+
+  const int hq = blockIdx.x, tile = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int b = a.q_tile_to_batch[tile];
+  const int row0 = a.q_tile_to_index[tile] * kTileQ;
+  const int q_start = a.qo_indptr[b], q_len = a.qo_indptr[b + 1] - q_start;
+  const int kv_len = a.kv_indptr[b + 1] - a.kv_indptr[b];
+  const int rows = imin(kTileQ, q_len - row0);
+  const int first_pos = kv_len - q_len + row0;  // position of the tile's row 0
+  if (rows <= 0 || first_pos < 0) return;       // a tile map or lengths outside the contract
+  const int kv_end = first_pos + rows;          // the tile's last row sees positions < kv_end
+  const int n_kv_tiles = ceil_div(kv_end, kTileK);
+  const int hkv = hq / (a.n_heads / a.n_kv_heads);
+  const int64_t slot_stride = int64_t(a.n_kv_heads) * D;
+  const int32_t* r2t = a.req_to_token + a.req_pool_indices[b] * a.req_to_token_stride;
+  const T* k_cache = static_cast<const T*>(a.k_cache) + hkv * D;
+  const T* v_cache = static_cast<const T*>(a.v_cache) + hkv * D;
+  const int lc = tid % S::kChunks, lr = tid / S::kChunks;  // loader: chunk, first row
+
+  {  // Q tile; rows past the request are zero-filled (computed, never stored)
+    const T* q = static_cast<const T*>(a.q) + int64_t(q_start + row0) * a.q_stride_t + int64_t(hq) * a.q_stride_h;
+#pragma unroll
+    for (int p = 0; p < S::kPassesQ; ++p) {
+      const int r = p * S::kRowsPerPass + lr;
+      cp_async_16(qs + tile_off<D>(r, lc), q + int64_t(r < rows ? r : 0) * a.q_stride_t + lc * 8, r < rows);
+    }
+  }
+  int slots[S::kPassesK];
+  auto fetch_slots = [&](int j) {
+#pragma unroll
+    for (int p = 0; p < S::kPassesK; ++p) {
+      const int pos = j * kTileK + p * S::kRowsPerPass + lr;
+      slots[p] = (j < n_kv_tiles && pos < kv_end) ? r2t[pos] : 0;
+    }
+  };
+  auto issue_kv = [&](int j) {
+    T* kd = ks + (j & 1) * S::kTileElems;
+    T* vd = vs + (j & 1) * S::kTileElems;
+#pragma unroll
+    for (int p = 0; p < S::kPassesK; ++p) {
+      const int r = p * S::kRowsPerPass + lr;
+      const bool valid = j * kTileK + r < kv_end;  // else zero-filled: finite, and masked
+      const int64_t off = int64_t(slots[p]) * slot_stride + lc * 8;
+      cp_async_16(kd + tile_off<D>(r, lc), k_cache + off, valid);
+      cp_async_16(vd + tile_off<D>(r, lc), v_cache + off, valid);
+    }
+  };
+  fetch_slots(0);
+  issue_kv(0);
+  cp_async_commit();
+  fetch_slots(1);
+
+  const int g = lane / 4, t4 = lane % 4;  // mma fragment coordinates
+  const int wrow = warp * 16;              // this warp's first row of the tile
+  const float sl2 = a.scale * kLog2e;
+  uint32_t qf[D / 16][4];
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, base-2 units
+  float l_run[2] = {0.f, 0.f};              // this lane's part of the row sums
+
+  for (int j = 0; j < n_kv_tiles; ++j) {
+    if (j + 1 < n_kv_tiles) {
+      issue_kv(j + 1);
+      fetch_slots(j + 2);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // Q and K/V tile j have landed
+    __syncthreads();
+    if (j == 0) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(qf[kk], qs + tile_off<D>(wrow + (lane % 8) + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
+    }
+    const T* kt = ks + (j & 1) * S::kTileElems;
+    const T* vt = vs + (j & 1) * S::kTileElems;
+
+    float s[kTileK / 8][4];  // S = Q K^T: 8 column blocks of 8 positions
+#pragma unroll
+    for (int n = 0; n < kTileK / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kTileK / 16; ++np) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, kt + tile_off<D>(np * 16 + (lane % 8) + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+        mma_16816<T>(s[2 * np], qf[kk], kb[0], kb[1]);
+        mma_16816<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
+      }
+    }
+
+    // Scale to base 2; mask positions after a row's own (and past kv_end) where the tile reaches them.
+    const bool masked = (j + 1) * kTileK - 1 > first_pos + wrow || (j + 1) * kTileK > kv_end;
+#pragma unroll
+    for (int n = 0; n < kTileK / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kv = j * kTileK + n * 8 + 2 * t4 + (e & 1);
+        const int pos = first_pos + wrow + g + 8 * (e >> 1);
+        s[n][e] = (masked && (kv > pos || kv >= kv_end)) ? -INFINITY : s[n][e] * sl2;
+      }
+
+    // Online softmax per row; tile 0 holds position 0, visible to every row, so m is finite.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kTileK / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      const float alpha = exp2f(m_run[r] - m_new);
+      m_run[r] = m_new;
+      l_run[r] *= alpha;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][2 * r] *= alpha;
+        o[n][2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int n = 0; n < kTileK / 8; ++n) {
+        s[n][2 * r] = exp2f(s[n][2 * r] - m_new);
+        s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - m_new);
+        l_run[r] += s[n][2 * r] + s[n][2 * r + 1];
+      }
+    }
+
+    // O += P V: the accumulators of two column blocks form one A fragment (P in T precision).
+#pragma unroll
+    for (int kt2 = 0; kt2 < kTileK / 16; ++kt2) {
+      const uint32_t pa[4] = {pack2<T>(s[2 * kt2][0], s[2 * kt2][1]), pack2<T>(s[2 * kt2][2], s[2 * kt2][3]),
+                              pack2<T>(s[2 * kt2 + 1][0], s[2 * kt2 + 1][1]),
+                              pack2<T>(s[2 * kt2 + 1][2], s[2 * kt2 + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vt + tile_off<D>(kt2 * 16 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
+        mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+        mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // buffer j & 1 is refilled at iteration j + 1
+  }
+
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(kFullMask, l, 1);
+    l += __shfl_xor_sync(kFullMask, l, 2);
+    inv[r] = 1.f / l;
+  }
+  // Stage the warp's 16 rows in its own rows of the Q tile, then store them 16 bytes at a time.
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      *reinterpret_cast<uint32_t*>(qs + tile_off<D>(wrow + g + 8 * r, n) + 2 * t4) =
+          pack2<T>(o[n][2 * r] * inv[r], o[n][2 * r + 1] * inv[r]);
+  __syncwarp();
+  T* out = static_cast<T*>(a.out) + int64_t(q_start + row0) * a.out_stride_t + int64_t(hq) * a.out_stride_h;
+  for (int i = lane; i < 16 * S::kChunks; i += 32) {
+    const int r = wrow + i / S::kChunks, c = i % S::kChunks;
+    if (r < rows)
+      *reinterpret_cast<uint4*>(out + int64_t(r) * a.out_stride_t + c * 8) =
+          *reinterpret_cast<const uint4*>(qs + tile_off<D>(r, c));
+  }
+}
+
+template <typename T, int D>
+cudaError_t run_prefill(const PrefillArgs& a, cudaStream_t stream) {
+  using S = PrefillShape<D>;
+  return launch(paged_prefill_kernel<T, D>, dim3(a.n_heads, a.num_q_tiles), dim3(kThreads), S::kSmemBytes,
+                S::kSmemBytes, stream, a);
+}
+
+}  // namespace
+
+cudaError_t paged_prefill(const PrefillArgs& a, DType dtype, cudaStream_t stream) {
+  if (a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads) return cudaErrorInvalidValue;
+  if (a.num_q_tiles == 0) return cudaSuccess;
+  const bool bf16 = dtype == DType::kBFloat16;
+  switch (a.head_dim) {
+    case 64: return bf16 ? run_prefill<__nv_bfloat16, 64>(a, stream) : run_prefill<__half, 64>(a, stream);
+    case 128: return bf16 ? run_prefill<__nv_bfloat16, 128>(a, stream) : run_prefill<__half, 128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace astrai

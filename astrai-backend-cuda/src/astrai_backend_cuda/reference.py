@@ -1,0 +1,90 @@
+"""Pure-PyTorch reference of each compiled op: the same arguments, the same writes, float32 math.
+
+Each function has the contract of its ``astrai.extension.ops`` namesake (see there),
+including what it mutates: the decode reference writes the new K/V into the pool, every
+split's partial output and log-sum-exp at the kernel's split boundaries (``plan``), and
+the combined output; the prefill reference writes only the rows of the listed Q tiles.
+It runs on any device and synchronises freely (it is for tests and checks, not speed).
+The kernels differ from it only by rounding: float32 accumulation order, base-2
+exponentials, and (prefill) probabilities rounded to the storage type before P.V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from astrai.kvcache.cache import PREFILL_Q_TILE
+from astrai_backend_cuda.plan import decode_split_range
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float):
+    """Float32 attention of ``q [n, Hq, D]`` over ``keys``/``values [L, Hkv, D]`` where ``allowed [n, L]``.
+
+    Returns ``(o [n, Hq, D], lse [n, Hq])``; a row with nothing allowed gets ``o = 0``, ``lse = -inf``.
+    """
+    group = q.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1)
+    v = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->nhl", q.float(), k) * scale
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    p = torch.exp(scores - torch.where(torch.isinf(m), 0.0, m))
+    l = p.sum(-1)  # noqa: E741 - the softmax denominator's usual name
+    o = torch.einsum("nhl,lhd->nhd", p, v) / torch.where(l > 0, l, 1.0)[..., None]
+    return o, m[..., 0] + torch.log(l)
+
+
+def attn_paged_decode(
+    q, new_k, new_v, k_buffer, v_buffer, layer_id, req_to_token, req_pool_indices, seq_lens,
+    out_cache_loc, max_len, num_splits, o_part, ml_part, out, scale,
+) -> torch.Tensor:  # fmt: skip
+    """Reference of ``ops.attn_paged_decode``: pool write, split-K partials, combine into ``out``."""
+    k_layer, v_layer = k_buffer[layer_id], v_buffer[layer_id]
+    k_layer.index_copy_(0, out_cache_loc, new_k.to(k_layer.dtype))
+    v_layer.index_copy_(0, out_cache_loc, new_v.to(v_layer.dtype))
+    rows = req_pool_indices.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        slots = req_to_token[rows[b], :seq_len].long()
+        keys, values = k_layer[slots], v_layer[slots]
+        pos = torch.arange(seq_len, device=q.device)
+        for s in range(num_splits):
+            start, end = decode_split_range(max_len, num_splits, s, seq_len)
+            allowed = ((pos >= start) & (pos < end))[None, :]
+            o, lse = _attend(q[b : b + 1], keys, values, allowed, scale)
+            o_part[b, :, s] = o[0]
+            ml_part[b, :, s] = lse[0]
+    lse = ml_part[:, :, :num_splits]
+    w = torch.exp(lse - lse.amax(-1, keepdim=True))
+    combined = (w[..., None] * o_part[:, :, :num_splits]).sum(2) / w.sum(-1)[..., None]
+    return out.copy_(combined)
+
+
+def attn_paged_prefill(
+    q, k_buffer, v_buffer, layer_id, req_to_token, req_pool_indices, qo_indptr, kv_indptr,
+    q_tile_to_batch, q_tile_to_index, scale, out=None,
+) -> torch.Tensor:  # fmt: skip
+    """Reference of ``ops.attn_paged_prefill``: causal attention tile by tile, offset ``kv_len - q_len``."""
+    out = torch.empty_like(q) if out is None else out
+    k_layer, v_layer = k_buffer[layer_id], v_buffer[layer_id]
+    qo, kv, rows = qo_indptr.tolist(), kv_indptr.tolist(), req_pool_indices.tolist()
+    for b, tile in zip(q_tile_to_batch.tolist(), q_tile_to_index.tolist(), strict=True):
+        q_start, q_len, kv_len = qo[b], qo[b + 1] - qo[b], kv[b + 1] - kv[b]
+        r0, r1 = tile * PREFILL_Q_TILE, min((tile + 1) * PREFILL_Q_TILE, q_len)
+        if r1 <= r0 or kv_len < q_len:
+            continue  # outside the contract: the kernel writes nothing either
+        positions = torch.arange(kv_len - q_len + r0, kv_len - q_len + r1, device=q.device)
+        slots = req_to_token[rows[b], : int(positions[-1]) + 1].long()
+        allowed = torch.arange(len(slots), device=q.device)[None, :] <= positions[:, None]
+        o, _ = _attend(q[q_start + r0 : q_start + r1], k_layer[slots], v_layer[slots], allowed, scale)
+        out[q_start + r0 : q_start + r1] = o.to(out.dtype)
+    return out
+
+
+def rotary_emb(x: torch.Tensor, freqs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``ops.rotary_emb``: pairs ``(x[2i], x[2i+1])`` times ``cos_i + j sin_i`` in float32."""
+    out = torch.empty_like(x) if out is None else out
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = freqs[..., None, :, 0].float(), freqs[..., None, :, 1].float()
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    return out.copy_(rotated)
