@@ -1,6 +1,7 @@
 """Engine benchmark: astrai vs HF transformers ``generate`` on the default model, same dtype.
 
-Prints one JSON object. Three workloads, each run for both systems in this process:
+Prints one JSON object. Three workloads; astrai and transformers each run in a fresh process
+of this script, one after the other:
 
 - offline: N requests (prompts of mixed length), M new tokens each, all submitted at once;
   output tokens/s; transformers runs one left-padded batched ``generate``.
@@ -17,6 +18,8 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -126,54 +129,85 @@ def _prefix_ttft(model, tokenizer, prefix_caching: bool, n_req: int, prefix_len:
         engine.shutdown()
 
 
+def _astrai_side(args, dtype, n_req: int, new_tok: int, only: set[str]) -> dict:
+    model, tokenizer = load_model(None, dtype=dtype)
+    out: dict = {"model": model.config.name}
+    engine = InferenceEngine(model, tokenizer, EngineConfig())
+    try:
+        _run_astrai(engine, _prompts(tokenizer, 2, 16, 32), 4)  # warm-up
+        if "offline" in only:
+            out["offline"] = _run_astrai(engine, _prompts(tokenizer, n_req, 32, 512), new_tok)
+        if "single" in only:
+            out["single"] = _decode_rate_astrai(engine, _prompts(tokenizer, 1, 32, 32)[0], new_tok)
+    finally:
+        engine.shutdown()
+    if "prefix" in only:
+        n_pref = 4 if args.quick else 16
+        on = _prefix_ttft(model, tokenizer, True, n_pref, 1000)
+        off = _prefix_ttft(model, tokenizer, False, n_pref, 1000)
+        out["prefix"] = {"requests": n_pref, "prefix_tokens": 1000, "ttft_cached_s": on,
+                         "ttft_uncached_s": off, "ratio": off / on}
+    return out
+
+
+def _hf_side(dtype, n_req: int, new_tok: int, only: set[str]) -> dict:
+    import transformers
+
+    from astrai.model.tokenizer import Tokenizer
+
+    _, path = resolve_model(None)
+    tokenizer = Tokenizer.from_gguf(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True).eval()
+    pad = tokenizer.eos_token_ids[0]
+    out: dict = {}
+    _run_hf(hf, _prompts(tokenizer, 2, 16, 32), 4, pad)  # warm-up
+    if "offline" in only:
+        out["offline"] = _run_hf(hf, _prompts(tokenizer, n_req, 32, 512), new_tok, pad)
+    if "single" in only:
+        out["single"] = _decode_rate_hf(hf, _prompts(tokenizer, 1, 32, 32)[0], new_tok, pad)
+    return out
+
+
+def _run_side(side: str) -> dict:
+    """Re-run this script for one system in a fresh process; its JSON result."""
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
     ap.add_argument("--only", default="offline,single,prefix", help="comma-separated workloads to run")
+    ap.add_argument("--side", choices=["astrai", "transformers"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     n_req, new_tok = (8, 32) if args.quick else (32, 128)
+    only = set(args.only.split(","))
+    if args.side == "astrai":
+        print(json.dumps(_astrai_side(args, dtype, n_req, new_tok, only)))
+        return
+    if args.side == "transformers":
+        print(json.dumps(_hf_side(dtype, n_req, new_tok, only)))
+        return
 
-    import transformers
-
-    model, tokenizer = load_model(None, dtype=dtype)
-    _, path = resolve_model(None)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True).eval()
-    pad = model.config.eos_token_ids[0]
-
+    # Each system in its own process, one after the other: no shared OpenMP teams or
+    # allocator state (see astrai.cpu_tuning), and neither runs while the other does.
+    a, h = _run_side("astrai"), _run_side("transformers")
     summary: dict = {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                     "dtype": args.dtype, "model": model.config.name}
-    engine = InferenceEngine(model, tokenizer, EngineConfig())
-    try:
-        # warm-up both
-        _run_astrai(engine, _prompts(tokenizer, 2, 16, 32), 4)
-        _run_hf(hf, _prompts(tokenizer, 2, 16, 32), 4, pad)
-
-        only = set(args.only.split(","))
-        prompts = _prompts(tokenizer, n_req, 32, 512)
-        a = h = None
-        if "offline" in only:
-            a = _run_astrai(engine, prompts, new_tok)
-            h = _run_hf(hf, prompts, new_tok, pad)
-            summary["offline"] = {"requests": n_req, "new_tokens": new_tok, "astrai": a, "transformers": h,
-                                  "ratio": a["tokens_per_s"] / h["tokens_per_s"]}
-        if "single" in only:
-            single = _prompts(tokenizer, 1, 32, 32)[0]
-            ra = _decode_rate_astrai(engine, single, new_tok)
-            rh = _decode_rate_hf(hf, single, new_tok, pad)
-            summary["single"] = {"astrai_tokens_per_s": ra, "transformers_tokens_per_s": rh, "ratio": ra / rh}
-    finally:
-        engine.shutdown()
-
-    if "prefix" in args.only.split(","):
-        n_pref = 4 if args.quick else 16
-        on = _prefix_ttft(model, tokenizer, True, n_pref, 1000)
-        off = _prefix_ttft(model, tokenizer, False, n_pref, 1000)
-        summary["prefix"] = {"requests": n_pref, "prefix_tokens": 1000, "ttft_cached_s": on,
-                             "ttft_uncached_s": off, "ratio": off / on}
+                     "dtype": args.dtype, "model": a["model"]}
+    if "offline" in only:
+        summary["offline"] = {"requests": n_req, "new_tokens": new_tok, "astrai": a["offline"],
+                              "transformers": h["offline"],
+                              "ratio": a["offline"]["tokens_per_s"] / h["offline"]["tokens_per_s"]}
+    if "single" in only:
+        summary["single"] = {"astrai_tokens_per_s": a["single"], "transformers_tokens_per_s": h["single"],
+                             "ratio": a["single"] / h["single"]}
+    if "prefix" in only:
+        summary["prefix"] = a["prefix"]
     print(json.dumps(summary, indent=2))
 
 

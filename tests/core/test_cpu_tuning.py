@@ -25,3 +25,18 @@ def test_tune_malloc_is_a_no_op_off_linux(monkeypatch):
         assert cpu_tuning.tune_malloc() is False
     finally:
         cpu_tuning.tune_malloc.cache_clear()
+
+
+def test_run_off_thread_returns_the_result_from_another_thread():
+    import threading
+
+    caller = threading.get_ident()
+    assert cpu_tuning.run_off_thread(lambda a, b: (a + b, threading.get_ident() != caller), 2, 3) == (5, True)
+
+
+def test_run_off_thread_raises_the_workers_exception():
+    def fail():
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        cpu_tuning.run_off_thread(fail)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from astrai.cpu_tuning import tune_malloc
+from astrai.cpu_tuning import run_off_thread, tune_malloc
 from astrai.extension.backend.policy import context_backend
 from astrai.kvcache import KVConfig, PagePool
 from astrai.kvcache.storage import KVStorage
@@ -115,12 +115,15 @@ class InferenceEngine:
         self._stop_lock = threading.Lock()
         mc = model.config
         param = next(model.parameters())
-        if param.device.type == "cpu":
-            tune_malloc()  # keep freed step temporaries mapped: see astrai.cpu_tuning
-        self.pool = PagePool(
+        pool_args = (
             mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-            self.config.kv_config(mc, param.dtype), dtype=param.dtype, device=param.device,
-        )
+            self.config.kv_config(mc, param.dtype), param.dtype, param.device,
+        )  # fmt: skip
+        if param.device.type == "cpu":  # see astrai.cpu_tuning for both
+            tune_malloc()  # keep freed step temporaries mapped
+            self.pool = run_off_thread(PagePool, *pool_args)  # zero-filling the pool uses OpenMP
+        else:
+            self.pool = PagePool(*pool_args)
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
         # Built only when someone listens: the scheduler then just queues a small record per request.
         self._hooks = HookThread(self.plugins) if self.plugins.has_impls("astrai_request_finished") else None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from astrai.cpu_tuning import run_off_thread
 from astrai.model.architecture import Architecture, get_architecture
 from astrai.model.config import ModelConfig
 from astrai.model.cpu_linear import prepack_linears, prepack_supported
@@ -59,11 +60,19 @@ def load_model(
     :func:`default_dtype` for ``device``. Raises ``ModelNotFound`` (with the
     install command for the default model) when the weights are missing.
     """
+    dtype = dtype or default_dtype(device)
+    if torch.device(device).type == "cpu":  # keep the caller's thread free of OpenMP teams
+        return run_off_thread(_load, name_or_path, dtype, device)
+    return _load(name_or_path, dtype, device)
+
+
+def _load(
+    name_or_path: str | None, dtype: torch.dtype, device: str | torch.device
+) -> tuple[LlamaForCausalLM, Tokenizer]:
     from astrai.model.gguf_loader import load_gguf
     from astrai.model.hf_loader import load_hf
     from astrai.model.resolve import resolve_model
 
-    dtype = dtype or default_dtype(device)
     kind, path = resolve_model(name_or_path)
     start = time.perf_counter()
     if kind == "gguf":
