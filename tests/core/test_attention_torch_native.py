@@ -127,9 +127,11 @@ def test_decode_with_equal_lengths_needs_no_mask():
     assert kv.plan["torch_native"].decode.mask is None
 
 
-def test_fresh_equal_prompts_use_plain_causal():
-    kv = run_and_check([12] * 3, [0] * 3, 1, 3, 64, torch.float32, seed=3)
-    assert kv.plan["torch_native"].decode is None and kv.plan["torch_native"].prefill.is_causal
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fresh_prompts_attend_to_their_own_kv(dtype):
+    kv = run_and_check([12, 30, 5], [0, 0, 0], 1, 3, 64, dtype, seed=3)
+    plan = kv.plan["torch_native"]
+    assert plan.fresh == ((0, 12), (12, 30), (42, 5)) and plan.decode is None and plan.prefill is None
 
 
 def test_long_prompt_among_decodes_runs_apart_from_them():
@@ -145,8 +147,9 @@ def test_decodes_interleaved_with_prompts_of_different_lengths():
     kv = run_and_check(q_lens, prefix, 2, 3, 64, torch.bfloat16, seed=10, layers=(0, 1))
     plan = kv.plan["torch_native"]
     assert plan.decode.tok_rows.tolist() == [0, 24, 95, 96, 102]
-    # 70 and 23 query rows share tiles: one request spans several
-    assert plan.prefill.kv_slots.shape[0] > 3
+    assert plan.fresh == ((1, 23),)  # the only prompt without a cached prefix
+    # the chunks of 70 and 5 rows after cached positions share the tiled path
+    assert plan.prefill.tok_rows.tolist() == list(range(25, 95)) + list(range(97, 102))
 
 
 def test_without_host_facts():

@@ -1,16 +1,20 @@
 """``TorchNativeBackend``: K/V gathered through ``req_to_token``, attention in plain PyTorch.
 
 Runs anywhere PyTorch runs (any dtype, device and head dim), so it is the
-always-available fallback. A step's ragged batch is split in two on the host:
+always-available fallback. A step's ragged batch is split in three on the host:
 
-- decode rows (``q_len == 1``): K/V gathered into ``[B, kv_heads, L, D]`` and two
-  batched matmuls in float32 (GQA as ``[B, kv_heads, group, D]`` queries), with an
-  additive length mask. For one query row per request this is several times faster
-  than SDPA's CPU kernel, and float32 scores are more accurate than bf16 ones;
-- prefill rows: cut into query tiles of ``C`` rows (a long prompt spans several),
-  padded into ``[E, heads, C, D]`` queries over ``[E, kv_heads, max_len, D]`` keys
-  with an additive causal mask, ``E`` = number of tiles, one SDPA call. ``C`` is
-  the candidate that minimises padded rows plus K/V gathers.
+- decode rows (``q_len == 1``): K/V gathered head-major into ``[kv_heads * B, L, D]``
+  and two batched matmuls (GQA as ``group`` query rows per K/V head), float32 up to
+  ``_DECODE_F32_POSITIONS`` positions and the model dtype beyond, softmax in float32,
+  with an additive length mask. For one query row per request this is several times
+  faster than SDPA's CPU kernel;
+- fresh prompts (no cached prefix): one causal SDPA call per prompt over this step's own
+  K/V, no gather and no mask (the causal kernel skips the blocks above the diagonal);
+- the other prefill rows (chunks after cached positions): cut into query tiles of ``C``
+  rows (a long chunk spans several), padded into ``[E, heads, C, D]`` queries over
+  ``[E, kv_heads, max_len, D]`` keys with an additive causal mask, ``E`` = number of
+  tiles, one SDPA call. ``C`` is the candidate that minimises padded rows plus K/V
+  gathers.
 
 The indices and masks depend only on the step, so they are built once, on the
 first layer, and kept in ``kv_cache.plan["torch_native"]`` for the others.
@@ -55,15 +59,15 @@ class _DecodePlan(NamedTuple):
 class _PrefillPlan(NamedTuple):
     tok_rows: torch.Tensor | None  # [Tp] token rows of these requests; None: all rows, in order
     kv_slots: torch.Tensor  # [E, L] int64
-    mask: torch.Tensor | None  # [E, 1, C, L] q dtype additive; None with is_causal
-    is_causal: bool  # fresh equal prompts: SDPA's own causal mask suffices
+    mask: torch.Tensor  # [E, 1, C, L] q dtype additive
     q_rows: torch.Tensor  # [E * C] int64: row of q for each padded query row
     out_rows: torch.Tensor  # [Tp] int64: padded output row of each of these tokens
 
 
 class _StepPlan(NamedTuple):
-    decode: _DecodePlan | None
-    prefill: _PrefillPlan | None
+    decode: _DecodePlan | None  # requests with one new token
+    fresh: tuple[tuple[int, int], ...]  # (first row, rows) of prompts with no cached prefix
+    prefill: _PrefillPlan | None  # the other prefill requests (chunks after cached positions)
 
 
 def _subset(kv: KVCache, pick: torch.Tensor | None) -> _Subset:
@@ -140,31 +144,33 @@ def _prefill_plan(kv: KVCache, sub: _Subset, whole: bool, dtype: torch.dtype) ->
     req_of_tok = torch.repeat_interleave(torch.arange(n_req, device=device), sub.q_len, output_size=n_tok)
     local_tok = torch.arange(n_tok, device=device) - (torch.cumsum(sub.q_len, 0) - sub.q_len)[req_of_tok]
     out_rows = first_entry[req_of_tok] * size + local_tok
-    fresh = (
-        sub.uniform
-        and size == sub.max_q == sub.max_len
-        and sub.q_lens_host is not None
-        and bool((sub.q_lens_host == sub.max_q).all())
-    )
     # An additive mask in q's dtype: SDPA would otherwise convert a boolean one in every layer.
     hidden = torch.tensor(float("-inf"), dtype=dtype, device=device)
-    mask = None if fresh else torch.where(allowed, torch.zeros((), dtype=dtype, device=device), hidden)[:, None]
+    mask = torch.where(allowed, torch.zeros((), dtype=dtype, device=device), hidden)[:, None]
     tok_rows = None if whole else sub.q_start[req_of_tok] + local_tok
-    return _PrefillPlan(tok_rows, kv_slots[entry_req], mask, fresh, q_rows, out_rows)
+    return _PrefillPlan(tok_rows, kv_slots[entry_req], mask, q_rows, out_rows)
 
 
 def _plan(kv: KVCache, dtype: torch.dtype) -> _StepPlan:
-    """Split the step into decode and prefill requests (on the host) and plan each part."""
+    """Split the step on the host into decodes, fresh prompts and the rest; plan each part."""
     if kv.max_q_len == 1:
-        return _StepPlan(_decode_plan(kv, _subset(kv, None), whole=True), None)
+        return _StepPlan(_decode_plan(kv, _subset(kv, None), whole=True), (), None)
     if not kv.q_lens_host:  # no host facts: everything through the tiled path, one tile each
-        return _StepPlan(None, _prefill_plan(kv, _subset(kv, None), True, dtype))
-    is_decode = torch.tensor(kv.q_lens_host) == 1
-    if not bool(is_decode.any()):
-        return _StepPlan(None, _prefill_plan(kv, _subset(kv, None), True, dtype))
-    decode = _decode_plan(kv, _subset(kv, is_decode.nonzero()[:, 0]), whole=False)
-    prefill = _prefill_plan(kv, _subset(kv, (~is_decode).nonzero()[:, 0]), False, dtype)
-    return _StepPlan(decode, prefill)
+        return _StepPlan(None, (), _prefill_plan(kv, _subset(kv, None), True, dtype))
+    q_lens, seq_lens = torch.tensor(kv.q_lens_host), torch.tensor(kv.seq_lens_host)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    is_decode = q_lens == 1
+    is_fresh = (q_lens == seq_lens) & ~is_decode
+    is_tiled = ~(is_decode | is_fresh)
+    decode = None
+    if bool(is_decode.any()):
+        decode = _decode_plan(kv, _subset(kv, is_decode.nonzero()[:, 0]), whole=bool(is_decode.all()))
+    fresh = tuple(zip(starts[is_fresh].tolist(), q_lens[is_fresh].tolist(), strict=True))
+    prefill = None
+    if bool(is_tiled.any()):
+        whole = bool(is_tiled.all())
+        prefill = _prefill_plan(kv, _subset(kv, None if whole else is_tiled.nonzero()[:, 0]), whole, dtype)
+    return _StepPlan(decode, fresh, prefill)
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -209,7 +215,6 @@ def _prefill_attention(q, k_buf, v_buf, plan: _PrefillPlan, scale: float) -> tor
         keys.to(q.dtype),
         values.to(q.dtype),
         attn_mask=plan.mask,
-        is_causal=plan.is_causal,
         scale=scale,
         enable_gqa=n_heads != keys.shape[1],
     )
@@ -252,11 +257,25 @@ class TorchNativeBackend(AttentionBackend):
         plan = kv_cache.plan.get(self.name)
         if plan is None:
             plan = kv_cache.plan[self.name] = _plan(kv_cache, q.dtype)
-        if plan.prefill is None:
+        parts = (plan.decode is not None) + len(plan.fresh) + (plan.prefill is not None)
+        if parts == 1 and plan.decode is not None:
             return _decode_attention(q, k_buf, v_buf, plan.decode, scale)
-        prefill = _prefill_attention(q, k_buf, v_buf, plan.prefill, scale)
-        if plan.decode is None:
-            return prefill
+        if parts == 1 and plan.prefill is not None:
+            return _prefill_attention(q, k_buf, v_buf, plan.prefill, scale)
         out = torch.empty_like(q)
-        out.index_copy_(0, plan.decode.tok_rows, _decode_attention(q, k_buf, v_buf, plan.decode, scale))
-        return out.index_copy_(0, plan.prefill.tok_rows, prefill)
+        if plan.decode is not None:
+            out.index_copy_(0, plan.decode.tok_rows, _decode_attention(q, k_buf, v_buf, plan.decode, scale))
+        # A prompt with no cached prefix attends only to this step's own K/V: no gather, no
+        # mask, and SDPA's causal kernel skips the blocks above the diagonal. One call per
+        # prompt (a step holds few; vLLM's CPU backend does the same).
+        for start, n in plan.fresh:
+            rows = slice(start, start + n)
+            # [1, heads, n, D] views: SDPA's fused CPU kernel wants 4-D inputs (3-D ones take
+            # the unfused math path)
+            out[rows] = F.scaled_dot_product_attention(
+                *(x[rows].to(q.dtype).transpose(0, 1)[None] for x in (q, k, v)),
+                is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+            )[0].transpose(0, 1)  # fmt: skip
+        if plan.prefill is not None:
+            out.index_copy_(0, plan.prefill.tok_rows, _prefill_attention(q, k_buf, v_buf, plan.prefill, scale))
+        return out
