@@ -85,6 +85,30 @@ def test_tool_call_comes_back_as_tool_use(anthropic_client: Any) -> None:
     assert final.stop_reason == "tool_use"
 
 
+ANSWERED = [
+    *ONE_SHOT[:2],
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "12 degrees, cloudy"}]},
+    {"role": "assistant", "content": "It is 12 degrees and cloudy in London."},
+    {"role": "user", "content": "Is Rome sunny right now?"},
+]
+
+
+def test_tool_choice_any_or_tool_makes_the_answer_a_tool_use(anthropic_client: Any) -> None:
+    kw = {"model": "astrai", "max_tokens": 40, "messages": ANSWERED, "tools": [WEATHER], "extra_body": GREEDY}
+    free = anthropic_client.messages.create(**kw)
+    assert free.stop_reason == "end_turn" and [b.type for b in free.content] == ["text"]
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        m = anthropic_client.messages.create(**kw, tool_choice=choice)
+        assert m.stop_reason == "tool_use" and m.stop_sequence is None
+        assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == [("get_weather", {"city": "Rome"})]
+    with anthropic_client.messages.stream(**kw, tool_choice={"type": "any"}) as s:
+        final = s.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [("get_weather", {"city": "Rome"})]
+    prefilled = [*ANSWERED, {"role": "assistant", "content": "Let me check"}]
+    with pytest.raises(anthropic.BadRequestError, match="cannot continue a prefilled assistant turn"):
+        anthropic_client.messages.create(**{**kw, "messages": prefilled}, tool_choice={"type": "any"})
+
+
 def test_errors_are_typed_sdk_exceptions(anthropic_client: Any, engine: Any, keyed_url: str, api_key: str) -> None:
     long = [{"role": "user", "content": "hello " * 1100}]
     with pytest.raises(anthropic.BadRequestError) as info:

@@ -69,6 +69,40 @@ def test_streamed_tool_call_is_never_sent_as_text(fakes: Any) -> None:
     assert anthropic[8]["delta"]["stop_reason"] == "tool_use"
 
 
+def test_required_tool_call_is_opened_in_the_prompt_and_ends_at_the_closing_tag(fakes: Any) -> None:
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
+    call = fakes.Script(['{"city": ', '"Rome"}}'], finish="stop_sequence", stop_sequence="</tool_call>")
+    junk = fakes.Script(["I think", " not"], finish="stop_sequence", stop_sequence="</tool_call>")
+    engine = fakes.FakeEngine([call, junk, call, junk], ctx=512)
+    msg = [{"role": "user", "content": "x"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with fakes.serve_app(create_app(ServerSettings(), engine)) as url:
+        ok = _post(url, CHAT, {"messages": msg, "tools": TOOLS, "tool_choice": named}).json()
+        bad = _post(url, CHAT, {"messages": msg, "tools": TOOLS, "tool_choice": "required"}).json()
+        body = {"messages": msg, "tools": [{"name": "get_weather"}], "tool_choice": {"type": "any"}, "stream": True}
+        streamed = _events(_post(url, "/v1/messages", body).text)
+        body["tool_choice"] = {"type": "tool", "name": "get_weather"}
+        streamed_bad = _events(_post(url, "/v1/messages", body).text)
+    plain = engine.tokenizer.encode(engine.tokenizer.render(msg) + "\nassistant:")  # without the tools' description
+    for prompt, params in engine.submitted:
+        assert prompt[-len(engine.tokenizer.encode(opening)):] == engine.tokenizer.encode(opening) and len(prompt) > len(plain)
+        assert params.stop == ["</tool_call>"]
+    (choice,) = ok["choices"]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None)
+    fn = choice["message"]["tool_calls"][0]["function"]
+    assert (fn["name"], json.loads(fn["arguments"])) == ("get_weather", {"city": "Rome"})
+    assert ok["usage"]["completion_tokens"] == 2
+    # not a call after all: the answer is text, opening included, and the closing tag is no client stop string
+    assert bad["choices"][0]["finish_reason"] == "stop"
+    assert bad["choices"][0]["message"] == {"role": "assistant", "content": opening + "I think not"}
+    blocks = [e["content_block"] for e in streamed if isinstance(e, dict) and e["type"] == "content_block_start"]
+    assert blocks[1]["type"] == "tool_use" and blocks[1]["name"] == "get_weather"
+    assert streamed[-3]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    text = "".join(e["delta"]["text"] for e in streamed_bad if isinstance(e, dict) and e["type"] == "content_block_delta")
+    assert text == opening + "I think not"
+    assert streamed_bad[-3]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+
+
 @pytest.mark.parametrize("path", [CHAT, "/v1/messages"])
 def test_engine_failure_is_reported_in_the_protocol_shape(fakes: Any, path: str) -> None:
     fail = RuntimeError("CUDA exploded at /secret/path.py line 3")

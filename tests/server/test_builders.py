@@ -12,7 +12,7 @@ from astrai.errors import RequestRejected
 from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder, ToolCall, chat_prompt_ids, sse
 from astrai_server.protocols.anthropic import AnthropicResponseBuilder, MessagesRequest
 from astrai_server.protocols.openai import ChatCompletionRequest, OpenAIResponseBuilder
-from astrai_server.tools import ToolCallStreamFilter, parse_tool_calls
+from astrai_server.tools import ToolCallStreamFilter, call_opening, parse_tool_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
@@ -115,6 +115,44 @@ def test_tool_choice_selects_tools(fake_engine: Any) -> None:
     assert chosen.tools == [other]
     with pytest.raises(RequestRejected, match="'nope'"):
         _openai(fake_engine, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_tool_choice_that_requires_a_call(fake_engine: Any) -> None:
+    other = {"type": "function", "function": {"name": "other"}}
+    named = {"type": "function", "function": {"name": "other"}}
+    assert [_openai(fake_engine, tools=[WEATHER, other], tool_choice=c).tool_call_required for c in ("auto", "none", "required", named)] == [
+        False, False, True, True]  # fmt: skip
+    assert _openai(fake_engine).tool_call_required is False
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    choices = [None, {"type": "auto"}, {"type": "none"}, {"type": "any"}, {"type": "tool", "name": "get_weather"}]
+    assert [_anthropic(fake_engine, tools=tools, tool_choice=c).tool_call_required for c in choices] == [False, False, False, True, True]
+    prefilled = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "Let me see"}]
+    with pytest.raises(RequestRejected, match="'any' cannot continue a prefilled assistant turn"):
+        _anthropic(fake_engine, messages=prefilled, tools=tools, tool_choice={"type": "any"})
+
+
+class _Template:
+    def __init__(self, chat_template: str | None) -> None:
+        self.chat_template = chat_template
+
+
+def test_call_opening_only_in_the_tool_call_format() -> None:
+    ignores_tools, hermes = _Template("{{ messages }}"), _Template("{% if tools %}<tool_call>{% endif %}")
+    for tok in (ignores_tools, hermes, _Template(None)):
+        assert call_opening(tok, None) == "<tool_call>\n"
+        assert call_opening(tok, "get_weather") == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert call_opening(_Template('{% if tools %}{"name": ...}{% endif %}'), "get_weather") == ""  # Llama 3 style
+
+
+def test_stream_filter_continues_an_opening_from_the_prompt() -> None:
+    opening = call_opening(_Template(None), "get_weather")
+    f = ToolCallStreamFilter(NAMES, opening)
+    assert [f.push(p) for p in ['{"city"', ': "Rome"}}']] == ["", ""]
+    held, calls = f.finish()
+    assert held == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
+    g = ToolCallStreamFilter(NAMES, opening)
+    assert g.push("nonsense") == ""
+    assert g.finish() == (opening + "nonsense", [])  # not a call: the whole answer, opening included, as text
 
 
 def _prepared(builder: ResponseBuilder, n: int = 1, **state: Any) -> Prepared:

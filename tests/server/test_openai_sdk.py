@@ -121,6 +121,33 @@ def test_tool_call_comes_back_as_tool_calls(openai_client: Any) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+# The weather came back and was answered: asked about another city, the model answers from thin air
+# ("Yes, Rome is sunny right now.") unless the request requires a call.
+ANSWERED = [
+    *ONE_SHOT[:2],
+    {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees, cloudy"},
+    {"role": "assistant", "content": "It is 12 degrees and cloudy in London."},
+    {"role": "user", "content": "Is Rome sunny right now?"},
+]
+
+
+def test_tool_choice_required_or_named_makes_the_answer_a_call(openai_client: Any) -> None:
+    kw = {"model": "astrai", "messages": ANSWERED, "tools": [WEATHER], "max_tokens": 40, "temperature": 0}
+    free = openai_client.chat.completions.create(**kw).choices[0]
+    assert free.finish_reason == "stop" and free.message.tool_calls is None and "Rome" in free.message.content
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        (forced,) = openai_client.chat.completions.create(**kw, tool_choice=choice).choices
+        assert forced.finish_reason == "tool_calls" and forced.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in forced.message.tool_calls] == [
+            ("get_weather", {"city": "Rome"})]  # fmt: skip
+    chunks = list(openai_client.chat.completions.create(**kw, tool_choice=named, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    deltas = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == [("get_weather", {"city": "Rome"})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
 def test_errors_are_typed_sdk_exceptions(openai_client: Any, engine: Any, keyed_url: str, api_key: str) -> None:
     long = [{"role": "user", "content": "hello " * 1100}]
     with pytest.raises(openai.BadRequestError) as info:

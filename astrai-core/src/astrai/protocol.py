@@ -80,7 +80,10 @@ class Prepared:
     ``max_tokens_explicit`` False lets the handler shorten ``params.max_tokens``
     to what the context has room for (a defaulted value must not reject a
     request); an explicit value that cannot fit is a 400. ``tools`` non-empty
-    makes the handler parse tool calls out of the generated text.
+    makes the handler parse tool calls out of the generated text;
+    ``tool_call_required`` (OpenAI ``"required"`` or a named function, Anthropic
+    ``any`` or ``tool``) makes it open a call at the end of the prompt, naming the
+    tool when ``tools`` holds just one, so that the answer is a call.
     ``state`` is the builder's own per-request scratch space.
     """
 
@@ -90,6 +93,7 @@ class Prepared:
     stream: bool = False
     n: int = 1
     tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_call_required: bool = False
     max_tokens_explicit: bool = True
     response_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))

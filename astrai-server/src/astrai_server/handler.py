@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from astrai.errors import EngineNotReady, RequestRejected
 from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder, context_limit
 from astrai_server.errors import public_message, status_for
-from astrai_server.tools import ToolCallStreamFilter, parse_tool_calls
+from astrai_server.tools import CLOSE, ToolCallStreamFilter, call_opening, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,23 @@ class ProtocolHandler:
     def start(self, request: BaseModel) -> _Run:
         """Prepare and submit every choice. Raises RequestRejected (400) or EngineNotReady (503)."""
         prepared = self.builder.prepare(request, self.engine)
+        opening = self._open_tool_call(prepared)
         self._check_limits(prepared)
-        run = _Run(self.engine, prepared, asyncio.get_running_loop())
+        run = _Run(self.engine, prepared, asyncio.get_running_loop(), opening)
         run.submit()
         return run
+
+    def _open_tool_call(self, p: Prepared) -> str:
+        """A request that must call a tool: end its prompt with the opening of a call, stop at the
+        closing tag; returns the opening ("" when not required, or the template's format is another)."""
+        if not (p.tool_call_required and p.tools):
+            return ""
+        tokenizer = self.engine.tokenizer
+        opening = call_opening(tokenizer, p.tools[0]["function"]["name"] if len(p.tools) == 1 else None)
+        if opening:
+            p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
+            p.params = dataclasses.replace(p.params, stop=[*p.params.stop, CLOSE])
+        return opening
 
     def _check_limits(self, p: Prepared) -> None:
         limit, n_prompt = context_limit(self.engine), len(p.prompt_ids)
@@ -110,13 +123,13 @@ async def _abort_on(disconnected: Disconnect, run: _Run) -> None:
 class _Run:
     """The ``n`` engine requests of one HTTP request, and their events on the event loop."""
 
-    def __init__(self, engine: Any, prepared: Prepared, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Any, prepared: Prepared, loop: asyncio.AbstractEventLoop, opening: str = "") -> None:
         self.engine, self.prepared, self.loop = engine, prepared, loop
         self.queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
         self.results: list[Any] = []
         names = {t["function"]["name"] for t in prepared.tools}
-        self.filters = [ToolCallStreamFilter(names) for _ in range(prepared.n)] if names else None
-        self.names = names
+        self.filters = [ToolCallStreamFilter(names, opening) for _ in range(prepared.n)] if names else None
+        self.names, self.opening = names, opening  # opening: the start of a call that the prompt ends with
         self._held: list[str] = [""] * prepared.n  # set by result(): text a filter held that was no call
 
     def _post(self, item: tuple[int, str | None]) -> None:
@@ -165,14 +178,16 @@ class _Run:
             if r.error is not None:
                 raise r.error
             reason = getattr(r.finish_reason, "value", r.finish_reason)
-            text, calls = r.text, []
+            text, calls, stop_sequence = self.opening + r.text, [], r.stop_sequence
             if self.filters:
                 self._held[i], calls = self.filters[i].finish()
                 text = parse_tool_calls(text, self.names)[0] if calls else text
+            if self.opening and stop_sequence == CLOSE:  # the forced call's end, not the client's stop
+                reason, stop_sequence = "stop", None
             choices.append(
                 Choice(
                     index=i, text=text, finish_reason="tool_calls" if calls else reason,
-                    completion_tokens=r.completion_tokens, stop_sequence=r.stop_sequence, tool_calls=calls,
+                    completion_tokens=r.completion_tokens, stop_sequence=stop_sequence, tool_calls=calls,
                 )
             )  # fmt: skip
         return ChatResult(choices=choices, prompt_tokens=len(self.prepared.prompt_ids))

@@ -9,6 +9,11 @@ Recognised (what Hermes, Qwen2/2.5, SmolLM and most open chat templates use):
 
 A call whose name is not one of the request's tools is not a tool call: the
 text stays text. Protocol-neutral: builders receive ``astrai.protocol.ToolCall``.
+
+A request that must call a tool gets the opening of a ``<tool_call>`` appended to
+its prompt (``call_opening``) and stops at the closing tag: the model can only
+continue a call (there is no grammar-constrained decoding, so a model can still
+write one that does not parse; that answer then comes back as text).
 """
 
 from __future__ import annotations
@@ -19,6 +24,21 @@ from typing import Any
 from astrai.protocol import ToolCall, new_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def call_opening(tokenizer: Any, name: str | None) -> str:
+    """The start of a tool call to append to a prompt whose answer must be one ("" if not enforceable).
+
+    ``<tool_call>`` and a newline, then ``{"name": <name>, "arguments": `` when the tool is known.
+    Only in the ``<tool_call>`` format: the one ``chat_prompt_ids`` describes to a template that
+    ignores tools, or that the template uses itself. A template that teaches another format
+    (Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``) gets "": the choice is then not enforced.
+    """
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if "tools" in template and OPEN not in template:
+        return ""
+    head = OPEN + "\n"
+    return head + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ' if name else head
 
 
 def _calls_from_json(obj: Any, names: set[str]) -> list[ToolCall] | None:
@@ -82,14 +102,15 @@ class ToolCallStreamFilter:
     ``push(piece)`` returns the text that can be sent now: everything before a
     ``<tool_call>`` tag (or before a trailing prefix of it), nothing once the
     output is inside a call or starts with a JSON object. ``finish()`` returns
-    ``(held text to send as plain text, tool calls)``.
+    ``(held text to send as plain text, tool calls)``. ``opening``: the part of a
+    call that the prompt already holds (see ``call_opening``); the output continues it.
     """
 
-    def __init__(self, names: set[str]) -> None:
+    def __init__(self, names: set[str], opening: str = "") -> None:
         self.names = names
         self.sent = ""  # text already released
-        self.held = ""  # text not released yet
-        self.capturing = False  # a call (tag or leading JSON) has begun
+        self.held = opening  # text not released yet
+        self.capturing = bool(opening)  # a call (tag or leading JSON) has begun
 
     def push(self, piece: str) -> str:
         self.held += piece

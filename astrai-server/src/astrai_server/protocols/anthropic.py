@@ -148,6 +148,9 @@ class AnthropicResponseBuilder(ResponseBuilder):
         prefill = ""
         if messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
             prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace; we trim it
+        required = bool(tools) and request.tool_choice is not None and request.tool_choice.type in ("any", "tool")
+        if required and prefill:
+            raise RequestRejected(f"tool_choice {request.tool_choice.type!r} cannot continue a prefilled assistant turn")
         prompt_ids = chat_prompt_ids(tok, messages, tools)
         if prefill:
             prompt_ids += tok.encode(prefill, add_special_tokens=False)
@@ -161,8 +164,8 @@ class AnthropicResponseBuilder(ResponseBuilder):
         )
         return Prepared(
             request=request, prompt_ids=prompt_ids, params=params, stream=bool(request.stream), tools=tools,
-            max_tokens_explicit="max_tokens" in request.model_fields_set, response_id=new_id("msg_"),
-            model=request.model,
+            tool_call_required=required, max_tokens_explicit="max_tokens" in request.model_fields_set,
+            response_id=new_id("msg_"), model=request.model,
         )  # fmt: skip
 
     def format_stream_start(self, prepared: Prepared) -> list[str]:

@@ -179,10 +179,11 @@ class OpenAIResponseBuilder(ResponseBuilder):
             extra=plugin_sampling(request),
         )
         include_usage = request.stream_options.include_usage if request.stream_options else True
+        required = bool(tools) and (request.tool_choice == "required" or isinstance(request.tool_choice, dict))
         return Prepared(
             request=request, prompt_ids=list(prompt_ids), params=params, stream=bool(request.stream),
-            n=request.n or 1, tools=tools, max_tokens_explicit=explicit, response_id=new_id("chatcmpl-"),
-            model=request.model, state={"include_usage": include_usage},
+            n=request.n or 1, tools=tools, tool_call_required=required, max_tokens_explicit=explicit,
+            response_id=new_id("chatcmpl-"), model=request.model, state={"include_usage": include_usage},
         )  # fmt: skip
 
     def __init__(self, model_name: str = "astrai") -> None:
