@@ -5,7 +5,8 @@ of this script, one after the other:
 
 - offline: N requests (prompts of mixed length), M new tokens each, all submitted at once;
   output tokens/s; transformers runs one left-padded batched ``generate``.
-- single: one request, decode tokens/s (time after the first token); median of 3 runs.
+- single: one request, decode tokens/s (time after the first token); 3 fresh processes per
+  system, alternating, medians compared.
 - prefix: K requests sharing a long system prompt; mean time to first token with the
   prefix cache vs with it disabled (astrai only: the ratio is the cache's effect).
 
@@ -57,8 +58,9 @@ def _prompts(tokenizer, count: int, lo: int, hi: int, seed: int = 0) -> list[lis
     return out
 
 
-#: The single-request decode rate is measured this many times per system; the median is reported
-#: (one short run swings by several percent on a shared machine).
+#: The single-request decode rate is measured in this many fresh processes per system, astrai and
+#: transformers alternating, and the medians are compared: on a shared machine the rate of one short
+#: run drifts by 10% and more over minutes, and alternating spreads that drift over both systems.
 SINGLE_RUNS = 3
 
 
@@ -145,7 +147,7 @@ def _astrai_side(args, dtype, n_req: int, new_tok: int, only: set[str]) -> dict:
             out["offline"] = _run_astrai(engine, _prompts(tokenizer, n_req, 32, 512), new_tok)
         if "single" in only:
             prompt = _prompts(tokenizer, 1, 32, 32)[0]
-            out["single"] = [_decode_rate_astrai(engine, prompt, new_tok) for _ in range(SINGLE_RUNS)]
+            out["single"] = _decode_rate_astrai(engine, prompt, new_tok)
     finally:
         engine.shutdown()
     if "prefix" in only:
@@ -173,13 +175,14 @@ def _hf_side(dtype, n_req: int, new_tok: int, only: set[str]) -> dict:
         out["offline"] = _run_hf(hf, _prompts(tokenizer, n_req, 32, 512), new_tok, pad)
     if "single" in only:
         prompt = _prompts(tokenizer, 1, 32, 32)[0]
-        out["single"] = [_decode_rate_hf(hf, prompt, new_tok, pad) for _ in range(SINGLE_RUNS)]
+        out["single"] = _decode_rate_hf(hf, prompt, new_tok, pad)
     return out
 
 
-def _run_side(side: str) -> dict:
-    """Re-run this script for one system in a fresh process; its JSON result."""
-    cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side]
+def _run_side(side: str, args: argparse.Namespace, only: set[str]) -> dict:
+    """Re-run this script for one system and the workloads ``only`` in a fresh process; its JSON result."""
+    cmd = [sys.executable, __file__, "--dtype", args.dtype, "--only", ",".join(sorted(only)), "--side", side]
+    cmd += ["--quick"] if args.quick else []
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
 
@@ -204,7 +207,14 @@ def main() -> None:
 
     # Each system in its own process, one after the other: no shared OpenMP teams or
     # allocator state (see astrai.cpu_tuning), and neither runs while the other does.
-    a, h = _run_side("astrai"), _run_side("transformers")
+    batch = only - {"single"}
+    a = _run_side("astrai", args, batch) if batch else {}
+    h = _run_side("transformers", args, batch) if batch else {}
+    if "single" in only:
+        pairs = [(_run_side("astrai", args, {"single"}), _run_side("transformers", args, {"single"}))
+                 for _ in range(SINGLE_RUNS)]
+        a = {**pairs[0][0], **a, "single": [x["single"] for x, _ in pairs]}
+        h = {**h, "single": [y["single"] for _, y in pairs]}
     summary: dict = {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                      "dtype": args.dtype, "model": a["model"]}
     if "offline" in only:
