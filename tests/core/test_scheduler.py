@@ -121,6 +121,46 @@ def test_prefix_cache_hits_through_the_scheduler(tiny_engine, tiny_model, refere
     assert again.output_ids == reference(tiny_model, first, 5)
 
 
+def test_requests_sharing_a_prefix_being_computed_wait_for_its_pages(tiny_model, tiny_tokenizer, reference, pool_guard):
+    rec = Recorder(tiny_model)
+    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), max_prefill_tokens=32, eos_token_ids=[EOS])
+    shared = prompt(17)  # 4 complete pages of 4, and one token more
+    a, b, c, d = shared + [50, 51], shared + [60], shared + [70, 71, 72], prompt(10, start=80)
+    results = [submit(sched, tiny_tokenizer, p, max_tokens=4) for p in (a, b, c, d)]
+    run_until_done(sched, results)
+    # step 1: A computes the shared pages; B and C wait for them (D shares nothing and is admitted);
+    # step 2: A and D decode, B and C start after the 16 shared positions, now a cache hit
+    assert [s[0] for s in rec.steps[:2]] == [(19, 10), (1, 1, 2, 4)]
+    assert rec.steps[1][2][2:] == (16, 17, 16, 17, 18, 19)
+    assert sched.counters["prefix_hit_tokens"] == 32
+    for p, r in zip((a, b, c, d), results, strict=True):
+        assert r.output_ids == reference(tiny_model, p, 4)
+    assert_nothing_held(sched.pool)
+
+
+def test_a_request_sharing_only_a_short_head_does_not_wait(tiny_model, tiny_tokenizer, reference, pool_guard):
+    rec = Recorder(tiny_model)
+    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), max_prefill_tokens=32, eos_token_ids=[EOS])
+    shared = prompt(17)
+    a, e = shared + [50, 51], shared[:4] + prompt(16, start=31)  # e shares one page of its 20 tokens
+    results = [submit(sched, tiny_tokenizer, p, max_tokens=3) for p in (a, e)]
+    run_until_done(sched, results)
+    assert rec.steps[0][0] == (19, 13)  # both admitted at once; e's prompt fills the rest of the budget
+    assert [r.output_ids for r in results] == [reference(tiny_model, a, 3), reference(tiny_model, e, 3)]
+    assert_nothing_held(sched.pool)
+
+
+def test_without_prefix_caching_sharers_do_not_wait(tiny_model, tiny_tokenizer, reference, pool_guard):
+    rec = Recorder(tiny_model)
+    pool = make_pool(tiny_model, pool_guard, prefix_caching=False)
+    sched = InferenceScheduler(rec, pool, max_prefill_tokens=64, eos_token_ids=[EOS])
+    shared = prompt(17)
+    results = [submit(sched, tiny_tokenizer, shared + [60 + i], max_tokens=2) for i in range(3)]
+    run_until_done(sched, results)
+    assert rec.steps[0][0] == (18, 18, 18)
+    assert_nothing_held(sched.pool)
+
+
 def test_prefix_caching_off_and_contiguous_mode_give_the_same_tokens(tiny_engine, tiny_model, reference):
     prompts = [prompt(9), prompt(9)[:8] + [40], prompt(3)]
     for engine in (tiny_engine(prefix_caching=False), tiny_engine(paged=False, max_seq_len=64)):

@@ -2,7 +2,9 @@
 
 Each step runs the spec's four phases. ``_cleanup`` records finished requests'
 materialized pages into the radix and frees them; ``_refill`` admits waiting
-requests (resuming prefill after their longest cached prefix); ``_decode`` and
+requests (resuming prefill after their longest cached prefix; one whose prompt is
+mostly a prefix that a running request is computing right now waits for those
+pages, recorded after every prefill chunk, instead of computing them twice); ``_decode`` and
 ``_prefill`` plan this step's rows: every decoding request brings one token at
 its own position, prefilling requests bring chunks under ``max_prefill_tokens``.
 All rows go through the model as ONE flattened ragged batch, and only the rows
@@ -195,6 +197,9 @@ class InferenceScheduler:
         skipped: list[Request] = []
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting.popleft()
+            if self._sharer_computing(req):  # admitted next step, onto the sharer's recorded pages
+                skipped.append(req)
+                continue
             # one forward runs under one attention backend: a request that chose another waits
             mismatch = bool(self.running) and req.backend != self.running[0].backend
             if mismatch or req.tried_epoch == self._free_epoch or not self._admit(req):
@@ -253,6 +258,8 @@ class InferenceScheduler:
             return
         for req, q in zip(reqs, q_lens, strict=True):
             req.num_computed += q
+            if q > 1:  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
+                self.pool.record(req.req_idx, req.tokens[: req.num_computed])
         self.counters["total_tokens"] += len(sampled)
         for req, token in zip(sampled, next_ids, strict=True):
             try:
@@ -308,6 +315,24 @@ class InferenceScheduler:
             req.admitted_at, req.cached_tokens = time.perf_counter(), min(hit, len(req.prompt_ids))
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         return True
+
+    def _sharer_computing(self, req: Request) -> bool:
+        """Whether a running request is still computing complete pages of at least half of ``req``'s prompt.
+
+        Admitting ``req`` once they are recorded makes them a cache hit; admitting it now would
+        compute them twice (SGLang's in-batch prefix caching does the same). A shorter shared
+        head (a chat template's default system prompt) is not worth a step of waiting.
+        """
+        if self.pool.radix is None:
+            return False
+        page = self.pool.page_size
+        for other in self.running:
+            if other.remaining <= 1:  # decoding: its prompt's pages are recorded already
+                continue
+            shared = _common_pages(req.tokens, other.tokens, page) * page
+            if 2 * shared >= len(req.tokens) and other.num_computed < shared:
+                return True
+        return False
 
     def _grow(self, req: Request, want: int) -> int:
         """Extend ``req`` towards ``want`` positions; returns the end it could get (all-or-part)."""
@@ -382,3 +407,15 @@ class InferenceScheduler:
             "prefix_hit_tokens": self.counters["prefix_hit_tokens"],
             "preemptions": self.counters["preemptions"],
         }
+
+
+def _common_pages(a: list[int], b: list[int], page: int) -> int:
+    """Complete pages that ``a[:-1]`` (what a prefix match may cover) and ``b`` share from the start."""
+    lo, hi = 0, min(len(a) - 1, len(b)) // page
+    while lo < hi:  # binary search on slice equality: C-speed comparisons, log(pages) of them
+        mid = (lo + hi + 1) // 2
+        if a[: mid * page] == b[: mid * page]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
