@@ -8,7 +8,9 @@ of this script, one after the other:
 - single: one request, decode tokens/s (time after the first token); 3 fresh processes per
   system, alternating, medians compared.
 - prefix: K requests sharing a long system prompt; mean time to first token with the
-  prefix cache vs with it disabled (astrai only: the ratio is the cache's effect).
+  prefix cache vs with it disabled (astrai only: the ratio is the cache's effect); and the
+  same K requests arriving together on a prompt the cache has not seen (cold burst: the
+  first computes the shared pages, the others wait for them).
 
 Usage: python benchmarks/engine_bench.py [--dtype bfloat16] [--quick]
 """
@@ -123,14 +125,16 @@ def _decode_rate_hf(hf, prompt: list[int], new_tokens: int, pad_id: int) -> floa
     return (new_tokens - 1) / ((t2 - t1) - (t1 - t0))
 
 
-def _prefix_ttft(model, tokenizer, prefix_caching: bool, n_req: int, prefix_len: int) -> float:
+def _prefix_ttft(model, tokenizer, prefix_caching: bool, n_req: int, prefix_len: int, warm: bool = True) -> float:
+    """Mean TTFT of ``n_req`` requests sharing a ``prefix_len``-token system prompt, submitted at once;
+    ``warm``: one request with that prompt has finished before them (else they arrive cold, together)."""
     cfg = EngineConfig(prefix_caching=prefix_caching)
     engine = InferenceEngine(model, tokenizer, cfg)
     try:
         system = _token_pool(tokenizer, prefix_len)
         users = _prompts(tokenizer, n_req, 8, 24, seed=1)
-        warm = engine.submit(system + users[0], SamplingParams(max_tokens=1, temperature=0.0))
-        warm.wait_completion()
+        if warm:
+            engine.submit(system + users[0], SamplingParams(max_tokens=1, temperature=0.0)).wait_completion()
         res = _run_astrai(engine, [system + u for u in users], 4)
         return res["mean_ttft_s"]
     finally:
@@ -154,8 +158,10 @@ def _astrai_side(args, dtype, n_req: int, new_tok: int, only: set[str]) -> dict:
         n_pref = 4 if args.quick else 16
         on = _prefix_ttft(model, tokenizer, True, n_pref, 1000)
         off = _prefix_ttft(model, tokenizer, False, n_pref, 1000)
+        cold = _prefix_ttft(model, tokenizer, True, n_pref, 1000, warm=False)
         out["prefix"] = {"requests": n_pref, "prefix_tokens": 1000, "ttft_cached_s": on,
-                         "ttft_uncached_s": off, "ratio": off / on}
+                         "ttft_uncached_s": off, "ratio": off / on,
+                         "ttft_cold_burst_s": cold, "cold_burst_ratio": off / cold}
     return out
 
 
