@@ -254,13 +254,21 @@ class TorchNativeBackend(AttentionBackend):
         k_buf.index_copy_(0, kv_cache.out_cache_loc, k.to(k_buf.dtype))
         v_buf.index_copy_(0, kv_cache.out_cache_loc, v.to(v_buf.dtype))
 
+        return self._attend_step(q, k, v, k_buf, v_buf, kv_cache, scale)
+
+    def _attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
+        """Attention of every row of the step, once its K/V are written (subclasses may take rows over)."""
         plan = kv_cache.plan.get(self.name)
         if plan is None:
             plan = kv_cache.plan[self.name] = _plan(kv_cache, q.dtype)
-        parts = (plan.decode is not None) + len(plan.fresh) + (plan.prefill is not None)
-        if parts == 1 and plan.decode is not None:
+        return self._attend(q, k, v, k_buf, v_buf, plan, scale)
+
+    @staticmethod
+    def _attend(q, k, v, k_buf, v_buf, plan: _StepPlan, scale: float) -> torch.Tensor:
+        """Attention of the rows ``plan`` covers (K/V already written); other rows are left unset."""
+        if plan.decode is not None and plan.decode.tok_rows is None:  # every row decodes
             return _decode_attention(q, k_buf, v_buf, plan.decode, scale)
-        if parts == 1 and plan.prefill is not None:
+        if plan.prefill is not None and plan.prefill.tok_rows is None:  # every row is a tiled prefill row
             return _prefill_attention(q, k_buf, v_buf, plan.prefill, scale)
         out = torch.empty_like(q)
         if plan.decode is not None:
