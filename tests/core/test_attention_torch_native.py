@@ -72,10 +72,11 @@ def reference(q, k, v, k_old, v_old, slots, q_lens, prefix_lens, scale):
     return torch.cat(outs)
 
 
-def run_and_check(q_lens, prefix_lens, n_kv_heads, group, head_dim, dtype, seed, layers=(1,)):
+def run_and_check(q_lens, prefix_lens, n_kv_heads, group, head_dim, dtype, seed, layers=(1,), backend=None):
+    """``backend`` (default ``TorchNativeBackend()``) against ``reference``; returns the KVCache."""
     gen = torch.Generator().manual_seed(seed)
     kv, slots = make_step(q_lens, prefix_lens, n_kv_heads, head_dim, dtype, gen)
-    backend = TorchNativeBackend()
+    backend = backend or TorchNativeBackend()
     scale = head_dim**-0.5
     # bf16: inputs are the same bf16 values in both paths, but SDPA rounds the probabilities
     # and the output to bf16 (relative step 2**-8), so compare at ~2 bf16 ulps of an O(1) value.

@@ -1,0 +1,105 @@
+"""Building and loading the CPU kernels: a just-in-time build into a persistent cache.
+
+``load_kernels()`` registers ``torch.ops.astrai_cpu.*`` in this process, once. The
+sources are compiled by ``torch.utils.cpp_extension.load`` (ninja, the system's C++
+compiler, ``-march=native``) into ``$ASTRAI_CPU_CACHE`` or
+``~/.cache/astrai/cpu-kernels/<torch>-<machine>-<cpu flags hash>``; torch rebuilds only
+when a source or a flag changes, so only the first use on a machine pays the compile
+(about 20 seconds). The cache is per instruction set: a build for one CPU never loads on
+another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from astrai.errors import KernelUnavailable
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_NAME = "astrai_cpu_kernels"
+CACHE_ENV = "ASTRAI_CPU_CACHE"
+SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+# -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only
+# keeps infinities meaningful; -march=native: the cache is per CPU (see cache_dir).
+CXX_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: str | None = None
+
+
+def _cpu_tag() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def cache_dir() -> Path:
+    """Where builds live: ``$ASTRAI_CPU_CACHE``, else per torch version and CPU under ~/.cache."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    tag = f"torch{torch.__version__.split('+')[0]}-{platform.machine()}-{_cpu_tag()}"
+    return Path.home() / ".cache" / "astrai" / "cpu-kernels" / tag
+
+
+def load_kernels() -> str:
+    """Register ``torch.ops.astrai_cpu.*`` (once per process); returns the build directory.
+
+    Raises ``KernelUnavailable`` with the reason (no C++ compiler, no ninja, a compiler or
+    loader error) when the kernels cannot be built or loaded.
+    """
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise KernelUnavailable(f"no C++ compiler ({compiler!r} is not on PATH) to build the astrai CPU kernels")
+        build = cache_dir()
+        try:
+            from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
+
+            build.mkdir(parents=True, exist_ok=True)
+            logger.info("loading the astrai CPU kernels from %s (built on first use)", build)
+            load(
+                name=EXTENSION_NAME,
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=CXX_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                is_python_module=False,
+                verbose=logger.isEnabledFor(logging.DEBUG),
+            )
+        except Exception as err:  # compiler, ninja, linker or loader: all mean "no kernels here"
+            raise KernelUnavailable(f"astrai CPU kernels could not be built or loaded: {type(err).__name__}: {err}") from err
+        _loaded = str(build)
+        return _loaded
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``torch.ops.astrai_cpu.paged_decode`` (loading the kernels first): see ``csrc/paged_decode.cpp``.
+
+    ``q [B, Hq, D]``; ``k_buffer``/``v_buffer [size, Hkv, D]`` of one layer; ``req_to_token``
+    int32; ``rows``/``seq_lens [B]`` int64 -> ``[B, Hq, D]`` in ``q``'s dtype.
+    """
+    load_kernels()
+    return torch.ops.astrai_cpu.paged_decode(q, k_buffer, v_buffer, req_to_token, rows, seq_lens, scale)

@@ -1,0 +1,182 @@
+// astrai_cpu::paged_decode: one query token per request, K/V read straight from the pool.
+//
+// For each request b, attention of q[b] (all query heads) over the seq_lens[b] slots listed in
+// req_to_token[rows[b], :seq_lens[b]] of k_buffer/v_buffer ([size, n_kv_heads, head_dim]).
+// Nothing is gathered: each pool row (all KV heads of one slot) is read once for the scores
+// and once for the values, converted to float32 in registers, with the rows a few positions
+// ahead prefetched (pages are scattered, so the hardware prefetcher cannot follow them).
+// Grouped-query attention: every query head of a group uses the same row.
+//
+// Work is cut into items of CHUNK positions of one request (split-K); each item keeps its
+// own max, sum and weighted values, and a second pass combines them. The cut depends only on
+// the request's own length, never on the batch: a request's result is the same alone or in
+// any batch. float32 accumulation and softmax; output in the input dtype.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CHUNK = 128;    // positions per work item
+constexpr int64_t PREFETCH = 8;   // rows ahead
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bfloat16 -> float32 is a 16-bit shift: written out so that the compiler vectorises it.
+inline void load_row(const c10::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+  auto* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// HD: the head dim as a compile-time constant (inner loops fully unrolled), 0 = read at run time.
+template <typename T, int HD>
+void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+            const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
+            double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_buffer.size(1);
+  const int64_t D = HD > 0 ? HD : q.size(2);
+  const int64_t group = Hq / Hkv, W = Hkv * D;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  int64_t splits = 1;
+  for (int64_t b = 0; b < B; ++b) splits = std::max(splits, (lens[b] + CHUNK - 1) / CHUNK);
+
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_buffer.data_ptr<T>();
+  const T* vp = v_buffer.data_ptr<T>();
+  const int32_t* table = req_to_token.data_ptr<int32_t>();
+  const int64_t table_stride = req_to_token.stride(0);
+  const float fscale = static_cast<float>(scale);
+  // partials of item (b, s): acc [Hq, D], max [Hq], sum [Hq]; an empty item keeps sum 0
+  std::vector<float> part_acc(B * splits * Hq * D), part_max(B * splits * Hq), part_sum(B * splits * Hq, 0.f);
+
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), row(W), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits, lo = (item % splits) * CHUNK;
+      const int64_t n = std::min(lens[b], lo + CHUNK) - lo;
+      if (n <= 0) continue;
+      const int32_t* slots = table + row_of[b] * table_stride + lo;
+      load_row(qp + b * Hq * D, qf.data(), Hq * D);
+      for (auto& x : qf) x *= fscale;
+      scores.resize(Hq * n);
+      for (int64_t l = 0; l < n; ++l) {
+        if (l + PREFETCH < n) prefetch(kp + static_cast<int64_t>(slots[l + PREFETCH]) * W, W * sizeof(T));
+        load_row(kp + static_cast<int64_t>(slots[l]) * W, row.data(), W);
+        for (int64_t h = 0; h < Hq; ++h) {
+          const float* __restrict k = row.data() + (h / group) * D;
+          const float* __restrict qq = qf.data() + h * D;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qq[d] * k[d];
+          scores[h * n + l] = dot;
+        }
+      }
+      float* mx = part_max.data() + item * Hq;
+      float* sum = part_sum.data() + item * Hq;
+      for (int64_t h = 0; h < Hq; ++h) {
+        float* s = scores.data() + h * n;
+        float m = s[0];
+        for (int64_t l = 1; l < n; ++l) m = std::max(m, s[l]);
+        float z = 0.f;
+        for (int64_t l = 0; l < n; ++l) {
+          s[l] = std::exp(s[l] - m);
+          z += s[l];
+        }
+        mx[h] = m;
+        sum[h] = z;
+      }
+      float* acc = part_acc.data() + item * Hq * D;
+      std::fill(acc, acc + Hq * D, 0.f);
+      for (int64_t l = 0; l < n; ++l) {
+        if (l + PREFETCH < n) prefetch(vp + static_cast<int64_t>(slots[l + PREFETCH]) * W, W * sizeof(T));
+        load_row(vp + static_cast<int64_t>(slots[l]) * W, row.data(), W);
+        for (int64_t h = 0; h < Hq; ++h) {
+          const float p = scores[h * n + l];
+          const float* __restrict v = row.data() + (h / group) * D;
+          float* __restrict a = acc + h * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+        }
+      }
+    }
+  });
+
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < Hq; ++h) {
+        float m = -INFINITY;
+        for (int64_t s = 0; s < splits; ++s) {
+          const int64_t i = (b * splits + s) * Hq + h;
+          if (part_sum[i] > 0.f) m = std::max(m, part_max[i]);
+        }
+        std::fill(o.begin(), o.end(), 0.f);
+        float z = 0.f;
+        for (int64_t s = 0; s < splits; ++s) {
+          const int64_t i = (b * splits + s) * Hq + h;
+          if (part_sum[i] == 0.f) continue;
+          const float w = std::exp(part_max[i] - m);
+          z += w * part_sum[i];
+          const float* a = part_acc.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = z > 0.f ? 1.f / z : 0.f;  // an empty request (seq_len 0) gets zeros
+        T* dst = op + (b * Hq + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                        const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
+                        double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "astrai_cpu::paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
+              "paged_decode: q [B, Hq, D], k_buffer/v_buffer [size, Hkv, D]");
+  TORCH_CHECK(q.size(2) == k_buffer.size(2) && q.size(1) % k_buffer.size(1) == 0,
+              "paged_decode: head dims differ or Hq is not a multiple of Hkv");
+  TORCH_CHECK(k_buffer.scalar_type() == q.scalar_type() && v_buffer.scalar_type() == q.scalar_type(),
+              "paged_decode: q, k_buffer and v_buffer must share a dtype");
+  TORCH_CHECK(q.is_contiguous() && k_buffer.is_contiguous() && v_buffer.is_contiguous(),
+              "paged_decode: q, k_buffer and v_buffer must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "paged_decode: req_to_token must be int32 [rows, max_ctx] with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode: rows and seq_lens must be int64");
+  const auto rows_c = rows.contiguous(), lens_c = seq_lens.contiguous();
+  TORCH_CHECK(rows_c.numel() == q.size(0) && lens_c.numel() == q.size(0), "paged_decode: one row and length per request");
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    switch (q.size(2)) {
+      case 64: decode<scalar_t, 64>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, scale, out); break;
+      case 128: decode<scalar_t, 128>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, scale, out); break;
+      default: decode<scalar_t, 0>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, scale, out);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(astrai_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
