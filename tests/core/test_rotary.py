@@ -160,7 +160,7 @@ def fake_kernel():
 
     previous = register_rotary_kernel(kernel, device_type="cpu")
     yield calls
-    register_rotary_kernel(previous)
+    register_rotary_kernel(previous, device_type="cpu")
 
 
 def test_dispatch_uses_kernel_only_for_bf16_inference(fake_kernel):
@@ -173,12 +173,15 @@ def test_dispatch_uses_kernel_only_for_bf16_inference(fake_kernel):
     assert fake_kernel == [torch.bfloat16]
 
 
-def test_dispatch_ignores_kernel_for_another_device(fake_kernel):
-    register_rotary_kernel(lambda x, f: torch.full_like(x, 7.0), device_type="cuda")
+def test_dispatch_keeps_one_kernel_per_device_type(fake_kernel):
     freqs = RotaryEmbedding(8, 4)(torch.zeros(1, 2, dtype=torch.long))
     x = torch.ones(1, 2, 1, 8, dtype=torch.bfloat16)
-    with torch.no_grad():
-        assert torch.equal(apply_rotary_emb(x, freqs), x)
-    register_rotary_kernel(None)
-    with torch.no_grad():
-        assert torch.equal(apply_rotary_emb(x, freqs), x)
+    previous = register_rotary_kernel(lambda x, f: torch.full_like(x, 5.0), device_type="cuda")
+    try:
+        with torch.no_grad():
+            assert (apply_rotary_emb(x, freqs) == 7).all()  # a CUDA kernel leaves the CPU one in place
+        assert register_rotary_kernel(None, device_type="cpu") is not None  # removes the CPU one only
+        with torch.no_grad():
+            assert torch.equal(apply_rotary_emb(x, freqs), x)  # CPU tensor, no CPU kernel: torch path
+    finally:
+        register_rotary_kernel(previous, device_type="cuda")

@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 
 from astrai.errors import KernelUnavailable
+from astrai.extension.backend.rotary import _rotate_torch
+from astrai.extension.fused import register_kernel
 
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "astrai_cpu_kernels"
 CACHE_ENV = "ASTRAI_CPU_CACHE"
-SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused.cpp")]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only
 # keeps infinities meaningful; -march=native: the cache is per CPU (see cache_dir).
 CXX_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -83,8 +85,30 @@ def load_kernels() -> str:
             )
         except Exception as err:  # compiler, ninja, linker or loader: all mean "no kernels here"
             raise KernelUnavailable(f"astrai CPU kernels could not be built or loaded: {type(err).__name__}: {err}") from err
+        _register_fused()
         _loaded = str(build)
         return _loaded
+
+
+def rotary_kernel(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_emb``'s contract on ``astrai_cpu::rotary`` (``[..., heads, D]`` with contiguous heads)."""
+    heads, dim = x.shape[-2:]
+    if x.stride(-1) != 1 or x.stride(-2) != dim or freqs.shape[:-2] != x.shape[:-2] or x.dim() < 3:
+        return _rotate_torch(x, freqs)  # broadcasting or exotic strides: the torch path
+    rows = x.reshape(-1, heads, dim)  # a view for the model's [1, T, H, D] slices of the fused QKV
+    out = torch.ops.astrai_cpu.rotary(rows, freqs.reshape(-1, dim // 2, 2).float().contiguous())
+    return out.view(x.shape)
+
+
+def _register_fused() -> None:
+    """Install the fused CPU kernels into ``astrai.extension.fused`` (rotary: bf16 only, by its dispatch rule)."""
+    ops = torch.ops.astrai_cpu
+    register_kernel("rotary", rotary_kernel, "cpu")
+    register_kernel("rms_norm", lambda x, w, eps: ops.rms_norm(x.contiguous(), w.to(x.dtype), eps), "cpu")
+    register_kernel(
+        "add_rms_norm", lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps), "cpu"
+    )
+    register_kernel("silu_and_mul", lambda x: ops.silu_and_mul(x.contiguous()), "cpu")
 
 
 def paged_decode(

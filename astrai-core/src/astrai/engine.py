@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from astrai.cpu_tuning import run_off_thread, tune_malloc
-from astrai.extension.backend.policy import context_backend
+from astrai.extension.backend.policy import available_backends, context_backend
 from astrai.kvcache import KVConfig, PagePool
 from astrai.kvcache.storage import KVStorage
 from astrai.model import IncrementalDecoder
@@ -124,6 +124,10 @@ class InferenceEngine:
             self.pool = run_off_thread(PagePool, *pool_args)  # zero-filling the pool uses OpenMP
         else:
             self.pool = PagePool(*pool_args)
+        # Ask every attention backend whether it can run, now: a plugin that builds kernels on
+        # first use (astrai-backend-cpu, once per machine) does so before the first request, and
+        # its fused kernels (astrai.extension.fused) are in place from the first step.
+        available_backends()
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
         # Built only when someone listens: the scheduler then just queues a small record per request.
         self._hooks = HookThread(self.plugins) if self.plugins.has_impls("astrai_request_finished") else None

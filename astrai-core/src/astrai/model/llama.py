@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from astrai.extension import RotaryEmbedding, apply_rotary_emb, attention
+from astrai.extension.fused import add_rms_norm, rms_norm, silu_and_mul
 
 if TYPE_CHECKING:
     from astrai.kvcache import KVCache
@@ -30,8 +31,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # ATen's rms_norm upcasts bf16/fp16 to float32 inside and rounds once at the end: the
-        # same bits as an explicit x.float() ... .to(x.dtype), two dispatches fewer per call.
-        return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
+        # same bits as an explicit x.float() ... .to(x.dtype); a plugin's fused kernel, when
+        # one is installed for x's device (astrai.extension.fused), rounds at the same places.
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -99,10 +101,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -114,8 +114,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), freqs, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), freqs, kv_cache)
+        norm = self.post_attention_layernorm
+        x, h = add_rms_norm(x, attn, norm.weight, norm.eps)  # the residual add and the next norm, fused when a kernel is installed
+        return x + self.mlp(h)
 
 
 class LlamaBody(nn.Module):

@@ -15,12 +15,10 @@ import torch
 from torch import nn
 
 from astrai.errors import AstraiError
+from astrai.extension import fused
 
 RotaryKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# The fused kernel a backend plugin installed, and the device type it runs on.
-_kernel: RotaryKernel | None = None
-_kernel_device: str = "cuda"
 
 
 def _inv_freq(dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
@@ -78,16 +76,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def register_rotary_kernel(kernel: RotaryKernel | None, device_type: str = "cuda") -> RotaryKernel | None:
-    """Install a fused rotary kernel (``None`` removes it); returns the previous one.
+    """Install a fused rotary kernel for ``device_type`` (``None`` removes it); returns the previous one.
 
     ``kernel(x, freqs)`` has ``apply_rotary_emb``'s contract and may rotate
     ``x`` in place and return it. It is used only for bf16 inputs on
     ``device_type`` while ``torch.is_grad_enabled()`` is False; everything else
-    takes the torch path. Called by the CUDA backend plugin when its ops load.
+    takes the torch path. One kernel per device type (``astrai.extension.fused``'s
+    table): the CUDA and CPU backend plugins each install theirs when their ops load.
     """
-    global _kernel, _kernel_device
-    previous, _kernel, _kernel_device = _kernel, kernel, device_type
-    return previous
+    return fused.register_kernel("rotary", kernel, device_type)
 
 
 def _rotate_torch(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -105,12 +102,7 @@ def apply_rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     -> a tensor of ``x``'s shape and dtype. Uses the registered kernel when
     ``x`` is bf16 on its device type and grad is disabled, else the torch path.
     """
-    kernel = _kernel
-    if (
-        kernel is not None
-        and x.dtype == torch.bfloat16
-        and x.device.type == _kernel_device
-        and not torch.is_grad_enabled()
-    ):
+    kernel = fused.kernel_for("rotary", x)
+    if kernel is not None and x.dtype == torch.bfloat16:
         return kernel(x, freqs)
     return _rotate_torch(x, freqs)

@@ -1,0 +1,150 @@
+// astrai_cpu fused elementwise ops for the model's glue: RMSNorm (with and without the residual
+// add), SiLU-and-multiply, rotary embedding. Each replaces 5-12 ATen dispatches per call with one
+// and rounds exactly where the PyTorch formulation it replaces rounds (see each op), computing
+// in float32 between roundings. Rows are split over threads only when there are many of them.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t GRAIN_ELEMENTS = 32768;  // ATen's own grain for elementwise loops
+
+inline int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(width, 1)); }
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+// out = T(T(x * rsqrt(mean(x^2) + eps)) * w): F.rms_norm(x) (float32 inside, one rounding)
+// then `* weight` in the model dtype (float32 product, one rounding).
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t width, int64_t stride, float eps) {
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * stride;
+      float ss = 0.f;
+      for (int64_t i = 0; i < width; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(width) + eps);
+      T* o = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const T normed = round_to<T>(static_cast<float>(xr[i]) * inv);
+        o[i] = round_to<T>(static_cast<float>(normed) * static_cast<float>(w[i]));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, hidden] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be [hidden] in x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (s, rms_norm(s) * w) with s = T(x + residual): the residual add of a decoder layer fused with
+// the next norm (one pass over the row for both).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && x.is_contiguous() && residual.is_contiguous() &&
+                  residual.scalar_type() == x.scalar_type(), "add_rms_norm: x and residual must be contiguous [rows, hidden] of one dtype");
+  auto sum = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* a = x.data_ptr<scalar_t>();
+    const scalar_t* b = residual.data_ptr<scalar_t>();
+    scalar_t* s = sum.data_ptr<scalar_t>();
+    const int64_t n = x.numel(), width = x.size(1);
+    at::parallel_for(0, n, GRAIN_ELEMENTS, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) s[i] = round_to<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+    });
+    (void)width;
+  });
+  return {sum, rms_norm(sum, weight, eps)};
+}
+
+// T(T(silu(g)) * u) for x = [g | u] along the last dim: F.silu(gate) * up in the model dtype.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [rows, 2 * n] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  auto out = at::empty({rows, n}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = xp + r * stride;
+        const scalar_t* u = g + n;
+        scalar_t* orow = o + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          const float gv = static_cast<float>(g[i]);
+          const scalar_t act = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
+          orow[i] = round_to<scalar_t>(static_cast<float>(act) * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Interleaved-pair RoPE (llama.cpp layout): pair i of a head, (x[2i], x[2i+1]), times
+// (cos, sin) of freqs[row, i], in float32, one rounding. x [rows, heads, D] with contiguous
+// heads (row stride free: a slice of the fused QKV output); freqs [rows, D/2, 2] float32.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& freqs) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+              "rotary: x must be [rows, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.is_contiguous() && freqs.dim() == 3 &&
+                  freqs.size(0) == x.size(0) && freqs.size(1) * 2 == x.size(2) && freqs.size(2) == 2,
+              "rotary: freqs must be contiguous float32 [rows, head_dim / 2, 2]");
+  const int64_t rows = x.size(0), heads = x.size(1), half = x.size(2) / 2, width = heads * x.size(2);
+  auto out = at::empty({rows, heads, x.size(2)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const float* f = freqs.data_ptr<float>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* fr = f + r * half * 2;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* xr = xp + r * stride + h * half * 2;
+          scalar_t* orow = o + (r * heads + h) * half * 2;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = static_cast<float>(xr[2 * i]), b = static_cast<float>(xr[2 * i + 1]);
+            const float c = fr[2 * i], s = fr[2 * i + 1];
+            orow[2 * i] = round_to<scalar_t>(a * c - b * s);
+            orow[2 * i + 1] = round_to<scalar_t>(a * s + b * c);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor x, Tensor freqs) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
+}

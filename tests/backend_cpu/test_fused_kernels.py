@@ -1,0 +1,79 @@
+"""The CPU plugin's fused kernels against the PyTorch formulations they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.extension import apply_rotary_emb, fused
+from astrai.extension.backend.rotary import RotaryEmbedding, _rotate_torch
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+
+
+def close(got, want):
+    """float32: reduction order only (1e-5); half types: two units in the last place at most (a one-ulp
+    difference before the weight product can become two after it), and nearly all identical."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -6 if want.dtype == torch.bfloat16 else 2 ** -9)
+        assert (got != want).float().mean() < 0.01
+
+
+def test_kernels_are_installed_for_the_cpu():
+    assert {op for op, device in fused._table if device == "cpu"} == set(fused.OPS)
+
+
+@DTYPES
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576: more than one thread's share
+def test_rms_norm_and_its_residual_form(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, r = (torch.randn(rows, 576, generator=gen).to(dtype) for _ in range(2))
+    w = (1 + torch.randn(576, generator=gen) / 4).to(dtype)
+    with torch.no_grad():
+        close(fused.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), eps=1e-5) * w)
+        s, n = fused.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r)
+    close(n, F.rms_norm(x + r, (576,), eps=1e-5) * w)
+
+
+@DTYPES
+@pytest.mark.parametrize("rows", [1, 300])
+def test_silu_and_mul(dtype, rows):
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)).to(dtype) * 3
+    with torch.no_grad():
+        got = fused.silu_and_mul(gate_up)
+    close(got, F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
+
+
+def test_non_contiguous_rows_are_accepted():
+    x = torch.randn(4, 1200)[:, 16:592]  # row stride 1200
+    w = torch.randn(576)
+    with torch.no_grad():
+        close(fused.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), eps=1e-5) * w)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_on_a_slice_of_the_fused_qkv(head_dim):
+    # the model's call: [1, T, q+k heads, D] viewed out of the [T, (q+2k) * D] QKV output
+    t, heads, kv = 37, 9, 3
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(t, (heads + 2 * kv) * head_dim, generator=gen).bfloat16()
+    x = qkv[:, : (heads + kv) * head_dim].view(1, t, heads + kv, head_dim)
+    freqs = RotaryEmbedding(head_dim, 4096)(torch.randint(0, 4096, (1, t), generator=gen))
+    with torch.no_grad():
+        assert fused.kernel_for("rotary", x) is not None
+        got = apply_rotary_emb(x, freqs)
+    close(got, _rotate_torch(x, freqs))
+
+
+def test_rotary_broadcast_freqs_take_the_torch_path():
+    x = torch.randn(2, 5, 3, 64).bfloat16()
+    freqs = RotaryEmbedding(64, 16)(torch.arange(5)[None])  # [1, 5, 32, 2], broadcast over the batch
+    with torch.no_grad():
+        assert torch.equal(apply_rotary_emb(x, freqs), _rotate_torch(x, freqs))

@@ -1,0 +1,50 @@
+"""astrai.extension.fused: the per-device kernel table and the PyTorch formulations it falls back to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.extension import fused
+
+
+@pytest.fixture
+def empty_table(monkeypatch):
+    """No kernels installed (a plugin may have installed some earlier in the session)."""
+    monkeypatch.setattr(fused, "_table", {})
+
+
+@pytest.mark.usefixtures("empty_table")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_without_kernels_the_ops_are_the_pytorch_formulation(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(3, 64, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(64, generator=gen).to(dtype)
+    norm = F.rms_norm(x, (64,), eps=1e-5) * w
+    assert torch.equal(fused.rms_norm(x, w, 1e-5), norm)
+    s, n = fused.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r) and torch.equal(n, F.rms_norm(x + r, (64,), eps=1e-5) * w)
+    gate_up = torch.randn(3, 128, generator=gen).to(dtype)
+    assert torch.equal(fused.silu_and_mul(gate_up), F.silu(gate_up[:, :64]) * gate_up[:, 64:])
+
+
+@pytest.mark.usefixtures("empty_table")
+def test_a_kernel_runs_only_on_its_device_type_and_without_grad():
+    calls = []
+    assert fused.register_kernel("silu_and_mul", lambda x: calls.append(x) or x[:, :2], "cpu") is None
+    x = torch.ones(1, 4)
+    with torch.no_grad():
+        assert fused.silu_and_mul(x).shape == (1, 2) and len(calls) == 1
+    assert torch.equal(fused.silu_and_mul(x), F.silu(x[:, :2]) * x[:, 2:])  # grad enabled: PyTorch
+    assert len(calls) == 1
+    fused.register_kernel("silu_and_mul", lambda x: x, "cuda")
+    assert fused.register_kernel("silu_and_mul", None, "cpu") is not None  # removes the CPU one only
+    with torch.no_grad():
+        assert torch.equal(fused.silu_and_mul(x), F.silu(x[:, :2]) * x[:, 2:])
+    assert fused.kernel_for("silu_and_mul", torch.ones(1, device="meta")) is None  # meta: nothing installed
+
+
+def test_unknown_op_is_refused():
+    with pytest.raises(ValueError, match="unknown fused op 'gelu'"):
+        fused.register_kernel("gelu", lambda x: x, "cpu")
