@@ -77,3 +77,17 @@ def test_rotary_broadcast_freqs_take_the_torch_path():
     freqs = RotaryEmbedding(64, 16)(torch.arange(5)[None])  # [1, 5, 32, 2], broadcast over the batch
     with torch.no_grad():
         assert torch.equal(apply_rotary_emb(x, freqs), _rotate_torch(x, freqs))
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_1row is built for CPUs with AVX512-BF16")
+@pytest.mark.parametrize("k", [576, 1536, 100, 33])  # 100, 33: a masked last block of 32
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_linear_one_row_is_f_linear(k, bias):
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    w = (torch.randn(1001, k, generator=gen) / k**0.5).bfloat16()  # 1001 rows: two threads' shares and a tail
+    b = torch.randn(1001, generator=gen).bfloat16() if bias else None
+    with torch.no_grad():
+        kernel = fused.kernel_for("linear", x)
+        assert kernel is not None
+        close(kernel(x, w, b), F.linear(x, w, b))

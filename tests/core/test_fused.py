@@ -48,3 +48,19 @@ def test_a_kernel_runs_only_on_its_device_type_and_without_grad():
 def test_unknown_op_is_refused():
     with pytest.raises(ValueError, match="unknown fused op 'gelu'"):
         fused.register_kernel("gelu", lambda x: x, "cpu")
+
+
+@pytest.mark.usefixtures("empty_table")
+def test_packed_linear_takes_a_linear_kernel_for_one_row_only():
+    from astrai.model.cpu_linear import PackedLinear, prepack_supported
+
+    if not prepack_supported("cpu", torch.bfloat16):
+        pytest.skip("oneDNN packed bf16 linears need AVX512-BF16 or AMX")
+    lin = PackedLinear(torch.nn.Linear(64, 8, bias=False).bfloat16())
+    calls = []
+    fused.register_kernel("linear", lambda x, w, b: calls.append(x.shape) or F.linear(x, w, b), "cpu")
+    with torch.inference_mode():
+        one, two = torch.randn(1, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+        assert torch.equal(lin(one), F.linear(one, lin.weight))
+        lin(two)
+    assert calls == [(1, 64)]  # two rows: oneDNN's packed weights

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "astrai_cpu_kernels"
 CACHE_ENV = "ASTRAI_CPU_CACHE"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused.cpp", "linear.cpp")]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only
 # keeps infinities meaningful; -march=native: the cache is per CPU (see cache_dir).
 CXX_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -109,6 +109,8 @@ def _register_fused() -> None:
         "add_rms_norm", lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps), "cpu"
     )
     register_kernel("silu_and_mul", lambda x: ops.silu_and_mul(x.contiguous()), "cpu")
+    if ops.has_linear_1row():  # the compiler targeted AVX512-BF16: batch-1 GEMVs at the read bandwidth
+        register_kernel("linear", ops.linear_1row, "cpu")
 
 
 def paged_decode(

@@ -16,8 +16,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-#: The ops a kernel may be registered for.
-OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul")
+#: The ops a kernel may be registered for. ``linear``: ``kernel(x, weight, bias)`` for one bf16
+#: row ``x [1, K]`` and the ``[N, K]`` weight, ``F.linear``'s result (one rounding of the float32
+#: sum, after the bias); ``PackedLinear`` (astrai.model.cpu_linear) calls it at batch 1.
+OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear")
 
 _table: dict[tuple[str, str], Callable] = {}
 

@@ -14,6 +14,8 @@ import logging
 import torch
 from torch import nn
 
+from astrai.extension.fused import kernel_for
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,6 +49,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the model's flattened [tokens, features]: no reshapes (a decode step makes ~120 calls)
+            if x.shape[0] == 1:  # batch-1 decode: a plugin's GEMV, when one is installed (astrai.extension.fused)
+                kernel = kernel_for("linear", x)
+                if kernel is not None:
+                    return kernel(x, self.weight, self.bias)
             return self._op(x, self.packed_weight, self.bias, "none", [], "")
         shape = x.shape
         y = self._op(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none", [], "")
