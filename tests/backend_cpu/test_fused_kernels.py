@@ -26,7 +26,9 @@ def close(got, want):
 
 
 def test_kernels_are_installed_for_the_cpu():
-    assert {op for op, device in fused._table if device == "cpu"} == set(fused.OPS)
+    installed = {op for op, device in fused._table if device == "cpu"}
+    assert {"rotary", "rms_norm", "add_rms_norm"} <= installed and "silu_and_mul" not in installed
+    assert ("linear" in installed) == torch.cpu._is_avx512_bf16_supported()
 
 
 @DTYPES
@@ -40,15 +42,6 @@ def test_rms_norm_and_its_residual_form(dtype, rows):
         s, n = fused.add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(s, x + r)
     close(n, F.rms_norm(x + r, (576,), eps=1e-5) * w)
-
-
-@DTYPES
-@pytest.mark.parametrize("rows", [1, 300])
-def test_silu_and_mul(dtype, rows):
-    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)).to(dtype) * 3
-    with torch.no_grad():
-        got = fused.silu_and_mul(gate_up)
-    close(got, F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
 
 
 def test_non_contiguous_rows_are_accepted():

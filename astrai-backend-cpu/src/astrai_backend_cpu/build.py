@@ -108,7 +108,6 @@ def _register_fused() -> None:
     register_kernel(
         "add_rms_norm", lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps), "cpu"
     )
-    register_kernel("silu_and_mul", lambda x: ops.silu_and_mul(x.contiguous()), "cpu")
     if ops.has_linear_1row():  # the compiler targeted AVX512-BF16: batch-1 GEMVs at the read bandwidth
         register_kernel("linear", ops.linear_1row, "cpu")
 
