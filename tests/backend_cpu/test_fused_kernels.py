@@ -72,15 +72,27 @@ def test_rotary_broadcast_freqs_take_the_torch_path():
         assert torch.equal(apply_rotary_emb(x, freqs), _rotate_torch(x, freqs))
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_1row is built for CPUs with AVX512-BF16")
-@pytest.mark.parametrize("k", [576, 1536, 100, 33])  # 100, 33: a masked last block of 32
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16")
+@pytest.mark.parametrize("k", [576, 1536, 100, 33])  # 33: an odd K (x padded to pairs)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_linear_one_row_is_f_linear(k, bias):
-    gen = torch.Generator().manual_seed(k)
-    x = torch.randn(1, k, generator=gen).bfloat16()
-    w = (torch.randn(1001, k, generator=gen) / k**0.5).bfloat16()  # 1001 rows: two threads' shares and a tail
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_linear_is_f_linear_and_batch_invariant(k, bias, rows):
+    gen = torch.Generator().manual_seed(k + rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(1001, k, generator=gen) / k**0.5).bfloat16()  # 1001 rows: a partial last tile of 16
     b = torch.randn(1001, generator=gen).bfloat16() if bias else None
     with torch.no_grad():
         kernel = fused.kernel_for("linear", x)
         assert kernel is not None
-        close(kernel(x, w, b), F.linear(x, w, b))
+        packed = kernel.pack(w)
+        got = kernel(x, packed, b)
+        close(got, F.linear(x, w, b))
+        for i in range(rows):  # each row alone: the same bits as inside the batch
+            assert torch.equal(kernel(x[i : i + 1], packed, b)[0], got[i])
+
+
+def test_linear_refuses_more_rows_than_it_serves():
+    x = torch.randn(fused.LINEAR_MAX_ROWS + 1, 64).bfloat16()
+    packed = torch.ops.astrai_cpu.linear_pack(torch.randn(16, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="1 to 8 bf16 rows"):
+        torch.ops.astrai_cpu.linear_packed(x, packed, 16, None)

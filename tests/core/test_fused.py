@@ -51,16 +51,30 @@ def test_unknown_op_is_refused():
 
 
 @pytest.mark.usefixtures("empty_table")
-def test_packed_linear_takes_a_linear_kernel_for_one_row_only():
+def test_packed_linear_takes_a_linear_kernel_for_small_batches_only():
     from astrai.model.cpu_linear import PackedLinear, prepack_supported
 
     if not prepack_supported("cpu", torch.bfloat16):
         pytest.skip("oneDNN packed bf16 linears need AVX512-BF16 or AMX")
     lin = PackedLinear(torch.nn.Linear(64, 8, bias=False).bfloat16())
-    calls = []
-    fused.register_kernel("linear", lambda x, w, b: calls.append(x.shape) or F.linear(x, w, b), "cpu")
+
+    class Recording:
+        def __init__(self):
+            self.packs, self.calls = 0, []
+
+        def pack(self, weight):
+            self.packs += 1
+            return weight.clone()
+
+        def __call__(self, x, packed, bias):
+            self.calls.append(x.shape[0])
+            return F.linear(x, packed, bias)
+
+    kernel = Recording()
+    fused.register_kernel("linear", kernel, "cpu")
     with torch.inference_mode():
-        one, two = torch.randn(1, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+        one, many = torch.randn(1, 64).bfloat16(), torch.randn(fused.LINEAR_MAX_ROWS + 1, 64).bfloat16()
         assert torch.equal(lin(one), F.linear(one, lin.weight))
-        lin(two)
-    assert calls == [(1, 64)]  # two rows: oneDNN's packed weights
+        lin(many[:-1])
+        lin(many)  # more rows: oneDNN's packed weights
+    assert kernel.calls == [1, fused.LINEAR_MAX_ROWS] and kernel.packs == 1  # packed once, on first use

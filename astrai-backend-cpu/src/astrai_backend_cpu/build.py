@@ -100,6 +100,17 @@ def rotary_kernel(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
+class LinearKernel:
+    """``astrai.extension.fused``'s ``linear`` on ``astrai_cpu::linear_pack``/``linear_packed`` (1-8 bf16 rows)."""
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The ``[N, K]`` weight in 16-row tiles by pairs of k, and ``N``."""
+        return torch.ops.astrai_cpu.linear_pack(weight.contiguous()), weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.astrai_cpu.linear_packed(x, packed[0], packed[1], bias)
+
+
 def _register_fused() -> None:
     """Install the fused CPU kernels into ``astrai.extension.fused`` (rotary: bf16 only, by its dispatch rule)."""
     ops = torch.ops.astrai_cpu
@@ -108,8 +119,8 @@ def _register_fused() -> None:
     register_kernel(
         "add_rms_norm", lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps), "cpu"
     )
-    if ops.has_linear_1row():  # the compiler targeted AVX512-BF16: batch-1 GEMVs at the read bandwidth
-        register_kernel("linear", ops.linear_1row, "cpu")
+    if ops.has_linear_packed():  # the compiler targeted AVX512-BF16: small-batch GEMMs at the read bandwidth
+        register_kernel("linear", LinearKernel(), "cpu")
 
 
 def paged_decode(

@@ -16,10 +16,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-#: The ops a kernel may be registered for. ``linear``: ``kernel(x, weight, bias)`` for one bf16
-#: row ``x [1, K]`` and the ``[N, K]`` weight, ``F.linear``'s result (one rounding of the float32
-#: sum, after the bias); ``PackedLinear`` (astrai.model.cpu_linear) calls it at batch 1.
+#: The ops a kernel may be registered for. ``linear`` is an object with ``pack(weight)`` (the
+#: ``[N, K]`` weight in the kernel's own layout, made once per weight) and ``__call__(x, packed,
+#: bias)`` for 1 to ``LINEAR_MAX_ROWS`` bf16 rows ``x [M, K]``, ``F.linear``'s result (one
+#: rounding of the float32 sum, after the bias); ``PackedLinear`` (astrai.model.cpu_linear) uses it
+#: for small decode batches.
 OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear")
+
+#: Most rows of ``x`` a ``linear`` kernel is given; more go to the caller's own GEMM.
+LINEAR_MAX_ROWS = 8
 
 _table: dict[tuple[str, str], Callable] = {}
 

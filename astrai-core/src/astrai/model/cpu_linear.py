@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from astrai.extension.fused import kernel_for
+from astrai.extension.fused import LINEAR_MAX_ROWS, kernel_for
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +45,27 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
+        self._small: tuple[object, object] | None = None  # (a plugin's linear kernel, the weight packed for it)
         self._op = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no overload resolution per call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the model's flattened [tokens, features]: no reshapes (a decode step makes ~120 calls)
-            if x.shape[0] == 1:  # batch-1 decode: a plugin's GEMV, when one is installed (astrai.extension.fused)
+            if x.shape[0] <= LINEAR_MAX_ROWS:  # small decode batches: a plugin's kernel when one is installed
                 kernel = kernel_for("linear", x)
                 if kernel is not None:
-                    return kernel(x, self.weight, self.bias)
+                    return kernel(x, self._packed_for(kernel), self.bias)
             return self._op(x, self.packed_weight, self.bias, "none", [], "")
         shape = x.shape
         y = self._op(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none", [], "")
         return y.view(*shape[:-1], self.out_features)
 
+
+    def _packed_for(self, kernel) -> object:
+        """The weight in ``kernel``'s layout, packed on first use (``astrai.extension.fused``'s ``linear``)."""
+        if self._small is None or self._small[0] is not kernel:
+            with torch.no_grad():
+                self._small = (kernel, kernel.pack(self.weight.detach()))
+        return self._small[1]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
