@@ -78,3 +78,30 @@ def test_packed_linear_takes_a_linear_kernel_for_small_batches_only():
         lin(many[:-1])
         lin(many)  # more rows: oneDNN's packed weights
     assert kernel.calls == [1, fused.LINEAR_MAX_ROWS] and kernel.packs == 1  # packed once, on first use
+
+
+@pytest.mark.usefixtures("empty_table")
+def test_the_model_offers_each_step_to_decoder_layers_and_runs_its_layers_on_none(tiny_model):
+    from astrai.kvcache import KVConfig, PagePool
+
+    cfg = tiny_model.config
+    pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                    KVConfig(max_batch_size=1, max_seq_len=16))  # fmt: skip
+    row = pool.task_alloc()
+    pool.extend(row, 3)
+
+    def step():
+        kv = pool.bind_tasks([row], [3], [3])
+        return tiny_model(torch.tensor([5, 6, 7]), torch.arange(3), kv, torch.tensor([2]))
+
+    layers = step()
+    seen = []
+    fused.register_kernel("decoder_layers", lambda *args: seen.append(args) and None, "cpu")
+    assert torch.equal(step(), layers)  # declined: the layers ran
+    model, x, freqs, kv = seen[0]
+    assert model is tiny_model and x.shape == (3, cfg.hidden_size) and freqs.shape == (1, 3, cfg.head_dim // 2, 2)
+    assert kv.num_tokens == 3
+    fused.register_kernel("decoder_layers", lambda model, x, *_: torch.zeros_like(x), "cpu")
+    taken = step()  # its hidden states replace the layers': the final norm of zeros is zeros
+    assert torch.equal(taken, tiny_model.lm_head(torch.zeros(1, cfg.hidden_size)).float())
+    pool.task_free(row)

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "astrai_cpu_kernels"
 CACHE_ENV = "ASTRAI_CPU_CACHE"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused.cpp", "linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused.cpp", "linear.cpp", "decode_stack.cpp")]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only
 # keeps infinities meaningful; -march=native: the cache is per CPU (see cache_dir).
 CXX_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -120,7 +120,11 @@ def _register_fused() -> None:
         "add_rms_norm", lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps), "cpu"
     )
     if ops.has_linear_packed():  # the compiler targeted AVX512-BF16: small-batch GEMMs at the read bandwidth
-        register_kernel("linear", LinearKernel(), "cpu")
+        from astrai_backend_cpu.stack import DecoderLayersKernel
+
+        linear = LinearKernel()
+        register_kernel("linear", linear, "cpu")
+        register_kernel("decoder_layers", DecoderLayersKernel(linear), "cpu")  # on the same packed weights
 
 
 def paged_decode(

@@ -4,6 +4,8 @@
 // and rounds exactly where the PyTorch formulation it replaces rounds (see each op), computing
 // in float32 between roundings. Rows are split over threads only when there are many of them.
 #include <torch/library.h>
+
+#include "kernels.h"
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -64,6 +66,10 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t width, 
     }
   });
 }
+
+}  // namespace
+
+namespace astrai_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, hidden] with contiguous rows");
@@ -132,7 +138,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& freqs) {
   return out;
 }
 
-}  // namespace
+}  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -141,7 +147,7 @@ TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary", &rotary);
+  m.impl("rms_norm", &astrai_cpu::rms_norm);
+  m.impl("add_rms_norm", &astrai_cpu::add_rms_norm);
+  m.impl("rotary", &astrai_cpu::rotary);
 }

@@ -11,6 +11,8 @@
 // Built only where the compiler targets AVX512-BF16 (`has_linear_packed()`); elsewhere oneDNN
 // keeps the linears.
 #include <torch/library.h>
+
+#include "kernels.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -26,24 +28,6 @@ namespace {
 
 constexpr int64_t MAX_ROWS = 8;
 constexpr int64_t TILE = 16;
-
-bool has_linear_packed() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-at::Tensor linear_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
-              "linear_pack: weight must be a bf16 CPU matrix [N, K]");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  const int64_t Np = (N + TILE - 1) / TILE * TILE, Kp = (K + 1) / 2 * 2;
-  auto padded = at::zeros({Np, Kp}, weight.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
-  return padded.view({Np / TILE, TILE, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
 
 #if defined(__AVX512BF16__)
 // Tiles [t0, t1) of the output for M rows of x (row stride ldx, an even number of columns K2 * 2).
@@ -95,6 +79,28 @@ void tiles(const at::BFloat16* x, int64_t ldx, const at::BFloat16* packed, const
 }
 #endif
 
+}  // namespace
+
+namespace astrai_cpu {
+
+bool has_linear_packed() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+              "linear_pack: weight must be a bf16 CPU matrix [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t Np = (N + TILE - 1) / TILE * TILE, Kp = (K + 1) / 2 * 2;
+  auto padded = at::zeros({Np, Kp}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  return padded.view({Np / TILE, TILE, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_linear_packed(), "linear_packed: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS && x.scalar_type() == at::kBFloat16,
@@ -137,15 +143,15 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
-}  // namespace
+}  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
-  m.def("has_linear_packed() -> bool", &has_linear_packed);
+  m.def("has_linear_packed() -> bool", &astrai_cpu::has_linear_packed);
   m.def("linear_pack(Tensor weight) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
-  m.impl("linear_pack", &linear_pack);
-  m.impl("linear_packed", &linear_packed);
+  m.impl("linear_pack", &astrai_cpu::linear_pack);
+  m.impl("linear_packed", &astrai_cpu::linear_packed);
 }

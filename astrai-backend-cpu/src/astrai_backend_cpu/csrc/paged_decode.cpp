@@ -15,6 +15,8 @@
 // the request's own length, never on the batch: a request's result is the same alone or in
 // any batch. float32 accumulation and softmax; output in the input dtype.
 #include <torch/library.h>
+
+#include "kernels.h"
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -217,6 +219,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
   });
 }
 
+}  // namespace
+
+namespace astrai_cpu {
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                         const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
                         double scale) {
@@ -246,11 +252,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const a
   return out;
 }
 
-}  // namespace
+}  // namespace astrai_cpu
 
 TORCH_LIBRARY(astrai_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, "
         "Tensor seq_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("paged_decode", &astrai_cpu::paged_decode); }

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from astrai.extension import RotaryEmbedding, apply_rotary_emb, attention
-from astrai.extension.fused import add_rms_norm, rms_norm, silu_and_mul
+from astrai.extension.fused import add_rms_norm, kernel_for, rms_norm, silu_and_mul
 
 if TYPE_CHECKING:
     from astrai.kvcache import KVCache
@@ -165,8 +165,13 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         freqs = self.rotary(positions.unsqueeze(0))
-        for layer in self.model.layers:
-            x = layer(x, freqs, kv_cache)
+        stack = kernel_for("decoder_layers", x)  # a plugin's whole-stack kernel (astrai.extension.fused)
+        out = stack(self, x, freqs, kv_cache) if stack is not None else None
+        if out is None:
+            for layer in self.model.layers:
+                x = layer(x, freqs, kv_cache)
+        else:
+            x = out
         x = self.model.norm(x.index_select(0, logits_indices))
         return self.lm_head(x).float()
 

@@ -1,0 +1,30 @@
+// The astrai_cpu kernels as C++ functions, for one another (decode_stack.cpp calls them
+// directly, without the dispatcher). Each is registered as torch.ops.astrai_cpu.<name>; the
+// contracts are in the comments of the file that defines it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace astrai_cpu {
+
+// fused.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& freqs);
+
+// linear.cpp
+bool has_linear_packed();
+at::Tensor linear_pack(const at::Tensor& weight);
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias);
+
+// paged_decode.cpp
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                        const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
+                        double scale);
+
+}  // namespace astrai_cpu

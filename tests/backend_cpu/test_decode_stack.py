@@ -1,0 +1,209 @@
+"""``decoder_layers`` on ``astrai_cpu.DecodeStack``: a decode step's layers in one C++ call.
+
+It must give the layer-by-layer result bit for bit (logits and the K/V it writes), run
+exactly when that path would run on the same kernels, and leave every other step to the
+layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+from astrai_core_test_fixtures import tiny_config
+
+from astrai.extension import attn_backend, fused
+from astrai.kvcache import KVConfig, PagePool, assert_nothing_held, check_pool_invariants
+from astrai.model import build_model
+from astrai.model.cpu_linear import prepack_linears
+from astrai.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.usefixtures("cpu_kernels"),
+    pytest.mark.skipif(
+        not torch.cpu._is_avx512_bf16_supported(),
+        reason="the decode stack runs on the AVX512-BF16 linear kernel; this CPU has no AVX512-BF16",
+    ),
+]
+
+
+def bf16_model(layers=3, bias=False, fuse=True, seed=0, dtype=torch.bfloat16):
+    """A seeded random tiny Llama, projections fused and (bf16) linears packed as load_model leaves them."""
+    cfg = dataclasses.replace(tiny_config(), num_hidden_layers=layers, attention_bias=bias)
+    model = build_model(cfg, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.2 if "norm" in name else p.shape[-1] ** -0.5
+            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=gen) * scale)
+    if fuse:
+        model.fuse_projections()
+    if dtype == torch.bfloat16:
+        prepack_linears(model)
+    return model
+
+
+@contextlib.contextmanager
+def installed(kernel):
+    """``kernel`` (``None``: none) as the CPU's ``decoder_layers`` inside the block."""
+    previous = fused.register_kernel("decoder_layers", kernel, "cpu")
+    try:
+        yield
+    finally:
+        fused.register_kernel("decoder_layers", previous, "cpu")
+
+
+@pytest.fixture
+def spy():
+    """Wraps the installed ``decoder_layers`` kernel; records whether each call ran the step."""
+    with torch.no_grad():  # kernels are for inference: none is given while grad is enabled
+        real = fused.kernel_for("decoder_layers", torch.empty(0))
+    assert real is not None, "astrai-backend-cpu did not install decoder_layers"
+    ran: list[bool] = []
+
+    def kernel(*args):
+        out = real(*args)
+        ran.append(out is not None)
+        return out
+
+    fused.register_kernel("decoder_layers", kernel, "cpu")
+    yield ran
+    fused.register_kernel("decoder_layers", real, "cpu")
+
+
+def new_pool(model, rows=12, paged=True):
+    cfg = model.config
+    # contiguous: no pool size (one max_seq_len run of slots per row)
+    kv = KVConfig(max_batch_size=rows, max_seq_len=256, page_size=16 if paged else 1, n_tokens=4096 if paged else None)
+    return PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, kv,
+                    dtype=next(model.parameters()).dtype)  # fmt: skip
+
+
+def prefill(model, pool, prompts):
+    """One ragged prefill forward for ``prompts``; returns their rows and each one's next token."""
+    rows = [pool.task_alloc() for _ in prompts]
+    for row, p in zip(rows, prompts, strict=True):
+        assert pool.extend(row, len(p))
+    lens = [len(p) for p in prompts]
+    kv = pool.bind_tasks(rows, lens, lens)
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    logits = model(ids, positions, kv, torch.tensor(lens).cumsum(0) - 1)
+    return rows, logits.argmax(-1).tolist()
+
+
+def decode_step(model, pool, rows, tokens, lens):
+    """One decode step (one token per row at position ``lens[i]``); returns the logits."""
+    for row, n in zip(rows, lens, strict=True):
+        assert pool.extend(row, n + 1)
+    kv = pool.bind_tasks(rows, [1] * len(rows), [n + 1 for n in lens])
+    return model(torch.tensor(tokens), torch.tensor(lens), kv, torch.arange(len(rows)))
+
+
+def release(pool, rows):
+    for row in rows:
+        pool.task_free(row)
+    check_pool_invariants(pool)
+    assert_nothing_held(pool)
+
+
+def both_ways(model, pool, rows, tokens, lens, spy):
+    """The step with the stack and, from the same pool contents, layer by layer: logits and K/V of each."""
+    k0, v0 = pool.k_buffer.clone(), pool.v_buffer.clone()
+    fused_logits = decode_step(model, pool, rows, tokens, lens)
+    fused_kv = pool.k_buffer.clone(), pool.v_buffer.clone()
+    assert spy[-1] is True, "the stack declined a step it should run"
+    pool.k_buffer.copy_(k0)
+    pool.v_buffer.copy_(v0)
+    with installed(None):
+        layer_logits = decode_step(model, pool, rows, tokens, lens)
+    return (fused_logits, *fused_kv), (layer_logits, pool.k_buffer, pool.v_buffer)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "qkv-bias"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_bit_for_bit_the_layers_result(spy, batch, bias, paged):
+    model = bf16_model(bias=bias)
+    pool = new_pool(model, paged=paged)
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in torch.randint(1, 150, (batch,), generator=gen)]
+    rows, tokens = prefill(model, pool, prompts)
+    lens = [len(p) for p in prompts]
+    for _ in range(3):  # a few steps, the last ones on K/V the stack itself wrote
+        got, want = both_ways(model, pool, rows, tokens, lens, spy)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        tokens, lens = got[0].argmax(-1).tolist(), [n + 1 for n in lens]
+    release(pool, rows)
+
+
+def test_declines_what_the_layers_must_run(spy):
+    model = bf16_model()
+    pool = new_pool(model)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (20 + i,), generator=gen).tolist() for i in range(9)]
+    rows, tokens = prefill(model, pool, prompts)
+    assert spy == [False], "a prefill step is the layers'"
+    lens = [len(p) for p in prompts]
+    decode_step(model, pool, rows, tokens, lens)  # 9 rows: more than the linear kernel takes
+    assert spy[-1] is False
+    lens = [n + 1 for n in lens]
+    with attn_backend("torch_native"):  # attention chosen elsewhere: the layers run it there
+        decode_step(model, pool, rows[:2], tokens[:2], lens[:2])
+    assert spy[-1] is False
+    decode_step(model, pool, rows[:2], tokens[:2], [n + 1 for n in lens[:2]])
+    assert spy[-1] is True
+    release(pool, rows)
+
+
+@pytest.mark.parametrize("kind", ["float32", "unfused projections", "patched layer"])
+def test_declines_models_it_does_not_replicate(spy, kind):
+    if kind == "float32":
+        model = bf16_model(dtype=torch.float32)
+    elif kind == "unfused projections":
+        model = bf16_model(fuse=False)
+    else:
+        model = bf16_model()
+        model.model.layers[1].__class__ = type("Patched", (type(model.model.layers[1]),), {})
+    pool = new_pool(model)
+    rows, tokens = prefill(model, pool, [[5, 6, 7]])
+    decode_step(model, pool, rows, tokens, [3])
+    assert spy[-1] is False
+    release(pool, rows)
+
+
+def test_engine_runs_decode_steps_on_it_and_matches_the_layers(spy, make_engine, tiny_tokenizer):
+    model = bf16_model(layers=2, seed=7)
+    prompts = [[5 + i] * (3 + 11 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for stack in (True, False):
+        engine = make_engine(model, tiny_tokenizer, max_batch_size=8, page_size=4, n_tokens=2048)
+        with contextlib.nullcontext() if stack else installed(None):
+            results = [engine.submit(p, params) for p in prompts]
+            assert all(r.wait_completion(60) for r in results)
+        engine.shutdown()
+        outputs.append([r.output_ids for r in results])
+    assert outputs[0] == outputs[1]
+    assert spy.count(True) >= 11, "the engine's decode steps did not run on the stack"
+
+
+def test_default_model_in_bf16(spy, default_model_path):
+    """SmolLM2's shapes (head dim 64: the attention kernel's specialised path, 30 layers, GQA 3)."""
+    from astrai.model import load_model
+
+    model, tokenizer = load_model(str(default_model_path), dtype=torch.bfloat16)
+    pool = new_pool(model)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name a prime number.", "Say hello.")]  # fmt: skip
+    rows, tokens = prefill(model, pool, prompts)
+    lens = [len(p) for p in prompts]
+    for _ in range(4):
+        got, want = both_ways(model, pool, rows, tokens, lens, spy)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        tokens, lens = got[0].argmax(-1).tolist(), [n + 1 for n in lens]
+    release(pool, rows)
