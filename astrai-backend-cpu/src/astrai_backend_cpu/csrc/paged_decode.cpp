@@ -21,14 +21,17 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
-#include <type_traits>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -52,6 +55,59 @@ inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
+
+// softmax_numerators(s, n): in place, s[l] = exp(s[l] - max(s)) for l < n; returns (max, sum of
+// the new s). AVX-512: 16 lanes at a time with exp_ps (a glibc expf call per score, with its AVX
+// state transitions, had been most of the kernel's time); elsewhere std::exp.
+#if defined(__AVX512F__)
+// exp(x) in float32 for the softmax (x <= 0 there): 2^k * e^r with k = round(x / ln 2), r = x - k ln 2
+// in two parts (Cody-Waite), e^r by the Cephes expf polynomial (relative error about 1e-7), 2^k by
+// scalef (so that e^x underflows to 0 below about -104 instead of wrapping the exponent).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline std::pair<float, float> softmax_numerators(float* s, int64_t n) {
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (int64_t l = 0; l < n; l += 16) {
+    const __mmask16 keep = n - l >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - l)) - 1);
+    vm = _mm512_mask_max_ps(vm, keep, vm, _mm512_maskz_loadu_ps(keep, s + l));
+  }
+  const float m = _mm512_reduce_max_ps(vm);
+  vm = _mm512_set1_ps(m);
+  __m512 vz = _mm512_setzero_ps();
+  for (int64_t l = 0; l < n; l += 16) {
+    const __mmask16 keep = n - l >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - l)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + l), vm));
+    _mm512_mask_storeu_ps(s + l, keep, e);
+    vz = _mm512_mask_add_ps(vz, keep, vz, e);
+  }
+  return {m, _mm512_reduce_add_ps(vz)};
+}
+#else
+inline std::pair<float, float> softmax_numerators(float* s, int64_t n) {
+  float m = s[0];
+  for (int64_t l = 1; l < n; ++l) m = std::max(m, s[l]);
+  float z = 0.f;
+  for (int64_t l = 0; l < n; ++l) {
+    s[l] = std::exp(s[l] - m);
+    z += s[l];
+  }
+  return {m, z};
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // The 16 horizontal sums of v[0..15], as the 16 lanes of one vector (in order): a transposing
@@ -115,6 +171,63 @@ bool bf16_scores(const T* q, const T* k_pool, const int32_t* slots, int64_t n, i
   return false;
 }
 
+#if defined(__AVX512F__)
+// The weighted values of HC query heads of one KV group (h0 .. h0 + HC - 1; their segment of each
+// row starts at off) over n positions, in HC x NV float32 registers: each bf16 value row is
+// converted once for the heads that share it, and no accumulator goes through memory.
+template <int HC, int NV>
+void values_chunk(const float* scores, int64_t h0, int64_t n, const c10::BFloat16* v_pool, const int32_t* slots,
+                  int64_t W, int64_t off, bool first_pass, float* acc) {
+  __m512 a[HC][NV];
+  for (int j = 0; j < HC; ++j)
+    for (int i = 0; i < NV; ++i) a[j][i] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < n; ++l) {
+    if (first_pass && l + PREFETCH < n)  // later passes find the rows in the cache
+      prefetch(v_pool + static_cast<int64_t>(slots[l + PREFETCH]) * W, W * sizeof(c10::BFloat16));
+    const auto* vr = reinterpret_cast<const __m256i*>(v_pool + static_cast<int64_t>(slots[l]) * W + off);
+    __m512 v[NV];
+    for (int i = 0; i < NV; ++i)  // bf16 -> float32: widen and shift into the high half
+      v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(vr + i)), 16));
+    for (int j = 0; j < HC; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[(h0 + j) * n + l]);
+      for (int i = 0; i < NV; ++i) a[j][i] = _mm512_fmadd_ps(p, v[i], a[j][i]);
+    }
+  }
+  for (int j = 0; j < HC; ++j)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (h0 + j) * NV * 16 + i * 16, a[j][i]);
+}
+#endif
+
+// acc [Hq, HD] = the probability-weighted sum of the n value rows, for bf16 pools and head dims
+// that are a multiple of 16 on AVX-512 (heads in register-sized chunks of one KV group); false
+// (nothing written) elsewhere.
+template <typename T, int HD>
+bool bf16_values(const float* scores, const T* v_pool, const int32_t* slots, int64_t n, int64_t Hq, int64_t Hkv,
+                 float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 16 == 0 && HD <= 128) {
+    constexpr int NV = HD / 16;
+    constexpr int MAX_HEADS = NV >= 4 ? 16 / NV : 4;  // at most 16 accumulators, at most 4 heads (the cases below)
+    const int64_t group = Hq / Hkv, W = Hkv * HD;
+    for (int64_t g = 0; g < Hkv; ++g) {
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += MAX_HEADS) {
+        const bool first = g == 0 && h0 == 0;
+        const int64_t off = g * HD;
+        switch (std::min<int64_t>(MAX_HEADS, (g + 1) * group - h0)) {
+          case 1: values_chunk<1, NV>(scores, h0, n, v_pool, slots, W, off, first, acc); break;
+          case 2: values_chunk<2, NV>(scores, h0, n, v_pool, slots, W, off, first, acc); break;
+          case 3: if constexpr (MAX_HEADS >= 3) values_chunk<3, NV>(scores, h0, n, v_pool, slots, W, off, first, acc); break;
+          default: if constexpr (MAX_HEADS >= 4) values_chunk<4, NV>(scores, h0, n, v_pool, slots, W, off, first, acc); break;
+        }
+      }
+    }
+    return true;
+  }
+#endif
+  (void)scores; (void)v_pool; (void)slots; (void)n; (void)Hq; (void)Hkv; (void)acc;
+  return false;
+}
+
 // HD: the head dim as a compile-time constant (inner loops fully unrolled), 0 = read at run time.
 template <typename T, int HD>
 void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
@@ -137,12 +250,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
   // partials of item (b, s): acc [Hq, D], max [Hq], sum [Hq]; an empty item keeps sum 0
   std::vector<float> part_acc(B * splits * Hq * D), part_max(B * splits * Hq), part_sum(B * splits * Hq, 0.f);
 
-  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+  // The non-empty items, handed out one at a time (a static split of the item range left one
+  // thread with the long requests); which thread computes an item never changes its result.
+  std::vector<int64_t> work;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s * CHUNK < lens[b]; ++s) work.push_back(b * splits + s);
+  const int64_t n_work = static_cast<int64_t>(work.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_work), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(Hq * D), row(W), scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t i = next++; i < n_work; i = next++) {
+      const int64_t item = work[i];
       const int64_t b = item / splits, lo = (item % splits) * CHUNK;
       const int64_t n = std::min(lens[b], lo + CHUNK) - lo;
-      if (n <= 0) continue;
       const int32_t* slots = table + row_of[b] * table_stride + lo;
       load_row(qp + b * Hq * D, qf.data(), Hq * D);
       for (auto& x : qf) x *= fscale;
@@ -164,19 +284,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
         prefetch(vp + static_cast<int64_t>(slots[l]) * W, W * sizeof(T));
       float* mx = part_max.data() + item * Hq;
       float* sum = part_sum.data() + item * Hq;
-      for (int64_t h = 0; h < Hq; ++h) {
-        float* s = scores.data() + h * n;
-        float m = s[0];
-        for (int64_t l = 1; l < n; ++l) m = std::max(m, s[l]);
-        float z = 0.f;
-        for (int64_t l = 0; l < n; ++l) {
-          s[l] = std::exp(s[l] - m);
-          z += s[l];
-        }
-        mx[h] = m;
-        sum[h] = z;
-      }
+      for (int64_t h = 0; h < Hq; ++h) std::tie(mx[h], sum[h]) = softmax_numerators(scores.data() + h * n, n);
       float* acc = part_acc.data() + item * Hq * D;
+      if (bf16_values<T, HD>(scores.data(), vp, slots, n, Hq, Hkv, acc)) continue;
       std::fill(acc, acc + Hq * D, 0.f);
       for (int64_t l = 0; l < n; ++l) {
         if (l + PREFETCH < n) prefetch(vp + static_cast<int64_t>(slots[l + PREFETCH]) * W, W * sizeof(T));
