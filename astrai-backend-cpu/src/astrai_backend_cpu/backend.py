@@ -3,12 +3,14 @@
 Decode rows (one new token per request) go to ``astrai_cpu::paged_decode``: no gather of
 K/V into a padded ``[B, L]`` copy, no mask, one pass over each request's own slots; on 2
 cores it takes about half the time of torch_native's gather + bmm at batch 8-32 and a
-fifth at batch 1 (``benchmarks/README.md``). Prefill rows (fresh prompts, chunks after a
-cached prefix) take torch_native's paths unchanged.
+fifth at batch 1 (``benchmarks/README.md``). Fresh prompts (no cached prefix) in bf16 with head
+dim 64 or 128 go to ``astrai_cpu::prefill_attention`` (AVX512-BF16 builds; 4-5x SDPA on a 512-token
+prompt); other prefill rows (chunks after a cached prefix, other dtypes) take torch_native's paths.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -21,6 +23,12 @@ if TYPE_CHECKING:
     from astrai.kvcache.cache import KVCache
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _has_prefill_kernel() -> bool:
+    """The build targets AVX512-BF16 (asked once the kernels are loaded)."""
+    return bool(torch.ops.astrai_cpu.has_prefill_attention())
 
 
 class _CpuPlan(NamedTuple):
@@ -67,6 +75,14 @@ class CpuBackend(TorchNativeBackend):
         if q.dtype not in _DTYPES:
             return f"dtype {q.dtype} not supported (float32, bfloat16, float16)"
         return None
+
+    @staticmethod
+    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """A fresh prompt: ``astrai_cpu::prefill_attention`` for bf16 with head dim 64 or 128 where the
+        compiler targets AVX512-BF16, else torch_native's SDPA."""
+        if q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and _has_prefill_kernel():
+            return torch.ops.astrai_cpu.prefill_attention(q, k, v, scale)
+        return TorchNativeBackend._causal(q, k, v, scale)
 
     def _attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
         """After torch_native's K/V write: decode rows on the kernel, the others as torch_native."""

@@ -27,4 +27,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const a
                         const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
                         double scale);
 
+// prefill.cpp
+bool has_prefill_attention();
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+
 }  // namespace astrai_cpu
