@@ -26,13 +26,19 @@ def test_decode_rows_match_the_reference(dtype, head_dim, group):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_mixed_step_decodes_on_the_kernel_the_rest_as_torch_native(dtype):
+def test_mixed_step_decodes_on_the_kernel_the_rest_on_prefill_attention_or_torch_native(dtype):
     q_lens, prefix = [1, 23, 1, 70, 1, 1, 5, 1], [30, 0, 200, 9, 0, 61, 4, 7]
     kv = run_and_check(q_lens, prefix, 2, 3, 64, dtype, seed=10, layers=(0, 1), backend=CpuBackend())
     plan = kv.plan["cpu"]
     assert plan.tok_rows.tolist() == [0, 24, 95, 96, 102]
     assert plan.rows.tolist() == kv.req_pool_indices[[0, 2, 4, 5, 7]].tolist()
-    assert plan.native.fresh == ((1, 23),) and plan.native.prefill is not None
+    if dtype == torch.bfloat16 and torch.ops.astrai_cpu.has_prefill_attention():
+        # every other request, fresh or after cached positions: (row, first token row, rows, prefix)
+        assert plan.native is None
+        assert [c.tolist() for c in plan.chunks] == [kv.req_pool_indices[[1, 3, 6]].tolist(), [1, 25, 97], [23, 70, 5], [0, 9, 4]]
+    else:
+        assert plan.chunks is None
+        assert plan.native.fresh == ((1, 23),) and plan.native.prefill is not None
 
 
 def test_prefill_only_step_is_torch_native():

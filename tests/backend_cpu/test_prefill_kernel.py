@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -33,75 +34,140 @@ def qkv_slices(n, hq, hkv, d, seed):
     return q, k, v
 
 
-def sdpa(q, k, v, dtype):
+def scattered_pool(keys: list[torch.Tensor], values: list[torch.Tensor], seed=0):
+    """K/V buffers holding each request's positions in shuffled slots, and the req_to_token rows."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(len(k) for k in keys)
+    slots = torch.randperm(total + 13, generator=gen)[:total].int()  # some slots belong to nobody
+    k_buf = torch.randn(total + 13, *keys[0].shape[1:], generator=gen).bfloat16()
+    v_buf = torch.randn(total + 13, *keys[0].shape[1:], generator=gen).bfloat16()
+    table = torch.full((len(keys), max(len(k) for k in keys) + 5), -1, dtype=torch.int32)
+    at = 0
+    for row, (k, v) in enumerate(zip(keys, values, strict=True)):
+        mine = slots[at : at + len(k)]
+        k_buf[mine.long()], v_buf[mine.long()] = k, v
+        table[row, : len(k)] = mine
+        at += len(k)
+    return k_buf, v_buf, table
+
+
+def kernel(q, k_buf, v_buf, table, chunks, scale):
+    """``chunks``: (req_to_token row, first row of q, rows, prefix) per request."""
+    cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*chunks, strict=True)]
+    return torch.ops.astrai_cpu.prefill_attention(q, k_buf, v_buf, table, *cols, scale)
+
+
+def attention(q, k, v, prefix, dtype):
+    """Rows of q at positions prefix.. over keys/values 0..: the float64 (or SDPA bf16) reference."""
+    n, total = q.shape[0], k.shape[0]
+    allowed = torch.arange(total)[None, :] <= (prefix + torch.arange(n))[:, None]
     return F.scaled_dot_product_attention(
         *(x.to(dtype).transpose(0, 1)[None] for x in (q, k, v)),
-        is_causal=True, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1],
+        attn_mask=allowed, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1],
     )[0].transpose(0, 1)  # fmt: skip
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (2, 1, 128)])
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 32, 33, 100, 257])
-def test_matches_float64_as_closely_as_sdpa(n, hq, hkv, d):
-    q, k, v = qkv_slices(n, hq, hkv, d, seed=n * hq + d)
-    want = sdpa(q, k, v, torch.float64)
-    got = torch.ops.astrai_cpu.prefill_attention(q, k, v, d**-0.5)
+@pytest.mark.parametrize(("n", "prefix"), [(1, 0), (7, 0), (8, 0), (9, 0), (31, 0), (33, 0), (257, 0), (2, 16),
+                                           (40, 32), (9, 100), (100, 5)])  # fmt: skip
+def test_matches_float64_as_closely_as_sdpa(n, prefix, hq, hkv, d):
+    """One chunk of n rows after `prefix` cached positions, K/V scattered over the pool."""
+    q, k, v = qkv_slices(prefix + n, hq, hkv, d, seed=n * hq + d + prefix)
+    k_buf, v_buf, table = scattered_pool([k], [v])
+    got = kernel(q[prefix:], k_buf, v_buf, table, [(0, 0, n, prefix)], d**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == (n, hq, d)
+    want = attention(q[prefix:], k, v, prefix, torch.float64)
     err = (got.double() - want).abs().max().item()
-    sdpa_err = (sdpa(q, k, v, torch.bfloat16).double() - want).abs().max().item()
+    sdpa_err = (attention(q[prefix:], k, v, prefix, torch.bfloat16).double() - want).abs().max().item()
     # both round the probabilities and the output to bf16; the sums' order differs
     assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
+
+
+def test_a_ragged_step_is_each_chunk_alone():
+    """Chunks of several requests (fresh and after a prefix) in one call: each is, bit for bit,
+    its own call; rows of q that no chunk lists are left to the caller."""
+    shapes = [(0, 37), (64, 16), (5, 1), (0, 130), (200, 9)]  # (prefix, rows)
+    qs, ks, vs = zip(*(qkv_slices(p + n, 9, 3, 64, seed=i) for i, (p, n) in enumerate(shapes)), strict=True)
+    k_buf, v_buf, table = scattered_pool(list(ks), list(vs), seed=1)
+    q = torch.cat([qq[p:] for qq, (p, _) in zip(qs, shapes, strict=True)] + [qs[0][:3]])  # 3 rows nobody lists
+    chunks, row = [], 0
+    for i, (p, n) in enumerate(shapes):
+        chunks.append((i, row, n, p))
+        row += n
+    together = kernel(q, k_buf, v_buf, table, chunks, 0.125)
+    for i, (r, q0, n, p) in enumerate(chunks):
+        alone = kernel(q[q0 : q0 + n], k_buf, v_buf, table, [(r, 0, n, p)], 0.125)
+        assert torch.equal(together[q0 : q0 + n], alone), i
 
 
 def test_a_row_never_sees_later_keys():
     """Causal and block-exact: the first m rows of a prompt are, bit for bit, the m-row prompt's."""
     q, k, v = qkv_slices(70, 9, 3, 64, seed=1)
-    whole = torch.ops.astrai_cpu.prefill_attention(q, k, v, 0.125)
+    k_buf, v_buf, table = scattered_pool([k], [v])
+    whole = kernel(q, k_buf, v_buf, table, [(0, 0, 70, 0)], 0.125)
     for m in (1, 8, 13, 32, 33, 64):
-        assert torch.equal(torch.ops.astrai_cpu.prefill_attention(q[:m], k[:m], v[:m], 0.125), whole[:m])
+        assert torch.equal(kernel(q[:m], k_buf, v_buf, table, [(0, 0, m, 0)], 0.125), whole[:m])
 
 
 def test_refuses_what_it_does_not_compute():
     q, k, v = qkv_slices(4, 4, 2, 64, seed=0)
+    k_buf, v_buf, table = scattered_pool([k], [v])
     with pytest.raises(RuntimeError, match="bf16 only"):
-        torch.ops.astrai_cpu.prefill_attention(q.float(), k.float(), v.float(), 0.125)
+        kernel(q.float(), k_buf.float(), v_buf.float(), table, [(0, 0, 4, 0)], 0.125)
     q32, k32, v32 = qkv_slices(4, 4, 2, 32, seed=0)
     with pytest.raises(RuntimeError, match="head dim 64 or 128"):
-        torch.ops.astrai_cpu.prefill_attention(q32, k32, v32, 0.125)
+        kernel(q32, *scattered_pool([k32], [v32]), [(0, 0, 4, 0)], 0.125)
     with pytest.raises(RuntimeError, match="multiple of Hkv"):
-        torch.ops.astrai_cpu.prefill_attention(q[:, :3], k, v, 0.125)
-    assert torch.ops.astrai_cpu.prefill_attention(q[:0], k[:0], v[:0], 0.125).shape == (0, 4, 64)
+        kernel(q[:, :3], k_buf, v_buf, table, [(0, 0, 4, 0)], 0.125)
+    with pytest.raises(RuntimeError, match="outside q or req_to_token"):
+        kernel(q, k_buf, v_buf, table, [(0, 2, 4, 0)], 0.125)
+    table[0, 1] = 10_000
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        kernel(q, k_buf, v_buf, table, [(0, 0, 4, 0)], 0.125)
 
 
-def test_model_prefill_on_the_kernel_matches_torch_native():
-    """A bf16 model with head dim 64: a ragged step of fresh prompts under ``cpu`` (the kernel)
-    and ``torch_native`` (SDPA) picks the same next tokens, with logits within bf16 noise."""
+def test_model_prefill_on_the_kernels_is_as_close_to_float32_as_torch_native():
+    """A bf16 model with head dim 64: a ragged step of fresh prompts, then one of chunks after them
+    (and a decode row). Its logits under ``cpu`` (the kernels) are as close to the same weights'
+    float32 logits as torch_native's bf16 logits (SDPA and its gather path) are."""
     cfg = dataclasses.replace(tiny_config(), hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                               intermediate_size=512)  # fmt: skip
-    model = build_model(cfg, torch.bfloat16)
+    f32 = build_model(cfg, torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen) if "norm" in name
-                    else torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)  # fmt: skip
-        model.lm_head.weight.mul_(8.0)  # wide logit gaps: the argmax is robust to bf16 rounding
-    model.fuse_projections()
-    prepack_linears(model)
-    lens = [3, 40, 129, 17]
-    prompts = [torch.randint(3, 250, (n,), generator=gen) for n in lens]
+        for name, p in f32.named_parameters():
+            w = 1.0 + 0.2 * torch.randn(p.shape, generator=gen) if "norm" in name else torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
+            p.copy_(w.bfloat16().float())  # values that bf16 holds exactly
+    f32.fuse_projections()
+    bf16 = copy.deepcopy(f32)
+    for p in bf16.parameters():
+        p.data = p.data.bfloat16()
+    prepack_linears(bf16)
+    first, then = [3, 40, 129, 17], [20, 1, 33, 64]  # step 1 fresh, step 2 chunks after them (one decode row)
+    prompts = [torch.randint(3, 250, (a + b,), generator=gen) for a, b in zip(first, then, strict=True)]
+    steps = [(first, [0] * 4), (then, first)]  # (rows per request, positions before them)
     logits = {}
-    for backend in ("cpu", "torch_native"):
+    for name, model, backend in (("cpu", bf16, "cpu"), ("torch_native", bf16, "torch_native"), ("f32", f32, "torch_native")):
+        dtype = next(model.parameters()).dtype
         pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                        KVConfig(max_batch_size=4, max_seq_len=256, page_size=16, n_tokens=1024), dtype=torch.bfloat16)  # fmt: skip
-        rows = [pool.task_alloc() for _ in lens]
-        for row, n in zip(rows, lens, strict=True):
-            assert pool.extend(row, n)
-        with attn_backend(backend):
-            logits[backend] = model(torch.cat(prompts), torch.cat([torch.arange(n) for n in lens]),
-                                    pool.bind_tasks(rows, lens, lens), torch.tensor(lens).cumsum(0) - 1)  # fmt: skip
+                        KVConfig(max_batch_size=4, max_seq_len=256, page_size=16, n_tokens=1024), dtype=dtype)  # fmt: skip
+        rows = [pool.task_alloc() for _ in prompts]
+        for n_new, before in steps:
+            ends = [b + n for b, n in zip(before, n_new, strict=True)]
+            for row, end in zip(rows, ends, strict=True):
+                assert pool.extend(row, end)
+            ids = torch.cat([p[b:e] for p, b, e in zip(prompts, before, ends, strict=True)])
+            positions = torch.cat([torch.arange(b, e) for b, e in zip(before, ends, strict=True)])
+            kv = pool.bind_tasks(rows, n_new, ends)
+            with attn_backend(backend):
+                out = model(ids, positions, kv, torch.tensor(n_new).cumsum(0) - 1)
+            if name == "cpu":
+                assert kv.plan["cpu"].chunks is not None, "the prefill kernel did not take the step"
+            logits.setdefault(name, []).append(out)
         for row in rows:
             pool.task_free(row)
         assert_nothing_held(pool)
-    assert torch.equal(logits["cpu"].argmax(-1), logits["torch_native"].argmax(-1))
-    spread = (logits["cpu"] - logits["torch_native"]).abs().max()
-    assert spread <= 0.02 * logits["torch_native"].abs().max(), spread
+    for step, want in enumerate(logits["f32"]):
+        err = (logits["cpu"][step] - want).abs().max().item()
+        native_err = (logits["torch_native"][step] - want).abs().max().item()
+        assert err <= 1.5 * native_err + 1e-2, (step, err, native_err)

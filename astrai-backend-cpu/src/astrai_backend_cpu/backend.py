@@ -3,9 +3,10 @@
 Decode rows (one new token per request) go to ``astrai_cpu::paged_decode``: no gather of
 K/V into a padded ``[B, L]`` copy, no mask, one pass over each request's own slots; on 2
 cores it takes about half the time of torch_native's gather + bmm at batch 8-32 and a
-fifth at batch 1 (``benchmarks/README.md``). Fresh prompts (no cached prefix) in bf16 with head
-dim 64 or 128 go to ``astrai_cpu::prefill_attention`` (AVX512-BF16 builds; 4-5x SDPA on a 512-token
-prompt); other prefill rows (chunks after a cached prefix, other dtypes) take torch_native's paths.
+fifth at batch 1 (``benchmarks/README.md``). Prefill rows (fresh prompts and chunks after a cached
+prefix) in bf16 with head dim 64 or 128 go to ``astrai_cpu::prefill_attention`` (AVX512-BF16
+builds), which reads each request's K/V from the pool too (4-5x SDPA on a fresh 512-token
+prompt); other dtypes and head dims take torch_native's paths.
 """
 
 from __future__ import annotations
@@ -32,20 +33,33 @@ def _has_prefill_kernel() -> bool:
 
 
 class _CpuPlan(NamedTuple):
-    native: _StepPlan  # torch_native's plan, its decode part unused
+    native: _StepPlan | None  # torch_native's plan for rows the kernels do not take (None: they take all)
     tok_rows: torch.Tensor | None  # [b] token row of each decode request; None: every row, in order
     rows: torch.Tensor  # [b] int64 req_to_token row of each decode request
     seq_lens: torch.Tensor  # [b] int64
+    # the prefill kernel's chunks (every request with more than one new token): req_to_token rows,
+    # first token rows, token counts, cached prefix lengths, int64 [c]; None: torch_native runs them
+    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
-def _cpu_plan(kv: KVCache, dtype: torch.dtype) -> _CpuPlan:
-    native = _plan(kv, dtype)
+def _prefill_kernel_runs(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
+    """``astrai_cpu::prefill_attention`` takes the step's prefill rows (bf16, head dim 64 or 128, an AVX512-BF16 build)."""
+    return q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and _has_prefill_kernel()
+
+
+def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
     if kv.max_q_len == 1:  # a pure decode step: every request, in order
-        return _CpuPlan(native, None, kv.req_pool_indices.long(), kv.seq_lens.long())
+        return _CpuPlan(None, None, kv.req_pool_indices.long(), kv.seq_lens.long(), None)
     q_lens = torch.tensor(kv.q_lens_host) if kv.q_lens_host else kv.qo_indptr.diff().long()
-    pick = (q_lens == 1).nonzero()[:, 0]
-    starts = kv.qo_indptr[:-1].long()
-    return _CpuPlan(native, starts[pick], kv.req_pool_indices.long()[pick], kv.seq_lens.long()[pick])
+    seq_lens = torch.tensor(kv.seq_lens_host) if kv.seq_lens_host else kv.seq_lens.long()
+    starts, req_rows = kv.qo_indptr[:-1].long(), kv.req_pool_indices.long()
+    decode = q_lens == 1
+    pick = decode.nonzero()[:, 0]
+    if not _prefill_kernel_runs(q, k_buf):
+        return _CpuPlan(_plan(kv, q.dtype), starts[pick], req_rows[pick], seq_lens[pick], None)
+    other = (~decode).nonzero()[:, 0]
+    chunks = (req_rows[other], starts[other], q_lens[other], (seq_lens - q_lens)[other])
+    return _CpuPlan(None, starts[pick], req_rows[pick], seq_lens[pick], chunks)
 
 
 class CpuBackend(TorchNativeBackend):
@@ -76,26 +90,21 @@ class CpuBackend(TorchNativeBackend):
             return f"dtype {q.dtype} not supported (float32, bfloat16, float16)"
         return None
 
-    @staticmethod
-    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """A fresh prompt: ``astrai_cpu::prefill_attention`` for bf16 with head dim 64 or 128 where the
-        compiler targets AVX512-BF16, else torch_native's SDPA."""
-        if q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and _has_prefill_kernel():
-            return torch.ops.astrai_cpu.prefill_attention(q, k, v, scale)
-        return TorchNativeBackend._causal(q, k, v, scale)
-
     def _attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
-        """After torch_native's K/V write: decode rows on the kernel, the others as torch_native."""
+        """After torch_native's K/V write: decode rows on ``paged_decode``, the others on
+        ``prefill_attention`` where it runs, else as torch_native."""
         plan = kv_cache.plan.get(self.name)
         if plan is None:
-            plan = kv_cache.plan[self.name] = _cpu_plan(kv_cache, q.dtype)
-        if plan.native.decode is None:
-            return self._attend(q, k, v, k_buf, v_buf, plan.native, scale)
-        dq = q if plan.tok_rows is None else q.index_select(0, plan.tok_rows)
-        decoded = torch.ops.astrai_cpu.paged_decode(
-            dq.contiguous(), k_buf, v_buf, kv_cache.req_to_token, plan.rows, plan.seq_lens, scale
-        )
-        if plan.tok_rows is None:
-            return decoded
-        out = self._attend(q, k, v, k_buf, v_buf, plan.native._replace(decode=None), scale)
-        return out.index_copy_(0, plan.tok_rows, decoded)
+            plan = kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, k_buf)
+        if plan.rows.numel():
+            dq = q if plan.tok_rows is None else q.index_select(0, plan.tok_rows)
+            decoded = torch.ops.astrai_cpu.paged_decode(
+                dq.contiguous(), k_buf, v_buf, kv_cache.req_to_token, plan.rows, plan.seq_lens, scale
+            )
+            if plan.tok_rows is None:  # a pure decode step
+                return decoded
+        if plan.chunks is not None:
+            out = torch.ops.astrai_cpu.prefill_attention(q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale)
+        else:
+            out = self._attend(q, k, v, k_buf, v_buf, plan.native._replace(decode=None), scale)
+        return out.index_copy_(0, plan.tok_rows, decoded) if plan.rows.numel() else out

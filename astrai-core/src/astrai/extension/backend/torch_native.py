@@ -264,16 +264,7 @@ class TorchNativeBackend(AttentionBackend):
         return self._attend(q, k, v, k_buf, v_buf, plan, scale)
 
     @staticmethod
-    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Causal attention of one fresh prompt: ``q [n, Hq, D]``, ``k``/``v [n, Hkv, D]`` -> ``[n, Hq, D]``."""
-        # [1, heads, n, D] views: SDPA's fused CPU kernel wants 4-D inputs (3-D ones take the
-        # unfused math path)
-        return F.scaled_dot_product_attention(
-            *(x.to(q.dtype).transpose(0, 1)[None] for x in (q, k, v)),
-            is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        )[0].transpose(0, 1)  # fmt: skip
-
-    def _attend(self, q, k, v, k_buf, v_buf, plan: _StepPlan, scale: float) -> torch.Tensor:
+    def _attend(q, k, v, k_buf, v_buf, plan: _StepPlan, scale: float) -> torch.Tensor:
         """Attention of the rows ``plan`` covers (K/V already written); other rows are left unset."""
         if plan.decode is not None and plan.decode.tok_rows is None:  # every row decodes
             return _decode_attention(q, k_buf, v_buf, plan.decode, scale)
@@ -287,7 +278,12 @@ class TorchNativeBackend(AttentionBackend):
         # prompt (a step holds few; vLLM's CPU backend does the same).
         for start, n in plan.fresh:
             rows = slice(start, start + n)
-            out[rows] = self._causal(q[rows], k[rows], v[rows], scale)
+            # [1, heads, n, D] views: SDPA's fused CPU kernel wants 4-D inputs (3-D ones take
+            # the unfused math path)
+            out[rows] = F.scaled_dot_product_attention(
+                *(x[rows].to(q.dtype).transpose(0, 1)[None] for x in (q, k, v)),
+                is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+            )[0].transpose(0, 1)  # fmt: skip
         if plan.prefill is not None:
             out.index_copy_(0, plan.prefill.tok_rows, _prefill_attention(q, k_buf, v_buf, plan.prefill, scale))
         return out
