@@ -7,6 +7,7 @@ pull a multi-GB CUDA build.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,6 +91,13 @@ def examples(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "tests/plugins", *session.posargs)
 
 
+CPU_BACKEND_BUILDS = """
+from astrai.extension.backend.policy import available_backends
+ok = {name: (up, why) for name, up, why in available_backends()}
+assert ok["cpu"][0], ok["cpu"][1]
+"""
+
+
 @nox.session(reuse_venv=False)
 def packaging(session: nox.Session) -> None:
     """Build the five wheels, install them (not editable) in a fresh venv, list plugins, serve one request."""
@@ -101,6 +109,8 @@ def packaging(session: nox.Session) -> None:
     session.log("built: %s", ", ".join(Path(w).name for w in built))
     _install(session, *built)
     session.run("astrai", "plugins")
+    if shutil.which("c++"):  # the installed cpu backend builds its kernels from the wheel's sources
+        session.run("python", "-c", CPU_BACKEND_BUILDS)
     _serve_one_request(session)
 
 

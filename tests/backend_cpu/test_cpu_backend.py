@@ -99,3 +99,19 @@ def test_unavailable_without_a_compiler(monkeypatch):
         build.load_kernels()
     ok, reason = CpuBackend.is_available()
     assert not ok and "astrai-no-such-compiler" in reason
+
+
+def test_the_wheel_ships_every_source_and_header():
+    """The kernels compile on the user's machine from the installed package: a file under csrc/
+    that package-data misses would leave them unbuildable (and the backend silently unavailable)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parents[2] / "astrai-backend-cpu"
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["astrai_backend_cpu"]
+    package = root / "src" / "astrai_backend_cpu"
+    shipped = {p for p in package.rglob("*") if p.is_file() and any(fnmatch.fnmatch(str(p.relative_to(package)), g) for g in globs)}
+    csrc = {p for p in (package / "csrc").iterdir() if p.is_file()}
+    assert csrc and csrc <= shipped, sorted(str(p.name) for p in csrc - shipped)
+    assert set(build.SOURCES) <= csrc
