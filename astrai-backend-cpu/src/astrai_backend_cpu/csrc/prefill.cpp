@@ -39,21 +39,59 @@ constexpr int64_t ROWS = 8;   // query rows per work item
 constexpr int64_t BLOCK = 32;  // keys per softmax block: two tiles of 16
 
 #if defined(__AVX512BF16__)
+// r[0..15] (16 x 16 int32) transposed in place: unpacks within 128-bit lanes, then lane shuffles.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
 // Keys 0 .. n - 1 of one KV head (pool rows through slots, head offset in) as K [tiles of 16
 // keys][D / 2][16][2] and V [pairs of keys][D / 16][16][2], zero-padded to `padded` keys (padded
-// keys are never attended: they follow every query).
+// keys are never attended: they follow every query). K: each tile's 16 rows, as pairs of dims,
+// transposed in registers; V: each pair of rows interleaved 16 dims at a time.
 template <int D>
 void pack_kv(const at::BFloat16* k_pool, const at::BFloat16* v_pool, int64_t W, const int32_t* slots, int64_t n,
              int64_t padded, at::BFloat16* kp, at::BFloat16* vp) {
-  std::memset(static_cast<void*>(kp), 0, padded * D * sizeof(at::BFloat16));
-  std::memset(static_cast<void*>(vp), 0, padded * D * sizeof(at::BFloat16));
-  for (int64_t key = 0; key < n; ++key) {
-    const at::BFloat16* kr = k_pool + static_cast<int64_t>(slots[key]) * W;
-    const at::BFloat16* vr = v_pool + static_cast<int64_t>(slots[key]) * W;
-    const int64_t tile = key / 16, lane = key % 16, pair = key / 2, half = key % 2;
-    for (int64_t d = 0; d < D; ++d) {
-      kp[((tile * (D / 2) + d / 2) * 16 + lane) * 2 + d % 2] = kr[d];
-      vp[((pair * (D / 16) + d / 16) * 16 + d % 16) * 2 + half] = vr[d];
+  for (int64_t tile = 0; tile < padded / 16; ++tile) {
+    for (int half = 0; half < D / 32; ++half) {  // 16 pairs of dims at a time
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t key = tile * 16 + i;
+        r[i] = key < n ? _mm512_loadu_si512(k_pool + static_cast<int64_t>(slots[key]) * W + half * 32) : _mm512_setzero_si512();
+      }
+      transpose16(r);  // r[p]: pair p of the half for the 16 keys
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + ((tile * (D / 2) + half * 16 + p) * 16) * 2, r[p]);
+    }
+  }
+  for (int64_t pair = 0; pair < padded / 2; ++pair) {
+    const int64_t k0 = 2 * pair, k1 = k0 + 1;
+    const at::BFloat16* a = k0 < n ? v_pool + static_cast<int64_t>(slots[k0]) * W : nullptr;
+    const at::BFloat16* b = k1 < n ? v_pool + static_cast<int64_t>(slots[k1]) * W : nullptr;
+    for (int t = 0; t < D / 16; ++t) {
+      const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * t))) : _mm512_setzero_si512();
+      const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * t))) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + ((pair * (D / 16) + t) * 16) * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
