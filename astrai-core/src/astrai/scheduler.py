@@ -272,24 +272,29 @@ class InferenceScheduler:
     def _forward(self, rows: list[Row], sampled: list[Request]) -> list[int]:
         """Build the flattened batch with tensor ops, run the model, sample the wanted rows."""
         device = self.pool.device
-        q_t = torch.tensor([q for _, q, _ in rows], dtype=torch.int64)
-        starts = torch.tensor([r.num_computed for r, _, _ in rows], dtype=torch.int64)
-        ends = torch.cumsum(q_t, 0)
-        t = int(ends[-1])
-        ids = list(chain.from_iterable(r.tokens[r.num_computed : r.num_computed + q] for r, q, _ in rows))
-        positions = torch.arange(t) + torch.repeat_interleave(starts - (ends - q_t), q_t, output_size=t)
-        logits_indices = (ends - 1)[torch.tensor([s for _, _, s in rows], dtype=torch.bool)]
-        kv = self.pool.bind_tasks([r.req_idx for r, _, _ in rows], q_t.tolist(), (starts + q_t).tolist())
+        if len(sampled) == len(rows) and all(q == 1 for _, q, _ in rows):  # decode: host lists are cheaper
+            reqs = [r for r, _, _ in rows]
+            host = torch.tensor([[r.tokens[r.num_computed] for r in reqs], [r.num_computed for r in reqs]])
+            ids, positions = host.to(device)
+            logits_indices = torch.arange(len(reqs), device=device)
+            kv = self.pool.bind_tasks([r.req_idx for r in reqs], [1] * len(reqs), [r.num_computed + 1 for r in reqs])
+        else:
+            q_t = torch.tensor([q for _, q, _ in rows], dtype=torch.int64)
+            starts = torch.tensor([r.num_computed for r, _, _ in rows], dtype=torch.int64)
+            ends = torch.cumsum(q_t, 0)
+            t = int(ends[-1])
+            ids = list(chain.from_iterable(r.tokens[r.num_computed : r.num_computed + q] for r, q, _ in rows))
+            ids = torch.tensor(ids, dtype=torch.int64, device=device)
+            positions = (torch.arange(t) + torch.repeat_interleave(starts - (ends - q_t), q_t, output_size=t)).to(device)
+            logits_indices = (ends - 1)[torch.tensor([s for _, _, s in rows], dtype=torch.bool)].to(device)
+            kv = self.pool.bind_tasks([r.req_idx for r, _, _ in rows], q_t.tolist(), (starts + q_t).tolist())
         backend = rows[0][0].backend or self.backend
         with attn_backend(backend) if backend else contextlib.nullcontext():
-            logits = self.model(
-                torch.tensor(ids, dtype=torch.int64, device=device),
-                positions.to(device),
-                kv,
-                logits_indices.to(device),
-            )
+            logits = self.model(ids, positions, kv, logits_indices)
         if not sampled:
             return []
+        if all(r.params.plain_greedy for r in sampled):  # argmax, whatever the pipeline holds
+            return logits.argmax(dim=-1).tolist()
         penalised = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
         batch = SamplingBatch.from_params(
             [r.params for r in sampled],

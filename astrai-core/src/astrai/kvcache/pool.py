@@ -273,6 +273,8 @@ class PagePool:
                 raise ValueError(f"row {row}: q_len {q} outside [1, seq_len {s}]")
             if s > lens[row]:
                 raise ValueError(f"row {row}: position {s - 1} has no slot (extend to {s} first)")
+        if max(ql) == 1:
+            return self._bind_decode(rows, sl)
         host = torch.tensor([rows, ql, sl], dtype=torch.int64)
         rows_t, q_t, s_t = host[0], host[1], host[2]
         t = sum(ql)
@@ -293,13 +295,33 @@ class PagePool:
         req_pool_indices, seq_lens_d, tok_rows, tok_pos_d = torch.split(longs, [b, b, t, t])
         kv_indptr_d, qo_indptr_d, tile_req_d, tile_idx_d = torch.split(ints, [b + 1, b + 1, n_tiles, n_tiles])
         out_cache_loc = self.req_to_token[tok_rows, tok_pos_d].to(torch.int64)
+        return self._kv_cache(req_pool_indices, seq_lens_d, out_cache_loc, kv_indptr_d, qo_indptr_d, tile_req_d,
+                              tile_idx_d, ql, sl)  # fmt: skip
+
+    def _bind_decode(self, rows: list[int], sl: list[int]) -> KVCache:
+        """``bind_tasks`` for a step of one token per request (the common case), from host lists:
+        a few tensors instead of the general path's two dozen small ops."""
+        b = len(rows)
+        kv_indptr = [0] * (b + 1)
+        for i, s in enumerate(sl):
+            kv_indptr[i + 1] = kv_indptr[i] + s
+        longs = torch.tensor([rows, sl, [s - 1 for s in sl]], dtype=torch.int64).to(self.device)
+        out_cache_loc = self.req_to_token[longs[0], longs[2]].to(torch.int64)
+        # kv_indptr, qo_indptr (0..b), one tile per request (tile_req 0..b-1, tile_idx 0)
+        ints = torch.tensor([*kv_indptr, *range(b + 1), *range(b), *[0] * b], dtype=torch.int32).to(self.device)
+        kv_indptr_d, qo_indptr_d, tile_req_d, tile_idx_d = torch.split(ints, [b + 1, b + 1, b, b])
+        return self._kv_cache(longs[0], longs[1], out_cache_loc, kv_indptr_d, qo_indptr_d, tile_req_d, tile_idx_d,
+                              [1] * b, sl)  # fmt: skip
+
+    def _kv_cache(self, req_pool_indices, seq_lens, out_cache_loc, kv_indptr, qo_indptr, tile_req, tile_idx, ql, sl):
+        b = len(sl)
         return KVCache(
             k_buffer=self.k_buffer, v_buffer=self.v_buffer, req_to_token=self.req_to_token,
-            req_pool_indices=req_pool_indices, seq_lens=seq_lens_d, out_cache_loc=out_cache_loc,
-            max_len=max(sl), kv_indptr=kv_indptr_d, qo_indptr=qo_indptr_d,
-            q_tile_to_batch=tile_req_d, q_tile_to_index=tile_idx_d,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
+            max_len=max(sl), kv_indptr=kv_indptr, qo_indptr=qo_indptr,
+            q_tile_to_batch=tile_req, q_tile_to_index=tile_idx,
             decode_o_part=self._decode_o_part[:b], decode_ml_part=self._decode_ml_part[:b],
             decode_out=self._decode_out[:b],
-            max_q_len=max(ql), num_tokens=t, q_lens_host=tuple(ql), seq_lens_host=tuple(sl),
+            max_q_len=max(ql), num_tokens=sum(ql), q_lens_host=tuple(ql), seq_lens_host=tuple(sl),
             page_size=self.page_size if self.paged else self.max_ctx_len,
         )

@@ -109,6 +109,16 @@ class SamplingParams:
         """True when the request takes the argmax token (``temperature == 0``)."""
         return self.temperature == 0.0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits first (no penalty, no logit bias, no plugin
+        strategy): the token is the argmax of the model's logits, whatever the pipeline holds."""
+        return (
+            self.temperature == 0.0
+            and not (self.frequency_penalty or self.presence_penalty or self.logit_bias)
+            and self.strategy is None
+        )
+
 
 def _as_int64(seed: int) -> int:
     """Wrap any Python int into the signed 64-bit range (the hash uses all 64 bits)."""
