@@ -75,7 +75,7 @@ def test_rotary_broadcast_freqs_take_the_torch_path():
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16")
 @pytest.mark.parametrize("k", [576, 1536, 100, 33])  # 33: an odd K (x padded to pairs)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 40])  # blocks of 8 rows: whole and partial
 def test_linear_is_f_linear_and_batch_invariant(k, bias, rows):
     gen = torch.Generator().manual_seed(k + rows)
     x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -91,8 +91,13 @@ def test_linear_is_f_linear_and_batch_invariant(k, bias, rows):
             assert torch.equal(kernel(x[i : i + 1], packed, b)[0], got[i])
 
 
-def test_linear_refuses_more_rows_than_it_serves():
-    x = torch.randn(fused.LINEAR_MAX_ROWS + 1, 64).bfloat16()
-    packed = torch.ops.astrai_cpu.linear_pack(torch.randn(16, 64).bfloat16())
-    with pytest.raises(RuntimeError, match="1 to 8 bf16 rows"):
-        torch.ops.astrai_cpu.linear_packed(x, packed, 16, None)
+def test_linear_takes_any_number_of_rows_where_there_is_no_amx():
+    kernel = fused._table[("linear", "cpu")]
+    assert kernel.max_rows == (64 if torch.cpu._is_amx_tile_supported() else None)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 64, generator=gen).bfloat16()  # 37 blocks of 8 rows and a partial one
+    w = torch.randn(40, 64, generator=gen).bfloat16()
+    got = torch.ops.astrai_cpu.linear_packed(x, torch.ops.astrai_cpu.linear_pack(w), 40, None)
+    close(got, F.linear(x, w))
+    with pytest.raises(RuntimeError, match="bf16 rows"):
+        torch.ops.astrai_cpu.linear_packed(x.float(), torch.ops.astrai_cpu.linear_pack(w), 40, None)

@@ -51,7 +51,7 @@ def test_unknown_op_is_refused():
 
 
 @pytest.mark.usefixtures("empty_table")
-def test_packed_linear_takes_a_linear_kernel_for_small_batches_only():
+def test_packed_linear_gives_a_linear_kernel_what_it_takes_and_the_rest_to_onednn():
     from astrai.model.cpu_linear import PackedLinear, prepack_supported
 
     if not prepack_supported("cpu", torch.bfloat16):
@@ -59,6 +59,8 @@ def test_packed_linear_takes_a_linear_kernel_for_small_batches_only():
     lin = PackedLinear(torch.nn.Linear(64, 8, bias=False).bfloat16())
 
     class Recording:
+        max_rows = 2
+
         def __init__(self):
             self.packs, self.calls = 0, []
 
@@ -73,11 +75,15 @@ def test_packed_linear_takes_a_linear_kernel_for_small_batches_only():
     kernel = Recording()
     fused.register_kernel("linear", kernel, "cpu")
     with torch.inference_mode():
-        one, many = torch.randn(1, 64).bfloat16(), torch.randn(fused.LINEAR_MAX_ROWS + 1, 64).bfloat16()
-        assert torch.equal(lin(one), F.linear(one, lin.weight))
-        lin(many[:-1])
-        lin(many)  # more rows: oneDNN's packed weights
-    assert kernel.calls == [1, fused.LINEAR_MAX_ROWS] and kernel.packs == 1  # packed once, on first use
+        x = torch.randn(3, 64).bfloat16()
+        assert torch.equal(lin(x[:1]), F.linear(x[:1], lin.weight))
+        lin(x[:2])
+        assert lin._onednn is None  # no input went to oneDNN yet: no copy of the weight in its layout
+        lin(x)  # more rows than max_rows: oneDNN, packed now
+        assert lin._onednn is not None
+        kernel.max_rows = None  # any number
+        lin(x.view(1, 3, 64))  # [batch, tokens, features] inputs are flattened for it
+    assert kernel.calls == [1, 2, 3] and kernel.packs == 1  # packed once, on first use
 
 
 @pytest.mark.usefixtures("empty_table")

@@ -101,7 +101,15 @@ def rotary_kernel(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class LinearKernel:
-    """``astrai.extension.fused``'s ``linear`` on ``astrai_cpu::linear_pack``/``linear_packed`` (1-8 bf16 rows)."""
+    """``astrai.extension.fused``'s ``linear`` on ``astrai_cpu::linear_pack``/``linear_packed`` (bf16 rows).
+
+    ``max_rows``: any number where the CPU has no AMX (the kernel matches oneDNN from 256 rows
+    and beats it below); with AMX, oneDNN's tile GEMMs should win on prefill-sized inputs, so
+    inputs over 64 rows go to oneDNN there (a threshold not measured on an AMX machine).
+    """
+
+    def __init__(self) -> None:
+        self.max_rows: int | None = 64 if torch.cpu._is_amx_tile_supported() else None
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The ``[N, K]`` weight in 16-row tiles by pairs of k, and ``N``."""

@@ -6,9 +6,9 @@ and another 1.5-2 ms dispatching the dozen small calls of each of its 30 layers.
 the GIL released: bit for bit the layers' result on this plugin's kernels.
 
 It runs a step only when the layer-by-layer path would run it on these same kernels: bf16,
-1 to ``LINEAR_MAX_ROWS`` rows that all decode, the ``cpu`` attention backend selected for the
-step, and a stock ``LlamaForCausalLM`` with fused projections on ``PackedLinear``s; otherwise it
-returns ``None`` and the model runs its layers.
+rows that all decode (no more than the ``linear`` kernel's ``max_rows``), the ``cpu`` attention
+backend selected for the step, and a stock ``LlamaForCausalLM`` with fused projections on
+``PackedLinear``s; otherwise it returns ``None`` and the model runs its layers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 
 from astrai.errors import AstraiError
 from astrai.extension.backend.policy import get_registry
-from astrai.extension.fused import LINEAR_MAX_ROWS
 
 if TYPE_CHECKING:
     from astrai.kvcache.cache import KVCache
@@ -42,7 +41,7 @@ class DecoderLayersKernel:
         if (
             x.dtype != torch.bfloat16
             or kv_cache.max_q_len != 1
-            or t > LINEAR_MAX_ROWS
+            or (self._linear.max_rows is not None and t > self._linear.max_rows)
             or kv_cache.k_buffer.dtype != torch.bfloat16
             or not self._cpu_backend_runs(x, kv_cache)
         ):

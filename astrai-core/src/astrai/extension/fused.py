@@ -17,19 +17,17 @@ import torch
 import torch.nn.functional as F
 
 #: The ops a kernel may be registered for. ``linear`` is an object with ``pack(weight)`` (the
-#: ``[N, K]`` weight in the kernel's own layout, made once per weight) and ``__call__(x, packed,
-#: bias)`` for 1 to ``LINEAR_MAX_ROWS`` bf16 rows ``x [M, K]``, ``F.linear``'s result (one
-#: rounding of the float32 sum, after the bias); ``PackedLinear`` (astrai.model.cpu_linear) uses it
-#: for small decode batches. ``decoder_layers`` is called by a model's forward as ``kernel(model,
+#: ``[N, K]`` weight in the kernel's own layout, made once per weight), ``__call__(x, packed,
+#: bias)`` for bf16 rows ``x [M, K]``, ``F.linear``'s result (one rounding of the float32 sum,
+#: after the bias), and ``max_rows``: the most rows it takes (``None``: any number); ``PackedLinear``
+#: (astrai.model.cpu_linear) gives it every input up to that and larger ones to oneDNN.
+#: ``decoder_layers`` is called by a model's forward as ``kernel(model,
 #: x, freqs, kv_cache)`` with the embeddings ``x [T, hidden]``, the rotary table rows ``freqs [1, T,
 #: head_dim / 2, 2]`` and the step's ``KVCache``: it runs all of ``model``'s decoder layers (writing
 #: the step's K/V as they would) and returns the hidden states after the last one, or returns
 #: ``None`` without side effects when it cannot run this model or step (the model then runs its
 #: layers one by one). Its result must be the layers' own on the same kernels.
 OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers")
-
-#: Most rows of ``x`` a ``linear`` kernel is given; more go to the caller's own GEMM.
-LINEAR_MAX_ROWS = 8
 
 _table: dict[tuple[str, str], Callable] = {}
 

@@ -1,4 +1,4 @@
-"""Linear layers with oneDNN-prepacked bf16 weights, for CPU inference.
+"""Linear layers with packed bf16 weights (a plugin's kernel, or oneDNN), for CPU inference.
 
 On CPUs with native bf16 (AVX512-BF16 / AMX) a plain ``F.linear`` on bf16
 weights re-lays the weight matrix out on every call; for the tiny activations
@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from astrai.extension.fused import LINEAR_MAX_ROWS, kernel_for
+from astrai.extension.fused import kernel_for
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +31,13 @@ def prepack_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Inference-only stand-in for an ``nn.Linear`` whose weight is packed for oneDNN.
+    """Inference-only stand-in for an ``nn.Linear`` whose weight is packed for a faster GEMM.
 
-    The original parameter stays registered (state dicts and tied embeddings keep
-    working); the packed copy is a non-persistent buffer. Not differentiable.
+    A plugin's ``linear`` kernel (``astrai.extension.fused``) takes every input it accepts, on
+    its own copy of the weight, packed on first use; oneDNN's packed copy is made only when an
+    input goes to oneDNN (no kernel, or more rows than the kernel's ``max_rows``). The original
+    parameter stays registered (state dicts and tied embeddings keep working). Not
+    differentiable.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -42,23 +45,25 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.register_buffer("packed_weight", packed, persistent=False)
+        self._onednn: torch.Tensor | None = None  # oneDNN's layout of the weight, made when first needed
         self._small: tuple[object, object] | None = None  # (a plugin's linear kernel, the weight packed for it)
         self._op = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no overload resolution per call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # the model's flattened [tokens, features]: no reshapes (a decode step makes ~120 calls)
-            if x.shape[0] <= LINEAR_MAX_ROWS:  # small decode batches: a plugin's kernel when one is installed
-                kernel = kernel_for("linear", x)
-                if kernel is not None:
-                    return kernel(x, self._packed_for(kernel), self.bias)
-            return self._op(x, self.packed_weight, self.bias, "none", [], "")
-        shape = x.shape
-        y = self._op(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none", [], "")
-        return y.view(*shape[:-1], self.out_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the model's [tokens, features]: no reshape
+        kernel = kernel_for("linear", rows)
+        if kernel is not None and (kernel.max_rows is None or rows.shape[0] <= kernel.max_rows):
+            y = kernel(rows, self._packed_for(kernel), self.bias)
+        else:
+            y = self._op(rows, self.onednn_weight(), self.bias, "none", [], "")
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    def onednn_weight(self) -> torch.Tensor:
+        """The weight in oneDNN's packed layout (made on first use)."""
+        if self._onednn is None:
+            with torch.no_grad():
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        return self._onednn
 
     def _packed_for(self, kernel) -> object:
         """The weight in ``kernel``'s layout, packed on first use (``astrai.extension.fused``'s ``linear``)."""
