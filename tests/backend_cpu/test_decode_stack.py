@@ -212,3 +212,19 @@ def test_default_model_in_bf16(spy, default_model_path):
             assert torch.equal(g, w)
         tokens, lens = got[0].argmax(-1).tolist(), [n + 1 for n in lens]
     release(pool, rows)
+
+
+def test_bf16_greedy_text_does_not_depend_on_the_batch(make_engine, default_model_path):
+    """Every kernel on the bf16 path computes a row's result without the other rows (the GEMMs, the
+    prefill chunks, decode attention), so a prompt's greedy text is the same alone and inside a
+    mixed batch, with prefill chunks cut at different places (max_prefill_tokens 16)."""
+    from test_engine import REAL_PROMPTS  # tests/core
+
+    from astrai.model import load_model
+
+    model, tokenizer = load_model(str(default_model_path), dtype=torch.bfloat16)
+    engine = make_engine(model, tokenizer, max_batch_size=8, max_seq_len=256, n_tokens=4096, max_prefill_tokens=16)
+    batch = engine.generate(REAL_PROMPTS, max_tokens=24, temperature=0.0)
+    alone = [engine.generate(p, max_tokens=24, temperature=0.0) for p in REAL_PROMPTS]
+    assert alone == batch
+    assert len(set(batch)) == len(batch) and all(batch)
