@@ -228,3 +228,17 @@ def test_bf16_greedy_text_does_not_depend_on_the_batch(make_engine, default_mode
     alone = [engine.generate(p, max_tokens=24, temperature=0.0) for p in REAL_PROMPTS]
     assert alone == batch
     assert len(set(batch)) == len(batch) and all(batch)
+
+
+def test_the_engine_packs_and_builds_the_stack_before_the_first_request(make_engine, tiny_tokenizer):
+    from astrai.model.cpu_linear import PackedLinear
+
+    model = bf16_model(layers=2, seed=3)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m._small is None for m in linears)
+    make_engine(model, tiny_tokenizer, max_batch_size=2, page_size=4, n_tokens=256)
+    assert all(m._small is not None for m in linears)  # the warm-up's prefill and decode packed them
+    assert all(m._onednn is None for m in linears)  # and no input went to oneDNN
+    with torch.no_grad():
+        stacks = fused.kernel_for("decoder_layers", torch.empty(0))._stacks
+    assert stacks.get(model) is not None

@@ -190,3 +190,32 @@ def test_attn_backend_context_reaches_the_scheduler_thread(tiny_engine):
     with attn_backend("torch_native"):
         ok = engine.submit([0, 50, 60], params)
     assert ok.wait_completion() and ok.finish_reason == FinishReason.LENGTH and len(ok.output_ids) == 3
+
+
+def test_the_engine_runs_a_warm_up_forward_before_it_returns(make_engine, tiny_model, tiny_tokenizer, caplog):
+    """Packed weights and per-model kernels are made before the first request (on the scheduler
+    thread, on a scratch pool: the engine's pool and counters stay untouched); a model that fails
+    there still gives an engine, whose requests then report the failure."""
+    import threading
+
+    calls: list[tuple[str, tuple[int, ...]]] = []
+
+    class Watched(torch.nn.Module):
+        def __init__(self, fail: bool) -> None:
+            super().__init__()
+            self.inner, self.config, self.fail = tiny_model, tiny_model.config, fail
+
+        def forward(self, input_ids, positions, kv_cache, logits_indices):
+            calls.append((threading.current_thread().name, kv_cache.q_lens_host))
+            if self.fail:
+                raise RuntimeError("broken model")
+            return self.inner(input_ids, positions, kv_cache, logits_indices)
+
+    engine = make_engine(Watched(fail=False), tiny_tokenizer)
+    assert calls == [("astrai-scheduler", (2,)), ("astrai-scheduler", (1,))]  # a prefill, then a decode
+    assert engine.get_stats()["total_tasks"] == 0 and engine.get_stats()["kv_tokens_in_use"] == 0
+    with caplog.at_level("WARNING", logger="astrai.scheduler"):
+        broken = make_engine(Watched(fail=True), tiny_tokenizer)
+    assert "warm-up forward failed" in caplog.text
+    result = broken.submit([5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
+    assert result.wait_completion(30) and isinstance(result.error, RuntimeError)

@@ -135,7 +135,7 @@ class InferenceEngine:
             model, self.pool, self.config.max_prefill_tokens, eos, pipeline=self.pipeline,
             backend=self.config.attention_backend, on_finished=self._request_finished if self._hooks else None,
         )  # fmt: skip
-        self.scheduler.start()
+        self.scheduler.start(warm_up=True)  # returns once a first forward has packed weights and built kernels
         self.plugins.notify("astrai_engine_started", engine=self)
 
     @classmethod

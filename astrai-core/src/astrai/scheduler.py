@@ -88,11 +88,16 @@ class InferenceScheduler:
         self._free_epoch = 0  # bumped whenever pages are freed: a refused admission may now fit
         self._stats: dict = {}
         self._thread = threading.Thread(target=self._run, name="astrai-scheduler", daemon=True)
+        self._warm: threading.Event | None = None  # set once the warm-up forward ran (start(warm_up=True))
 
     # ------------------------------------------------------------ other threads
-    def start(self) -> None:
+    def start(self, warm_up: bool = False) -> None:
+        """Start the loop thread; with ``warm_up``, return once a warm-up forward ran on it."""
         self._publish_stats()
+        self._warm = threading.Event() if warm_up else None
         self._thread.start()
+        if self._warm is not None:
+            self._warm.wait()
 
     @property
     def healthy(self) -> bool:
@@ -156,6 +161,8 @@ class InferenceScheduler:
     def _run(self) -> None:
         try:
             with torch.inference_mode():
+                if self._warm is not None:
+                    self._warm_up()
                 while self.step(block=True):
                     pass
             self.reason = "shut down"
@@ -165,6 +172,28 @@ class InferenceScheduler:
             self.reason = f"scheduler loop died: {type(exc).__name__}: {exc}"
             self._fail_all(EngineNotReady(self.reason))
         self._publish_stats()
+
+    def _warm_up(self) -> None:
+        """A two-token prefill and a decode step on a scratch one-row pool, on this thread (where
+        the model runs: see astrai.cpu_tuning): weights a kernel packs on first use and per-model
+        kernels are made now, not in the first request. A failure is logged; requests report it."""
+        from astrai.kvcache import KVConfig, PagePool
+
+        p = self.pool
+        try:
+            scratch = PagePool(p.n_layers, p.n_heads, p.n_kv_heads, p.head_dim, KVConfig(max_batch_size=1, max_seq_len=3),
+                               p.dtype, p.device)  # fmt: skip
+            row = scratch.task_alloc()
+            scratch.extend(row, 3)
+            with attn_backend(self.backend) if self.backend else contextlib.nullcontext():
+                for ids, start in (([0, 0], 0), ([0], 2)):
+                    kv = scratch.bind_tasks([row], [len(ids)], [start + len(ids)])
+                    positions = torch.arange(start, start + len(ids), device=p.device)
+                    self.model(torch.tensor(ids, device=p.device), positions, kv, torch.tensor([len(ids) - 1], device=p.device))
+        except Exception:
+            logger.warning("warm-up forward failed (requests will report the error)", exc_info=True)
+        finally:
+            self._warm.set()
 
     def _receive(self, block: bool) -> bool:
         """Drain the inbox (waiting for a first message if ``block``); False on stop."""
