@@ -46,7 +46,10 @@ def default_text(action: argparse.Action) -> str:
 
 
 def astrai_parsers() -> dict[str, argparse.ArgumentParser]:
-    """The ``astrai`` parser (no hook plugins) as ``{"astrai": top level, "chat": ..., ...}``."""
-    parser = build_parser(PluginManager())
+    """The ``astrai`` parser as ``{"astrai": top level, "chat": ..., "serve": ...}``: with the hook
+    plugin of astrai-server (which adds ``serve``), no other."""
+    import astrai_server.commands
+
+    parser = build_parser(PluginManager([astrai_server.commands]))
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return {"astrai": parser, **sub.choices}

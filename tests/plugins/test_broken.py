@@ -6,7 +6,8 @@ import pytest
 
 from astrai.errors import ModelNotFound, PluginError
 from astrai.model.architecture import get_architecture
-from astrai.plugins import PluginManager, load_protocols
+from astrai.plugins import PluginManager
+from astrai.protocol import load_protocols
 from astrai.sampling import SamplingParams, SamplingPipeline
 
 DIST = "astrai-broken-plugin 0.1.0"

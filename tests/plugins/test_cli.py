@@ -27,6 +27,7 @@ def test_plugins_lists_every_group_with_distribution_version_and_status() -> Non
         ("astrai.sampling", "min_p"): "astrai-min-p",
         ("astrai.models", "qwen2"): "astrai-core",
         ("astrai.plugins", "request_log"): "astrai-request-log",
+        ("astrai.plugins", "astrai_server"): "astrai-server",  # its hook adds `astrai serve`
     }
     for key, dist in expected.items():
         assert rows[key]["distribution"] == dist and rows[key]["version"] == "0.1.0" and rows[key]["loaded"], key

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from astrai.errors import RequestRejected
+
 API_KEY = "test-key-123"
 
 
@@ -149,7 +151,7 @@ class FakeEngine:
 
     def __init__(self, scripts: list[Script] | None = None, ctx: int = 64) -> None:
         self.tokenizer = FakeTokenizer()
-        self.pool = SimpleNamespace(max_ctx_len=ctx, size=10 * ctx)
+        self.context_limit = ctx  # InferenceEngine.context_limit: prompt plus generated tokens
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=100))
         self.scripts = list(scripts or [])
         self.submitted: list[tuple[list[int], Any]] = []
@@ -157,6 +159,9 @@ class FakeEngine:
         self.healthy = True
 
     def submit(self, prompt_ids: list[int], params: Any, on_piece: Any = None, on_done: Any = None) -> FakeResult:
+        vocab = self.model.config.vocab_size  # the model-dependent check the engine makes at submit
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab}")
         script = self.scripts.pop(0) if self.scripts else Script()
         result = FakeResult(uuid.uuid4().hex)
         self.submitted.append((list(prompt_ids), params))

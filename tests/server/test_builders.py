@@ -37,7 +37,7 @@ def _frames(frames: list[str]) -> list[Any]:
     return out
 
 
-def test_openai_prepare_maps_spec_defaults_and_parameters(fake_engine: Any) -> None:
+def test_openai_prepare_maps_the_documented_defaults_and_parameters(fake_engine: Any) -> None:
     p = _openai(fake_engine)
     sp = p.params
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.stop, sp.seed) == (2048, 1.0, 1.0, 50, [], None)
@@ -52,6 +52,23 @@ def test_openai_prepare_maps_spec_defaults_and_parameters(fake_engine: Any) -> N
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.stop, sp.seed) == (7, 0.0, 0.5, 0, ["END"], 3)
     assert (sp.presence_penalty, sp.frequency_penalty, sp.logit_bias, sp.ignore_eos) == (1.5, -1.0, {12: -100.0}, True)
     assert (p.n, p.stream, p.max_tokens_explicit, p.model, p.state["include_usage"]) == (3, True, True, "m", False)
+
+
+NULLS = ("temperature", "top_p", "top_k", "max_tokens", "n", "presence_penalty", "frequency_penalty", "logit_bias", "stop")
+
+
+def test_null_is_the_documented_default(fake_engine: Any) -> None:
+    """JSON null means the field's default (top_k: off); a null max_tokens is a default, so it may be shortened."""
+    nulls = dict.fromkeys(NULLS, None)
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **nulls})
+    assert request.sampling_params() == ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "top_k": 0}
+    ).sampling_params()
+    p = _openai(fake_engine, **nulls)
+    assert (p.params.max_tokens, p.params.temperature, p.params.top_k, p.n, p.max_tokens_explicit) == (2048, 1.0, 0, 1, False)
+    p = _anthropic(fake_engine, temperature=None, top_p=None, top_k=None, stop_sequences=None)
+    assert (p.params.temperature, p.params.top_p, p.params.top_k, p.params.stop) == (1.0, 1.0, 0, [])
+    assert p.params == MessagesRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "top_k": 0}).sampling_params()
 
 
 @pytest.mark.parametrize(

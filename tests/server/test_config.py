@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from astrai.engine import EngineConfig
+from astrai.plugins import PluginManager
 from astrai_server.cli import add_serve_command, serve_main, settings_from_args
 from astrai_server.config import ServerSettings, load_settings, parse_bytes
 from astrai_server.errors import ConfigError
@@ -36,7 +39,7 @@ def test_defaults_are_loopback_default_model_and_paged_prefix_cached_kv() -> Non
 def test_cli_flags_override_the_yaml_section(tmp_path: Path) -> None:
     path = _yaml(tmp_path, "server:\n  host: 0.0.0.0\n  port: 8001\n  max_batch_size: 4\n  kv_memory: 64MiB\n  dtype: bfloat16\nruntime:\n  gpus: all\n")
     args = _parse(["--config", path, "--port", "9000", "--no-prefix-caching", "--protocols", "openai", "--api-key", "k"])
-    assert args.serve.__name__ == "run_serve"
+    assert args.run.__name__ == "run_serve"
     s = settings_from_args(args)
     assert (s.host, s.port, s.max_batch_size, s.dtype) == ("0.0.0.0", 9000, 4, "bfloat16")  # port: CLI wins
     assert (s.kv_memory, s.prefix_caching, s.protocols, s.api_key) == (64 * 2**20, False, ["openai"], "k")
@@ -94,6 +97,24 @@ def test_sampling_defaults_and_plugin_options_from_yaml_and_flags(tmp_path: Path
     assert settings_from_args(args).sampling == {"min_p": 0.05, "mode": "fast"}  # the flags replace the YAML's
     with pytest.raises(SystemExit):
         _parse(["--sampling", "min_p"])  # not KEY=VALUE
+
+
+def test_attention_backend_goes_to_the_engine_config_never_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    from astrai_server import cli
+
+    assert ServerSettings().engine_config().attention_backend is None
+    s = settings_from_args(_parse(["--attention-backend", "torch_native"]))
+    assert s.engine_config().attention_backend == "torch_native"  # strict for every request, over ASTR_BACKEND
+    monkeypatch.delenv("ASTR_BACKEND", raising=False)
+    built: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    monkeypatch.setattr(cli, "_load_engine", lambda settings, app, pm: built.append(settings.engine_config()))
+    environ = dict(os.environ)
+    cli.serve(s, PluginManager())
+    assert dict(os.environ) == environ
+    assert [c.attention_backend for c in built] == ["torch_native"]
 
 
 def test_parse_bytes() -> None:

@@ -1,10 +1,11 @@
-"""The ``astrai`` command: stream text from a model, list plugins, and (with astrai-server) serve.
+"""The ``astrai`` command: stream text from a model, list plugins, and what plugins add (``serve``).
 
 ``astrai chat "Hello"`` applies the model's chat template; ``astrai generate
 "Once upon a time"`` continues raw text; without ``--model`` both use the default
 model (SmolLM2-135M-Instruct). ``astrai plugins`` lists every installed plugin of
-every entry-point group. ``astrai serve`` exists when astrai-server is installed.
-Hook plugins add options to the commands that run an engine (``astrai_add_options``).
+every entry-point group. Hook plugins add subcommands (``astrai_register_commands``:
+astrai-server adds ``astrai serve``; core never imports it) and options to the
+commands that run an engine (``astrai_add_options``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from typing import Any
 
 from astrai.errors import AstraiError
-from astrai.plugins import ATTENTION_BACKENDS, GROUPS, PluginManager, load_plugins
+from astrai.plugins import PluginManager, load_plugins
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -74,11 +75,14 @@ def _add_model_args(p: argparse.ArgumentParser, pm: PluginManager) -> None:
         "--sampling", action="append", type=parse_key_value, default=[], metavar="KEY=VALUE",
         help="parameter of a sampling plugin for every request, e.g. min_p=0.05 (repeatable)",
     )  # fmt: skip
-    p.set_defaults(plugin_options=PluginOptions(p, pm))
+    p.set_defaults(run=_run, plugin_options=PluginOptions(p, pm))
 
 
 def build_parser(pm: PluginManager | None = None) -> argparse.ArgumentParser:
-    """The ``astrai`` parser; ``pm`` (default: discovered) supplies the hook plugins' options."""
+    """The ``astrai`` parser; ``pm`` (default: discovered) supplies the hook plugins' commands and options.
+
+    Every subcommand sets ``run``, the function of the parsed args that ``main`` returns.
+    """
     pm = PluginManager.discover() if pm is None else pm
     parser = argparse.ArgumentParser(prog="astrai", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -93,11 +97,8 @@ def build_parser(pm: PluginManager | None = None) -> argparse.ArgumentParser:
     _add_model_args(gen, pm)
     plugins = sub.add_parser("plugins", help="list installed plugins: group, name, distribution, status")
     plugins.add_argument("--json", action="store_true", help="one JSON array instead of a table")
-    # `astrai serve` exists when astrai-server is installed; core never imports it otherwise.
-    with contextlib.suppress(ImportError):
-        from astrai_server.cli import add_serve_command
-
-        add_serve_command(sub, pm)
+    plugins.set_defaults(run=_print_plugins)
+    pm.notify("astrai_register_commands", subparsers=sub, plugins=pm)  # a failing plugin is logged, not fatal
     return parser
 
 
@@ -108,8 +109,10 @@ def plugin_rows() -> list[dict[str, Any]]:
     failure, or None), can_run (attention backends: ``is_available()``; else None), reason.
     """
     rows = []
-    for group in GROUPS:
-        loaded = load_plugins(group)
+    from astrai.groups import ATTENTION_BACKENDS, VALIDATORS  # the subsystems: only when listing
+
+    for group, check in VALIDATORS.items():
+        loaded = load_plugins(group, check)
         for ep in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
             failure = loaded.failures.get(ep.name)
             row = {
@@ -129,11 +132,11 @@ def plugin_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def _print_plugins(as_json: bool) -> None:
+def _print_plugins(args: argparse.Namespace) -> int:
     rows = plugin_rows()
-    if as_json:
+    if args.json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
-        return
+        return 0
     table = [("GROUP", "NAME", "DISTRIBUTION", "VERSION", "LOADED", "CAN RUN")]
     for r in rows:
         can_run = "-" if r["can_run"] is None else "yes" if r["can_run"] else f"no: {r['reason']}"
@@ -143,9 +146,10 @@ def _print_plugins(as_json: bool) -> None:
         sys.stdout.write("  ".join(row[c].ljust(widths[c]) for c in range(5)) + "  " + row[5] + "\n")
         if i and rows[i - 1]["error"]:
             sys.stdout.write(f"    error: {rows[i - 1]['error']}\n")
+    return 0
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from astrai.engine import EngineConfig, InferenceEngine
@@ -174,27 +178,27 @@ def _run(args: argparse.Namespace) -> None:
         sys.stdout.write("\n")
     finally:
         engine.shutdown()
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, pm: PluginManager | None = None) -> int:
+    """Run the ``astrai`` command; returns its exit status. ``pm``: as for :func:`build_parser`."""
     # configured before the parser loads the hook plugins, so that their load failures read as warnings
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    if getattr(args, "serve", None):
-        return args.serve(args)
+    parser = build_parser(pm)
+    args = parser.parse_args(argv)
     if args.verbose:
         logging.getLogger().setLevel(logging.INFO)
+    run = getattr(args, "run", None)
+    if run is None:  # its plugin raised after add_parser (logged while building the parser)
+        parser.error(f"command {args.command!r} is incomplete: the plugin adding it failed (see the log)")
     try:
-        if args.command == "plugins":
-            _print_plugins(args.json)
-        else:
-            _run(args)
+        return run(args)
     except AstraiError as exc:
         print(f"astrai: error: {exc}", file=sys.stderr)  # noqa: T201 - the CLI's own output
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -48,6 +48,23 @@ def astrai_add_options(parser: Any) -> None:
 
 
 @hookspec
+def astrai_register_commands(subparsers: Any, plugins: Any) -> None:
+    """Add subcommands to the ``astrai`` command (astrai-server adds ``serve`` this way).
+
+    ``subparsers`` is the ``astrai`` parser's argparse subparsers action: call
+    ``subparsers.add_parser(name, help=...)``, add the command's arguments, and set
+    ``parser.set_defaults(run=fn)``; ``astrai`` then returns ``fn(args)`` (an int, the
+    exit status) for that command, after its arguments are parsed. ``plugins`` is the
+    :class:`astrai.plugins.PluginManager` the command runs with: give it to
+    ``astrai.cli.PluginOptions(parser, plugins)`` for the ``astrai_add_options`` options,
+    and to the engines the command makes. Called once per parser, whenever the
+    ``astrai`` command builds one, so keep it cheap: import what the command needs to
+    run inside ``fn``. If it raises (a name that is taken, for one), the failure is
+    logged and ``astrai`` works without that plugin's commands.
+    """
+
+
+@hookspec
 def astrai_engine_started(engine: InferenceEngine) -> None:
     """``engine`` is running and about to be returned to its creator.
 

@@ -1,8 +1,8 @@
 """``astrai serve``: start the HTTP server (flags, or ``--config serve.yaml``; flags win).
 
-``add_serve_command(subparsers)`` plugs the subcommand into astrai-core's
-``astrai`` parser; ``serve_main(argv)`` is the standalone entry
-(``python -m astrai_server``). The socket opens at once; the model loads in
+``add_serve_command(subparsers, pm)`` adds the subcommand to astrai-core's
+``astrai`` parser (called by the hook plugin ``astrai_server.commands``);
+``serve_main(argv)`` is the standalone entry (``python -m astrai_server``). The socket opens at once; the model loads in
 the background and /health turns 200 when it is ready.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 from typing import Any
@@ -37,7 +36,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "served_model_name", "model name reported by /v1/models")
     _flag(p, "device", "torch device")
     _flag(p, "dtype", "weights and KV dtype; default: bf16 where native, else float32", choices=["float32", "bfloat16", "float16"])
-    _flag(p, "attention_backend", "attention backend entry point (as ASTR_BACKEND)")
+    _flag(p, "attention_backend", "attention backend entry point, strict for every request (beats ASTR_BACKEND)")
     _flag(p, "max_batch_size", "concurrent requests", type=int)
     _flag(p, "max_seq_len", "context per request; default: the model's", type=int)
     _flag(p, "paged", "paged KV pool (--no-paged: contiguous)", action=argparse.BooleanOptionalAction)
@@ -55,7 +54,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_command(subparsers: Any, pm: PluginManager | None = None) -> argparse.ArgumentParser:
-    """Add ``serve`` to the ``astrai`` parser's subparsers; its ``args.serve(args)`` runs it.
+    """Add ``serve`` to the ``astrai`` parser's subparsers; its ``args.run(args)`` runs it.
 
     ``pm`` (default: discovered) is the hook plugin manager: its plugins' options join
     the flags, and the engine and app of the server use it.
@@ -63,7 +62,7 @@ def add_serve_command(subparsers: Any, pm: PluginManager | None = None) -> argpa
     pm = PluginManager.discover() if pm is None else pm
     p = subparsers.add_parser("serve", help="serve the installed protocols (OpenAI, Anthropic, ...) over HTTP")
     add_serve_arguments(p)
-    p.set_defaults(serve=run_serve, plugins=pm, plugin_options=PluginOptions(p, pm))
+    p.set_defaults(run=run_serve, plugins=pm, plugin_options=PluginOptions(p, pm))
     return p
 
 
@@ -107,8 +106,6 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
 
     pm = PluginManager.discover() if pm is None else pm
     SamplingPipeline.discover(settings.sampling)  # a bad --sampling fails now, not in the background loader
-    if settings.attention_backend:
-        os.environ["ASTR_BACKEND"] = settings.attention_backend  # read by the backend policy at each selection
     app = create_app(settings, None, plugins=pm)
     loader = threading.Thread(target=_load_engine, args=(settings, app, pm), name="astrai-load", daemon=True)
     loader.start()

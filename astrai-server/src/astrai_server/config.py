@@ -43,7 +43,7 @@ class ServerSettings(BaseModel):
     served_model_name: str = "astrai"  # the name /v1/models lists
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: astrai.model.default_dtype
-    attention_backend: str | None = None  # an astrai.attention_backends entry point (ASTR_BACKEND)
+    attention_backend: str | None = None  # an astrai.attention_backends entry point: EngineConfig.attention_backend
     max_batch_size: int = Field(64, ge=1)
     max_seq_len: int | None = Field(None, ge=2)  # None: the model's context length
     paged: bool = True
@@ -69,8 +69,8 @@ class ServerSettings(BaseModel):
         return EngineConfig(
             max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, paged=self.paged,
             page_size=self.page_size, kv_memory_bytes=self.kv_memory, prefix_caching=self.prefix_caching,
-            max_prefill_tokens=self.max_prefill_tokens, sampling=dict(self.sampling),
-            plugin_options=dict(self.plugin_options),
+            max_prefill_tokens=self.max_prefill_tokens, attention_backend=self.attention_backend,
+            sampling=dict(self.sampling), plugin_options=dict(self.plugin_options),
         )  # fmt: skip
 
 

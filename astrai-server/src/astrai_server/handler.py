@@ -1,10 +1,11 @@
 """``ProtocolHandler``: runs one request of any protocol through the engine (no HTTP here).
 
-The handler owns everything protocol-neutral: limits (``max_tokens`` that the
-context can hold, ``logit_bias`` ids), the ``n`` choices, bridging the
-engine's scheduler-thread callbacks into the event loop (no thread per token),
-tool-call extraction, aborting on client disconnect, and turning the
-engine's results into ``astrai.protocol.ChatResult``. The builder formats.
+The handler owns everything protocol-neutral: fitting a defaulted ``max_tokens``
+to ``engine.context_limit`` (the engine checks the rest at submit: ``logit_bias``
+ids against the vocabulary, an explicit ``max_tokens`` against the context), the
+``n`` choices, bridging the engine's scheduler-thread callbacks into the event loop
+(no thread per token), tool-call extraction, aborting on client disconnect, and
+turning the engine's results into ``astrai.protocol.ChatResult``. The builder formats.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from astrai.errors import EngineNotReady, RequestRejected
-from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder, context_limit
+from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder
 from astrai_server.errors import public_message, status_for
 from astrai_server.tools import CLOSE, ToolCallStreamFilter, call_opening, parse_tool_calls
 
@@ -43,7 +44,8 @@ class ProtocolHandler:
         self.builder, self.engine = builder, engine
 
     def start(self, request: BaseModel) -> _Run:
-        """Prepare and submit every choice. Raises RequestRejected (400) or EngineNotReady (503)."""
+        """Prepare and submit every choice. Raises RequestRejected (400: the builder's, or the
+        engine's at submit) or EngineNotReady (503)."""
         prepared = self.builder.prepare(request, self.engine)
         opening = self._open_tool_call(prepared)
         self._check_limits(prepared)
@@ -64,7 +66,8 @@ class ProtocolHandler:
         return opening
 
     def _check_limits(self, p: Prepared) -> None:
-        limit, n_prompt = context_limit(self.engine), len(p.prompt_ids)
+        """Refuse a prompt that leaves no room to generate; shorten a defaulted ``max_tokens`` to fit."""
+        limit, n_prompt = self.engine.context_limit, len(p.prompt_ids)
         if n_prompt >= limit:
             raise RequestRejected(
                 f"the prompt is {n_prompt} tokens after templating, but the context limit is {limit} tokens "
@@ -72,10 +75,6 @@ class ProtocolHandler:
             )
         if not p.max_tokens_explicit and n_prompt + p.params.max_tokens > limit:
             p.params = dataclasses.replace(p.params, max_tokens=limit - n_prompt)  # a default never rejects
-        vocab = self.engine.model.config.vocab_size
-        bad = [t for t in p.params.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
     async def respond(self, run: _Run, disconnected: Disconnect) -> dict[str, Any]:
         """The non-streaming body; the requests are aborted if the client leaves first."""

@@ -1,6 +1,6 @@
 """Which protocols to mount: the installed ``astrai.protocols`` builders, selected strictly.
 
-Loading and load-time validation are astrai-core's (``astrai.plugins.load_protocols``,
+Loading and load-time validation are astrai-core's (``astrai.protocol.load_protocols``,
 ``check_builder_class``: a ``ResponseBuilder`` subclass, ``name`` equal to its
 entry-point name, a route starting with "/", a pydantic request model). A broken
 plugin is logged and skipped, unless it was asked for by name: then its error is raised.
@@ -12,8 +12,8 @@ import logging
 from collections.abc import Sequence
 
 from astrai.errors import PluginError
-from astrai.plugins import LoadedPlugins, check_builder_class, load_protocols
-from astrai.protocol import ResponseBuilder
+from astrai.plugins import LoadedPlugins
+from astrai.protocol import ResponseBuilder, check_builder_class, load_protocols
 
 __all__ = ["check_builder_class", "load_protocols", "select_builders"]
 

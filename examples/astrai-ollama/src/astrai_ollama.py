@@ -14,22 +14,24 @@ import json
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from astrai.protocol import ChatResult, Prepared, ResponseBuilder, chat_prompt_ids, context_limit, new_id
+from astrai.protocol import (
+    ChatResult,
+    Prepared,
+    ResponseBuilder,
+    chat_prompt_ids,
+    new_id,
+    plugin_sampling,
+    value_or_default,
+)
 from astrai.sampling import SamplingParams
 
-__all__ = ["ChatRequest", "OllamaResponseBuilder"]
+__all__ = ["ChatRequest", "OllamaResponseBuilder", "Options"]
 
-#: Ollama option -> SamplingParams field; every other option goes to ``SamplingParams.extra``.
-OPTIONS = {
-    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed", "stop": "stop",
-    "num_predict": "max_tokens", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-}  # fmt: skip
-#: Ollama's own defaults for the options it documents.
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 DONE_REASON = {"stop": "stop", "stop_sequence": "stop", "tool_calls": "stop", "length": "length", "abort": "stop"}
 
 
@@ -40,6 +42,21 @@ class Message(BaseModel):
     content: str = ""
 
 
+class Options(BaseModel):
+    """``options`` of a chat request, with Ollama's defaults; any other option goes to sampling plugins."""
+
+    model_config = ConfigDict(extra="allow")
+
+    temperature: float | None = 0.8
+    top_k: int | None = 40
+    top_p: float | None = 0.9
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    num_predict: int | None = -1  # -1 (or any value < 1): until the context is full
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+
+
 class ChatRequest(BaseModel):
     """The body of ``POST /api/chat`` (``format``, ``tools``, ``keep_alive``, ``think`` are ignored)."""
 
@@ -48,7 +65,29 @@ class ChatRequest(BaseModel):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
     stream: bool = True
-    options: dict[str, Any] | None = None
+    options: Options | None = None
+
+    def sampling_params(self, context_limit: int) -> SamplingParams:
+        """The engine's parameters; null is Ollama's default, and "until the context is full"
+        is ``context_limit`` tokens (the server shortens it to what the prompt leaves)."""
+        o = self.options or Options()
+        value = partial(value_or_default, o)
+        return SamplingParams(
+            max_tokens=value("num_predict") if self.max_tokens_explicit else context_limit,
+            temperature=value("temperature"),
+            top_k=value("top_k"),
+            top_p=value("top_p"),
+            seed=o.seed,
+            stop=o.stop,
+            frequency_penalty=value("frequency_penalty"),
+            presence_penalty=value("presence_penalty"),
+            extra=plugin_sampling(o),  # the options left over: parameters of sampling plugins
+        )
+
+    @property
+    def max_tokens_explicit(self) -> bool:
+        """Whether ``num_predict`` bounds the answer (else it runs until the context is full)."""
+        return self.options is not None and (self.options.num_predict or 0) > 0
 
 
 def _now() -> str:
@@ -68,17 +107,12 @@ class OllamaResponseBuilder(ResponseBuilder):
         self.modified_at = _now()
 
     def prepare(self, request: ChatRequest, engine: Any) -> Prepared:
-        options = dict(request.options or {})
-        sampling = {**DEFAULTS, **{field: options.pop(key) for key, field in OPTIONS.items() if key in options}}
-        explicit = isinstance(sampling.get("max_tokens"), int) and sampling["max_tokens"] > 0
-        if not explicit:  # -1 or absent: until the context is full (the handler shrinks it to fit)
-            sampling["max_tokens"] = context_limit(engine)
         messages = [m.model_dump() for m in request.messages]
         prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
-        params = SamplingParams(**sampling, extra=options)  # what is left: parameters of sampling plugins
         return Prepared(
-            request=request, prompt_ids=prompt_ids, params=params, stream=request.stream,
-            max_tokens_explicit=explicit, response_id=new_id("ollama-"), model=request.model,
+            request=request, prompt_ids=prompt_ids, params=request.sampling_params(engine.context_limit),
+            stream=request.stream, max_tokens_explicit=request.max_tokens_explicit,
+            response_id=new_id("ollama-"), model=request.model,
             state={"start_ns": time.monotonic_ns()},
         )  # fmt: skip
 

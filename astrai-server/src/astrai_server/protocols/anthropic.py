@@ -1,10 +1,11 @@
 """Anthropic Messages (``POST /v1/messages``), as the official ``anthropic`` SDK expects it.
 
-Registered as entry point ``anthropic`` in ``astrai.protocols``. Parameters and
-defaults are the spec's ``MessagesRequest`` table, plus ``tools`` /
-``tool_choice``. A final assistant message is a prefill: generation continues
-it. Streams follow the spec's event sequence (``message_start`` with the real
-``input_tokens``, ..., ``message_stop``) and end with ``data: [DONE]``.
+Registered as entry point ``anthropic`` in ``astrai.protocols``. Parameters,
+defaults and ranges are the fields of ``MessagesRequest``, as documented in
+docs/http-api.md, ``tools`` / ``tool_choice`` included. A final assistant message
+is a prefill: generation continues it. Streams follow Anthropic's event sequence
+(``message_start`` with the real ``input_tokens``, ..., ``message_stop``) and end
+with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from astrai.protocol import (
     new_id,
     plugin_sampling,
     sse,
+    value_or_default,
 )
 from astrai.sampling import SamplingParams
 
@@ -92,6 +94,22 @@ class MessagesRequest(BaseModel):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
 
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters for this request: null is the field's default (for ``top_k``: off).
+
+        Empty stop sequences are dropped; undeclared fields go to ``extra`` (sampling
+        plugins). Raises RequestRejected for a value the engine refuses although the
+        schema takes it (``top_p`` 0).
+        """
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=value_or_default(self, "temperature"),
+            top_p=value_or_default(self, "top_p"),
+            top_k=self.top_k or 0,
+            stop=[s for s in self.stop_sequences or [] if s],
+            extra=plugin_sampling(self),
+        )
+
 
 def _template_messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """Messages in the Hugging Face chat-template convention: tool_use -> tool_calls, tool_result -> role tool."""
@@ -154,17 +172,9 @@ class AnthropicResponseBuilder(ResponseBuilder):
         prompt_ids = chat_prompt_ids(tok, messages, tools)
         if prefill:
             prompt_ids += tok.encode(prefill, add_special_tokens=False)
-        params = SamplingParams(
-            max_tokens=request.max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=request.top_k or 0,
-            stop=[s for s in request.stop_sequences or [] if s],
-            extra=plugin_sampling(request),
-        )
         return Prepared(
-            request=request, prompt_ids=prompt_ids, params=params, stream=bool(request.stream), tools=tools,
-            tool_call_required=required, max_tokens_explicit="max_tokens" in request.model_fields_set,
+            request=request, prompt_ids=prompt_ids, params=request.sampling_params(), stream=bool(request.stream),
+            tools=tools, tool_call_required=required, max_tokens_explicit="max_tokens" in request.model_fields_set,
             response_id=new_id("msg_"), model=request.model,
         )  # fmt: skip
 

@@ -1,10 +1,11 @@
 """OpenAI Chat Completions (``POST /v1/chat/completions``), as the official ``openai`` SDK expects it.
 
-Registered as entry point ``openai`` in ``astrai.protocols``. Parameters and
-defaults are the spec's ``ChatCompletionRequest`` table; ``n``, ``seed``,
-``presence_penalty`` and ``logit_bias`` are implemented; ``ignore_eos`` is the
-vLLM / llama.cpp extension. Streams end with a usage chunk (``"choices": []``,
-unless ``stream_options.include_usage`` is false) and ``data: [DONE]``.
+Registered as entry point ``openai`` in ``astrai.protocols``. Parameters,
+defaults and ranges are the fields of ``ChatCompletionRequest``, as documented in
+docs/http-api.md; ``n``, ``seed``, ``presence_penalty`` and ``logit_bias`` are
+implemented; ``ignore_eos`` is the vLLM / llama.cpp extension. Streams end with a
+usage chunk (``"choices": []``, unless ``stream_options.include_usage`` is false)
+and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from astrai.protocol import (
     Prepared,
     ResponseBuilder,
     chat_prompt_ids,
-    context_limit,
     error_type_for,
     new_id,
     plugin_sampling,
     sse,
+    value_or_default,
 )
 from astrai.sampling import SamplingParams
 
@@ -113,6 +114,34 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "auto"
     ignore_eos: bool = False
 
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters for this request: null is the field's default (for ``top_k``: off).
+
+        ``max_completion_tokens`` wins over ``max_tokens``; empty stop strings are dropped;
+        undeclared fields go to ``extra`` (sampling plugins). Raises RequestRejected for a
+        value the engine refuses although the schema takes it (``top_p`` 0).
+        """
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=self.max_completion_tokens or value_or_default(self, "max_tokens"),
+            temperature=value_or_default(self, "temperature"),
+            top_p=value_or_default(self, "top_p"),
+            top_k=self.top_k or 0,
+            stop=[s for s in stop if s],
+            seed=self.seed,
+            frequency_penalty=value_or_default(self, "frequency_penalty"),
+            presence_penalty=value_or_default(self, "presence_penalty"),
+            logit_bias=dict(self.logit_bias or {}),
+            ignore_eos=self.ignore_eos,
+            extra=plugin_sampling(self),
+        )
+
+    @property
+    def max_tokens_explicit(self) -> bool:
+        """Whether the client set a token limit (null is the default, which may be shortened)."""
+        sent = "max_tokens" in self.model_fields_set and self.max_tokens is not None
+        return sent or self.max_completion_tokens is not None
+
 
 def _template_message(m: Message) -> dict[str, Any]:
     """A message in the Hugging Face chat-template convention (content always a string)."""
@@ -163,26 +192,13 @@ class OpenAIResponseBuilder(ResponseBuilder):
         tools = _select_tools(request)
         messages = [_template_message(m) for m in request.messages]
         prompt_ids = chat_prompt_ids(engine.tokenizer, messages, tools)
-        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-        explicit = bool({"max_tokens", "max_completion_tokens"} & request.model_fields_set)
-        params = SamplingParams(
-            max_tokens=request.max_completion_tokens or request.max_tokens or 2048,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=request.top_k or 0,
-            stop=[s for s in stop if s],
-            seed=request.seed,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            presence_penalty=request.presence_penalty or 0.0,
-            logit_bias=dict(request.logit_bias or {}),
-            ignore_eos=request.ignore_eos,
-            extra=plugin_sampling(request),
-        )
+        params = request.sampling_params()
         include_usage = request.stream_options.include_usage if request.stream_options else True
         required = bool(tools) and (request.tool_choice == "required" or isinstance(request.tool_choice, dict))
         return Prepared(
             request=request, prompt_ids=list(prompt_ids), params=params, stream=bool(request.stream),
-            n=request.n or 1, tools=tools, tool_call_required=required, max_tokens_explicit=explicit,
+            n=value_or_default(request, "n"), tools=tools, tool_call_required=required,
+            max_tokens_explicit=request.max_tokens_explicit,
             response_id=new_id("chatcmpl-"), model=request.model, state={"include_usage": include_usage},
         )  # fmt: skip
 
@@ -194,7 +210,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
         return {"/v1/models": self._models}
 
     def _models(self, engine: Any) -> dict[str, Any]:
-        limit = context_limit(engine)
+        limit = engine.context_limit
         model = {
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "astrai",
             "context_length": limit, "max_model_len": limit,
