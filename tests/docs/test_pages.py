@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from docs_pages import DOCS, KINDS, ROOT, Block, all_blocks
 
-from astrai import hookspecs, plugins
+from astrai import groups, hookspecs
 
 DOCTESTS = all_blocks("doctest")
 
@@ -68,11 +68,11 @@ def _registered() -> dict[str, set[tuple[str, str]]]:
 def test_entry_point_groups_table_matches_the_pyprojects() -> None:
     (block,) = all_blocks("entry-point-groups")
     registered = _registered()
-    assert set(registered) <= set(plugins.GROUPS), (
+    assert set(registered) <= set(groups.GROUPS), (
         "a distribution registers in a group astrai does not define"
     )
     rows = {r["Group"]: r for r in block.records()}
-    assert sorted(rows) == sorted(plugins.GROUPS)
+    assert sorted(rows) == sorted(groups.GROUPS)
     for group, row in rows.items():
         cell = row["Registered in this repository"]
         documented = set(re.findall(r"([\w.]+) \(([\w-]+)\)", cell))

@@ -1,12 +1,14 @@
-"""Entry-point groups of astrai, the loader that reads them, and the hook plugin manager.
+"""The loader of astrai's entry-point groups, and the hook plugin manager.
 
-This is the only module that spells a group name, and the only one that
-imports stevedore. One loader serves every group (``load_plugins``); each group
-has its validator (``VALIDATORS``), run when a plugin loads. Loading is strict
-in astrai's way: a plugin that fails to import, or that does not implement its
-group's ABC, is not dropped silently; its failure is kept (with the distribution
-it came from) so that the caller can raise it when that plugin is asked for by
-name, and list it (``astrai plugins``). It never takes the process down otherwise.
+The bottom of core's plugin stack: it imports no subsystem. Each subsystem names its own
+group and validator next to its ABC (``astrai.extension.backend.base.ATTENTION_BACKENDS``,
+``astrai.sampling.base.SAMPLING``, ``astrai.model.architecture.MODELS``,
+``astrai.protocol.PROTOCOLS``; the hook group ``HOOKS`` is this module's) and loads it with
+``load_plugins(group, check)``; ``astrai.groups`` lists them all. This is the only module
+that imports stevedore. Loading is strict in astrai's way: a plugin that fails to import,
+or that does not implement its group's ABC, is not dropped silently; its failure is kept
+(with the distribution it came from) so that the caller can raise it when that plugin is
+asked for by name, and list it (``astrai plugins``). It never takes the process down otherwise.
 """
 
 from __future__ import annotations
@@ -18,32 +20,17 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
 from astrai import hookspecs
 from astrai.errors import PluginError
 
-if TYPE_CHECKING:
-    from astrai.extension.backend.base import AttentionBackend
-    from astrai.model.architecture import Architecture
-    from astrai.protocol import ResponseBuilder
-    from astrai.sampling.base import SamplingStrategy
-
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = "astrai.attention_backends"
-"""``AttentionBackend`` subclasses; the name is what ``ASTR_BACKEND`` takes."""
-PROTOCOLS = "astrai.protocols"
-"""``astrai.protocol.ResponseBuilder`` subclasses mounted by astrai-server."""
-SAMPLING = "astrai.sampling"
-"""``astrai.sampling.SamplingStrategy`` subclasses; the name selects one per request."""
-MODELS = "astrai.models"
-"""``astrai.model.architecture.Architecture`` objects; the name is the architecture's."""
 HOOKS = "astrai.plugins"
 """Hook plugins: modules or objects implementing ``astrai.hookspecs`` hooks."""
-GROUPS = (ATTENTION_BACKENDS, PROTOCOLS, SAMPLING, MODELS, HOOKS)
 
 
 @dataclass(frozen=True)
@@ -90,7 +77,9 @@ def distribution_of(group: str, name: str, target: str) -> str:
     return "an unknown distribution"
 
 
-def _check_class(abc: type, name: str, plugin: object, origin: str) -> type:
+def check_class(abc: type, name: str, plugin: object, origin: str) -> type:
+    """A validator's common part: ``plugin`` is a subclass of ``abc`` whose ``name`` is its entry
+    point's. ``origin`` names the entry point and distribution for the message. Raises PluginError."""
     if not (isinstance(plugin, type) and issubclass(plugin, abc)):
         raise PluginError(f"{origin}: {plugin!r} is not a subclass of {abc.__module__}.{abc.__qualname__}")
     if getattr(plugin, "name", None) != name:
@@ -101,51 +90,6 @@ def _check_class(abc: type, name: str, plugin: object, origin: str) -> type:
     return plugin
 
 
-def check_backend_class(name: str, plugin: object, origin: str) -> type[AttentionBackend]:
-    """Validate an ``astrai.attention_backends`` plugin: an ``AttentionBackend`` named ``name``.
-
-    ``origin`` names the entry point and distribution for the message. Raises PluginError.
-    """
-    from astrai.extension.backend.base import AttentionBackend  # lazy: avoids an import cycle
-
-    return _check_class(AttentionBackend, name, plugin, origin)
-
-
-def check_builder_class(name: str, plugin: object, origin: str) -> type[ResponseBuilder]:
-    """Validate an ``astrai.protocols`` plugin: a ``ResponseBuilder`` named ``name`` whose
-    ``route`` starts with "/" and whose ``request_model`` is a pydantic model. Raises PluginError."""
-    from pydantic import BaseModel
-
-    from astrai.protocol import ResponseBuilder
-
-    cls = _check_class(ResponseBuilder, name, plugin, origin)
-    route = getattr(cls, "route", None)
-    if not (isinstance(route, str) and route.startswith("/")):
-        raise PluginError(f"{origin}: {cls.__qualname__}.route must be a path starting with '/', got {route!r}")
-    model = getattr(cls, "request_model", None)
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        raise PluginError(f"{origin}: {cls.__qualname__}.request_model must be a pydantic BaseModel subclass")
-    return cls
-
-
-def check_strategy_class(name: str, plugin: object, origin: str) -> type[SamplingStrategy]:
-    """Validate an ``astrai.sampling`` plugin: a ``SamplingStrategy`` named ``name``. Raises PluginError."""
-    from astrai.sampling.base import SamplingStrategy
-
-    return _check_class(SamplingStrategy, name, plugin, origin)
-
-
-def check_architecture(name: str, plugin: object, origin: str) -> Architecture:
-    """Validate an ``astrai.models`` plugin: an ``Architecture`` named ``name``. Raises PluginError."""
-    from astrai.model.architecture import Architecture
-
-    if not isinstance(plugin, Architecture):
-        raise PluginError(f"{origin}: {plugin!r} is not an astrai.model.architecture.Architecture")
-    if plugin.name != name:
-        raise PluginError(f"{origin}: architecture is named {plugin.name!r} but its entry point is {name!r}")
-    return plugin
-
-
 def check_hook_plugin(name: str, plugin: object, origin: str) -> object:
     """Validate an ``astrai.plugins`` plugin: registering it in a scratch manager must succeed
     and every ``astrai_*`` hook it implements must be one of ``astrai.hookspecs``. Raises PluginError."""
@@ -153,26 +97,19 @@ def check_hook_plugin(name: str, plugin: object, origin: str) -> object:
     return plugin
 
 
-#: Validator of each group: ``check(entry-point name, loaded object, origin) -> object``.
-VALIDATORS: dict[str, Callable[[str, object, str], Any]] = {
-    ATTENTION_BACKENDS: check_backend_class,
-    PROTOCOLS: check_builder_class,
-    SAMPLING: check_strategy_class,
-    MODELS: check_architecture,
-    HOOKS: check_hook_plugin,
-}
+#: A group's validator: ``check(entry-point name, loaded object, origin) -> object``, raising PluginError.
+Validator = Callable[[str, object, str], Any]
 
 
-def load_plugins(group: str) -> LoadedPlugins:
-    """Import every entry point of ``group`` on the current ``sys.path`` and validate it.
+def load_plugins(group: str, check: Validator) -> LoadedPlugins:
+    """Import every entry point of ``group`` on the current ``sys.path`` and validate it with ``check``.
 
-    Never raises for a bad plugin: import errors and validation errors
-    (``VALIDATORS[group]``) end up in ``failures``; a name declared twice keeps the
-    first. Each call re-reads the entry points (callers cache the result).
+    Never raises for a bad plugin: import errors and validation errors end up in
+    ``failures``; a name declared twice keeps the first. Each call re-reads the entry
+    points (callers cache the result).
     """
     from stevedore import ExtensionManager
 
-    check = VALIDATORS[group]
     loaded = LoadedPlugins()
 
     def keep_failure(_manager: object, ep: importlib.metadata.EntryPoint, err: BaseException) -> None:
@@ -197,26 +134,6 @@ def load_plugins(group: str) -> LoadedPlugins:
     return loaded
 
 
-def load_attention_backends() -> LoadedPlugins:
-    """``load_plugins(ATTENTION_BACKENDS)``: every installed attention backend class."""
-    return load_plugins(ATTENTION_BACKENDS)
-
-
-def load_protocols() -> LoadedPlugins:
-    """``load_plugins(PROTOCOLS)``: every installed ``ResponseBuilder`` class."""
-    return load_plugins(PROTOCOLS)
-
-
-def load_sampling_strategies() -> LoadedPlugins:
-    """``load_plugins(SAMPLING)``: every installed sampling strategy class, built-ins included."""
-    return load_plugins(SAMPLING)
-
-
-def load_architectures() -> LoadedPlugins:
-    """``load_plugins(MODELS)``: every installed model ``Architecture``."""
-    return load_plugins(MODELS)
-
-
 class PluginManager(pluggy.PluginManager):
     """astrai's hook registry: the hooks of ``astrai.hookspecs`` and the plugins implementing them.
 
@@ -237,7 +154,7 @@ class PluginManager(pluggy.PluginManager):
         """A manager holding every loadable ``astrai.plugins`` entry point; failures are kept
         in ``failures`` and logged as warnings."""
         pm = cls()
-        loaded = load_plugins(HOOKS)
+        loaded = load_plugins(HOOKS, check_hook_plugin)
         pm.failures = dict(loaded.failures)
         for name, plugin in loaded.classes.items():
             try:  # validated already; this still refuses one object declared under two names
@@ -312,3 +229,4 @@ class HookThread:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             self.pm.notify(item[0], **item[1])
+

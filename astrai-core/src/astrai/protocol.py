@@ -1,11 +1,14 @@
-"""``ResponseBuilder``: the one class a wire protocol implements (the spec's Strategy pattern).
+"""``ResponseBuilder``: the one class a wire protocol implements (a Strategy the server drives).
 
 A protocol is one builder: it declares its route, its request model (pydantic),
 how it frames a stream (media type, SSE or anything else) and how it shapes
-results and errors. A protocol-neutral ``ProtocolHandler`` (astrai-server)
-drives any builder, streaming or not::
+results and errors. Its request model holds the protocol's HTTP defaults and
+ranges (its fields) and turns a request into ``SamplingParams`` in one method;
+checks that depend on the model (vocabulary, context) are the engine's, at
+submit. A protocol-neutral ``ProtocolHandler`` (astrai-server) drives any
+builder, streaming or not::
 
-    prepared = builder.prepare(request, engine)           # templating, SamplingParams
+    prepared = builder.prepare(request, engine)           # templating, request.sampling_params()
     # streaming: format_stream_start, format_chunk per piece, format_stream_end
     # otherwise: format_response(prepared, result)
 
@@ -26,13 +29,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
+from astrai.errors import PluginError
+from astrai.plugins import LoadedPlugins, check_class, load_plugins
+
 if TYPE_CHECKING:
     from astrai.sampling import SamplingParams
-
-#: Finish reasons of a ``Choice``: the engine's (``stop``, ``length``, ``stop_sequence``,
-#: ``abort``, ``error``) plus ``tool_calls`` when the text held tool calls that were parsed.
-FINISH_REASONS = ("stop", "length", "stop_sequence", "abort", "error", "tool_calls")
-
 
 @dataclass
 class ToolCall:
@@ -49,7 +50,7 @@ class Choice:
 
     index: int
     text: str  # without stop strings and without the tool-call markup
-    finish_reason: str  # one of FINISH_REASONS
+    finish_reason: str  # the engine's (stop, length, stop_sequence, abort), or tool_calls: calls were parsed
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that matched (finish_reason "stop_sequence")
     tool_calls: list[ToolCall] = field(default_factory=list)
@@ -101,9 +102,14 @@ class Prepared:
     state: dict[str, Any] = field(default_factory=dict)
 
 
-def context_limit(engine: Any) -> int:
-    """Tokens one request of ``engine`` may hold (prompt + generated): the context, capped by the KV pool."""
-    return min(engine.pool.max_ctx_len, engine.pool.size)
+def value_or_default(request: BaseModel, name: str) -> Any:
+    """``request.<name>``, or that field's declared default when the client sent JSON null.
+
+    Lets a request model keep its HTTP defaults in one place, its pydantic fields,
+    while ``"temperature": null`` still means "the default".
+    """
+    value = getattr(request, name)
+    return type(request).model_fields[name].get_default(call_default_factory=True) if value is None else value
 
 
 def plugin_sampling(request: BaseModel) -> dict[str, Any]:
@@ -250,3 +256,25 @@ def error_type_for(status: int) -> str:
     if status >= 500:
         return "server_error"
     return "invalid_request_error"
+
+
+PROTOCOLS = "astrai.protocols"
+"""The entry-point group of ``ResponseBuilder`` subclasses that astrai-server mounts."""
+
+
+def check_builder_class(name: str, plugin: object, origin: str) -> type[ResponseBuilder]:
+    """Validate an ``astrai.protocols`` plugin: a ``ResponseBuilder`` named ``name`` whose
+    ``route`` starts with "/" and whose ``request_model`` is a pydantic model. Raises PluginError."""
+    cls = check_class(ResponseBuilder, name, plugin, origin)
+    route = getattr(cls, "route", None)
+    if not (isinstance(route, str) and route.startswith("/")):
+        raise PluginError(f"{origin}: {cls.__qualname__}.route must be a path starting with '/', got {route!r}")
+    model = getattr(cls, "request_model", None)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise PluginError(f"{origin}: {cls.__qualname__}.request_model must be a pydantic BaseModel subclass")
+    return cls
+
+
+def load_protocols() -> LoadedPlugins:
+    """Every installed ``ResponseBuilder`` class (validated by ``check_builder_class``; failures kept)."""
+    return load_plugins(PROTOCOLS, check_builder_class)

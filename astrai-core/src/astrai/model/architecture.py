@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from astrai.errors import ModelNotFound
+from astrai.errors import ModelNotFound, PluginError
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from astrai.plugins import LoadedPlugins
 
 __all__ = ["Architecture", "LLAMA", "QWEN2", "get_architecture"]
 
@@ -88,8 +90,6 @@ def get_architecture(name: str | None, where: str = "") -> Architecture:
     ``ModelNotFound`` naming the installed ones when nothing is called ``name``;
     ``where`` (a path) prefixes the message.
     """
-    from astrai.plugins import load_architectures
-
     loaded = load_architectures()
     if name in loaded.failures:
         failure = loaded.failures[name]
@@ -101,3 +101,23 @@ def get_architecture(name: str | None, where: str = "") -> Architecture:
         f"{where + ': ' if where else ''}architecture {name!r} is not supported; misspelled or not "
         f"installed? Installed: {', '.join(known) or 'none'}"
     )
+
+
+MODELS = "astrai.models"
+"""The entry-point group of ``Architecture`` objects; the name is the architecture's."""
+
+
+def check_architecture(name: str, plugin: object, origin: str) -> Architecture:
+    """Validate an ``astrai.models`` plugin: an ``Architecture`` named ``name``. Raises PluginError."""
+    if not isinstance(plugin, Architecture):
+        raise PluginError(f"{origin}: {plugin!r} is not an astrai.model.architecture.Architecture")
+    if plugin.name != name:
+        raise PluginError(f"{origin}: architecture is named {plugin.name!r} but its entry point is {name!r}")
+    return plugin
+
+
+def load_architectures() -> LoadedPlugins:
+    """Every installed ``astrai.models`` architecture (validated; failures kept)."""
+    from astrai.plugins import load_plugins
+
+    return load_plugins(MODELS, check_architecture)

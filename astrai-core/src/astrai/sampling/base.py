@@ -8,13 +8,17 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 from astrai.errors import RequestRejected
+from astrai.plugins import check_class
 
 if TYPE_CHECKING:
     import torch
 
     from astrai.sampling.params import SamplingBatch, SamplingParams
 
-__all__ = ["SamplingStrategy", "BaseSamplingStrategy"]
+__all__ = ["SAMPLING", "BaseSamplingStrategy", "SamplingStrategy", "check_strategy_class"]
+
+SAMPLING = "astrai.sampling"
+"""The entry-point group of ``SamplingStrategy`` subclasses; the name selects one per request."""
 
 
 class SamplingStrategy(ABC):
@@ -82,3 +86,8 @@ class SamplingStrategy(ABC):
 
 BaseSamplingStrategy = SamplingStrategy
 """The spec's name for :class:`SamplingStrategy`."""
+
+
+def check_strategy_class(name: str, plugin: object, origin: str) -> type[SamplingStrategy]:
+    """Validate an ``astrai.sampling`` plugin: a ``SamplingStrategy`` named ``name``. Raises PluginError."""
+    return check_class(SamplingStrategy, name, plugin, origin)

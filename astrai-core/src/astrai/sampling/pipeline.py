@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from astrai.errors import PluginError, RequestRejected
-from astrai.sampling.base import SamplingStrategy
+from astrai.plugins import load_plugins
+from astrai.sampling.base import SAMPLING, SamplingStrategy, check_strategy_class
 from astrai.sampling.noise import categorical
 from astrai.sampling.params import SamplingBatch, SamplingParams
 from astrai.sampling.penalties import apply_penalties
@@ -19,7 +20,7 @@ from astrai.sampling.top_k import TopKStrategy
 from astrai.sampling.top_p import TopPStrategy
 
 if TYPE_CHECKING:
-    from astrai.plugins import PluginFailure
+    from astrai.plugins import LoadedPlugins, PluginFailure
 
 __all__ = ["BUILTINS", "SamplingPipeline", "sample"]
 
@@ -114,8 +115,6 @@ class SamplingPipeline(SamplingStrategy):
         Plugins that failed to load are logged and kept as ``failures``; raises their
         error when ``defaults`` selects one.
         """
-        from astrai.plugins import load_sampling_strategies
-
         loaded = load_sampling_strategies()
         for failure in loaded.failures.values():
             logger.warning("sampling strategy skipped: %s", failure.describe())
@@ -287,3 +286,8 @@ def sample(
     batch = SamplingBatch.from_params([params] * n, range(n), rows.device)
     ids = SamplingPipeline.default().sample(rows, batch)
     return ids[0] if logits.dim() == 1 else ids
+
+
+def load_sampling_strategies() -> LoadedPlugins:
+    """Every installed ``astrai.sampling`` strategy class, built-ins included (validated; failures kept)."""
+    return load_plugins(SAMPLING, check_strategy_class)
