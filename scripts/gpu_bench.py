@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from astrai.kvcache.cache import DECODE_MAX_SPLITS, PREFILL_Q_TILE, KVCache
+from astrai.kvcache.cache import KVCache
+from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, PREFILL_Q_TILE
 
 PAGE = 16
 ITERS = 50

@@ -91,10 +91,9 @@ def generate(dtype: str, backend: str, prompts: list[list[int]]) -> list[list[in
 
 def _load_backends() -> None:
     """Load every attention backend as the engine does at start (the CPU plugin's fused kernels)."""
-    from astrai.extension.backend import policy
+    from astrai.extension import load_backends
 
-    load = getattr(policy, "load_backends", None) or policy.available_backends
-    load()
+    load_backends()
 
 
 def main() -> int:
@@ -114,7 +113,7 @@ def main() -> int:
         print(f"recorded {len(cases)} cases of {len(prompts)} prompts at {commit}")  # noqa: T201
         return 0
     ref = json.loads(REFERENCE.read_text())
-    bad = [(k, i) for k, outs in cases.items() for i, (a, b) in enumerate(zip(outs, ref["outputs"][k])) if a != b]
+    bad = [(k, i) for k, outs in cases.items() for i, (a, b) in enumerate(zip(outs, ref["outputs"][k], strict=True)) if a != b]
     print(json.dumps({"reference_commit": ref["commit"], "cases": len(cases), "differing": bad}))  # noqa: T201
     return 1 if bad else 0
 

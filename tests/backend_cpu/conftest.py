@@ -23,16 +23,20 @@ tiny_model, tiny_tokenizer, pool_guard, make_engine, tiny_engine = (
 
 @pytest.fixture(scope="session")
 def cpu_kernels():
-    """Build (or load from the cache) the CPU kernel; a missing compiler skips with the reason."""
+    """Build (or load from the cache) the CPU kernels and install the fused ones, as loading the
+    backend does; a missing compiler skips with the reason."""
     from astrai.errors import KernelUnavailable
     from astrai_backend_cpu import load_kernels
+    from astrai_backend_cpu.backend import CpuBackend
 
     try:
-        return load_kernels()
+        path = load_kernels()
     except KernelUnavailable as err:
         if "no C++ compiler" in str(err):
             pytest.skip(str(err))
         raise
+    CpuBackend.install()
+    return path
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.extension import apply_rotary_emb, fused
-from astrai.extension.backend.rotary import RotaryEmbedding, _rotate_torch
+from astrai.extension.backend.rotary import RotaryEmbedding, rotate_torch
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -62,14 +62,14 @@ def test_rotary_on_a_slice_of_the_fused_qkv(head_dim):
     with torch.no_grad():
         assert fused.kernel_for("rotary", x) is not None
         got = apply_rotary_emb(x, freqs)
-    close(got, _rotate_torch(x, freqs))
+    close(got, rotate_torch(x, freqs))
 
 
 def test_rotary_broadcast_freqs_take_the_torch_path():
     x = torch.randn(2, 5, 3, 64).bfloat16()
     freqs = RotaryEmbedding(64, 16)(torch.arange(5)[None])  # [1, 5, 32, 2], broadcast over the batch
     with torch.no_grad():
-        assert torch.equal(apply_rotary_emb(x, freqs), _rotate_torch(x, freqs))
+        assert torch.equal(apply_rotary_emb(x, freqs), rotate_torch(x, freqs))
 
 
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16")

@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from astrai.kvcache.cache import DECODE_MAX_SPLITS, PREFILL_Q_TILE, KVCache
+from astrai.kvcache.cache import KVCache
 from astrai_backend_cuda import reference
-from astrai_backend_cuda.plan import decode_split_range
+from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, PREFILL_Q_TILE, decode_split_range
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

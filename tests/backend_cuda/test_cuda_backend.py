@@ -19,11 +19,19 @@ from cuda_steps import clone_step, make_step
 
 from astrai.errors import BackendUnavailable, KernelUnavailable
 from astrai.extension import attn_backend
-from astrai.extension.backend.policy import BackendRegistry, attention, reset_registry
+from astrai.extension.backend.base import ATTENTION_BACKENDS
+from astrai.extension.backend.policy import (
+    BackendRegistry,
+    attention,
+    load_attention_backends,
+    reset_registry,
+)
 from astrai.extension.backend.torch_native import TorchNativeBackend
-from astrai.plugins import ATTENTION_BACKENDS, distribution_of, load_attention_backends
+from astrai.kvcache import KVConfig, PagePool
+from astrai.plugins import distribution_of
 from astrai_backend_cuda import load_kernels
 from astrai_backend_cuda.backend import CudaBackend
+from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, PREFILL_Q_TILE
 
 DISTRIBUTION = Path(__file__).parents[2] / "astrai-backend-cuda"
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
@@ -46,6 +54,36 @@ def test_discovered_through_its_entry_point():
     registry = BackendRegistry.discover()
     names = [name for name, _, _ in registry.available_backends()]
     assert names.index("cuda") < names.index("torch_native")  # cuda first in automatic selection
+
+
+def test_prepare_fills_the_prefill_tile_maps_of_a_bound_step():
+    """The tile maps are the CUDA kernels' alone: bind_tasks leaves them unset, prepare fills them."""
+    pool = PagePool(1, 4, 2, 64, KVConfig(max_batch_size=4, max_seq_len=300, page_size=4, n_tokens=1024))
+    rows = [pool.task_alloc() for _ in range(3)]
+    q_lens, seq_lens = [150, 1, 64], [150, 9, 70]
+    for row, s in zip(rows, seq_lens, strict=True):
+        pool.extend(row, s)
+    kv = pool.bind_tasks(rows, q_lens, seq_lens)
+    assert kv.q_tile_to_batch is None and kv.decode_o_part is None
+    CudaBackend().prepare(torch.empty(0, 4, 64), kv)
+    tiles = [(b, t // PREFILL_Q_TILE) for b, q in enumerate(q_lens) for t in range(0, q, PREFILL_Q_TILE)]
+    assert kv.q_tile_to_batch.dtype == torch.int32 and kv.q_tile_to_index.dtype == torch.int32
+    assert list(zip(kv.q_tile_to_batch.tolist(), kv.q_tile_to_index.tolist(), strict=True)) == tiles
+    assert kv.decode_o_part is None  # a prefill step needs no split-K scratch
+
+
+def test_decode_scratch_is_allocated_once_per_pool_and_sliced_per_step():
+    pool = PagePool(1, 4, 2, 64, KVConfig(max_batch_size=4, max_seq_len=8), torch.bfloat16)
+    rows = [pool.task_alloc() for _ in range(3)]
+    for row in rows:
+        pool.extend(row, 2)
+    backend, q = CudaBackend(), torch.empty(0, 4, 64, dtype=torch.bfloat16)
+    first = backend._decode_scratch(q, pool.bind_tasks(rows, [1, 1, 1], [2, 2, 2]))
+    second = backend._decode_scratch(q, pool.bind_tasks(rows[:2], [1, 1], [2, 2]))
+    assert all(a is b for a, b in zip(first, second, strict=True))
+    o_part, ml_part, out = first
+    assert o_part.shape == (4, 4, DECODE_MAX_SPLITS, 64) and o_part.dtype == torch.float32
+    assert ml_part.shape == (4, 4, DECODE_MAX_SPLITS) and out.shape == (4, 4, 64) and out.dtype == torch.bfloat16
 
 
 @no_cuda
@@ -72,12 +110,6 @@ def test_kernels_do_not_load_on_cpu_torch():
 def test_supports_names_what_it_cannot_run(dtype, head_dim, n_heads, n_kv, reason):
     kv, q, _, _ = make_step([1], [3], n_heads, n_kv, head_dim, dtype, seed=0)
     assert reason in CudaBackend().supports(q, kv)
-
-
-def test_supports_needs_the_split_dimension():
-    kv, q, _, _ = make_step([1], [3], 4, 2, 64, torch.bfloat16, seed=0)
-    kv.decode_o_part = kv.decode_o_part[:, :, 0]
-    assert "decode_o_part has no split dimension" in CudaBackend().supports(q, kv)
 
 
 @no_cuda

@@ -20,9 +20,9 @@ from astrai.extension.backend import policy
 from astrai.extension.backend.policy import BackendRegistry
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai.kvcache import KVConfig, PagePool
-from astrai.kvcache.cache import PREFILL_Q_TILE
 from astrai_backend_cuda import _sources, plan, reference
 from astrai_backend_cuda.backend import CudaBackend
+from astrai_backend_cuda.plan import PREFILL_Q_TILE
 
 KERNEL_OPS = {
     "attn_paged_decode": reference.attn_paged_decode,
@@ -107,6 +107,10 @@ class CpuCudaBackend(CudaBackend):
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         return True, ""
+
+    @classmethod
+    def install(cls) -> None:
+        """Nothing to install: the ops run the reference on CPU tensors."""
 
     def _device_slots(self, q: torch.Tensor, group: int) -> tuple[int, int]:
         return 132, 3

@@ -16,7 +16,7 @@ from cuda_steps import clone_step, make_step, split_partial, split_ranges
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astrai.extension.backend.rotary import _rotate_torch
+from astrai.extension.backend.rotary import rotate_torch
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai_backend_cuda import reference
 from astrai_backend_cuda.plan import MIN_SPLIT_POSITIONS, decode_chunk, decode_num_splits
@@ -116,9 +116,9 @@ def test_rotary_matches_apply_rotary_emb():
     angles = torch.rand(2, 5, 32, generator=gen) * 6.28
     freqs = torch.stack([angles.cos(), angles.sin()], -1)
     x = torch.randn(2, 5, 3, 64, generator=gen).to(torch.bfloat16)
-    torch.testing.assert_close(reference.rotary_emb(x, freqs), _rotate_torch(x, freqs), rtol=0, atol=0)
+    torch.testing.assert_close(reference.rotary_emb(x, freqs), rotate_torch(x, freqs), rtol=0, atol=0)
     y = x.clone()
-    assert reference.rotary_emb(y, freqs, out=y) is y and torch.equal(y, _rotate_torch(x, freqs))
+    assert reference.rotary_emb(y, freqs, out=y) is y and torch.equal(y, rotate_torch(x, freqs))
 
 
 @settings(max_examples=200, deadline=None)

@@ -10,9 +10,8 @@ from flash_steps import make_pool, ragged_step, random_qkv
 
 from astrai.errors import BackendUnavailable
 from astrai.extension import attention, attn_backend, available_backends
-from astrai.extension.backend.policy import BackendRegistry
+from astrai.extension.backend.policy import BackendRegistry, load_attention_backends
 from astrai.extension.backend.torch_native import TorchNativeBackend
-from astrai.plugins import load_attention_backends
 from astrai_backend_flash import FlashAttnBackend
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reasons given on a machine without CUDA")

@@ -13,9 +13,10 @@ import torch
 
 from astrai.errors import BackendUnavailable, KernelUnavailable, PluginError
 from astrai.extension import ATTN_BACKEND, AttentionBackend, attention, attn_backend, available_backends, ops
+from astrai.extension.backend.base import check_backend_class
 from astrai.extension.backend.policy import BackendRegistry, get_registry, requested_backend, reset_registry
 from astrai.kvcache.cache import KVCache
-from astrai.plugins import PluginFailure, check_backend_class
+from astrai.plugins import PluginFailure
 
 
 @pytest.fixture(autouse=True)
@@ -252,11 +253,6 @@ def test_default_registry_runs_torch_native_on_cpu():
         max_len=2,
         kv_indptr=torch.tensor([0, 2], dtype=torch.int32),
         qo_indptr=torch.tensor([0, 2], dtype=torch.int32),
-        q_tile_to_batch=torch.tensor([0], dtype=torch.int32),
-        q_tile_to_index=torch.tensor([0], dtype=torch.int32),
-        decode_o_part=torch.zeros(1, 1, 2),
-        decode_ml_part=torch.zeros(1, 1),
-        decode_out=torch.zeros(1, 1, 2),
         max_q_len=2,
         num_tokens=2,
         q_lens_host=(2,),

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
 from astrai.extension.backend import torch_native
 from astrai.extension.backend.torch_native import TorchNativeBackend
-from astrai.kvcache.cache import PREFILL_Q_TILE, KVCache
+from astrai.kvcache.cache import KVCache
 
 
 def make_step(q_lens, prefix_lens, n_kv_heads, head_dim, dtype, gen, n_layers=2):
@@ -32,8 +31,6 @@ def make_step(q_lens, prefix_lens, n_kv_heads, head_dim, dtype, gen, n_layers=2)
         req_to_token[rows[i], :n] = slots[-1].to(torch.int32)
         start += n
     shape = (n_layers, size, n_kv_heads, head_dim)
-    tiles = [(b, t) for b, n in enumerate(q_lens) for t in range(math.ceil(n / PREFILL_Q_TILE))]
-    n_heads = n_kv_heads  # decode scratch shapes only; unused by torch_native
     kv = KVCache(
         k_buffer=torch.randn(shape, generator=gen).to(dtype),
         v_buffer=torch.randn(shape, generator=gen).to(dtype),
@@ -44,11 +41,6 @@ def make_step(q_lens, prefix_lens, n_kv_heads, head_dim, dtype, gen, n_layers=2)
         max_len=max(seq_lens),
         kv_indptr=torch.tensor([0, *seq_lens]).cumsum(0).to(torch.int32),
         qo_indptr=torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
-        q_tile_to_batch=torch.tensor([b for b, _ in tiles], dtype=torch.int32),
-        q_tile_to_index=torch.tensor([t for _, t in tiles], dtype=torch.int32),
-        decode_o_part=torch.zeros(n_req, n_heads, head_dim),
-        decode_ml_part=torch.zeros(n_req, n_heads),
-        decode_out=torch.zeros(n_req, n_heads, head_dim, dtype=dtype),
         max_q_len=max(q_lens),
         num_tokens=sum(q_lens),
         q_lens_host=tuple(q_lens),

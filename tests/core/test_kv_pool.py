@@ -7,14 +7,12 @@ import torch
 
 from astrai.errors import CapacityExceeded
 from astrai.kvcache import (
-    PREFILL_Q_TILE,
     KVConfig,
     KVStorage,
     PagePool,
     assert_nothing_held,
     check_pool_invariants,
 )
-from astrai.kvcache.cache import DECODE_MAX_SPLITS
 
 N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 
@@ -155,16 +153,13 @@ def test_match_prefix_after_extend_is_rejected():
 
 def reference_bind(pool: PagePool, rows, q_lens, seq_lens):
     """Per-token loops: an independent statement of what bind_tasks must produce."""
-    out, kv_indptr, qo_indptr, tile_b, tile_i = [], [0], [0], [], []
-    for b, (row, q, s) in enumerate(zip(rows, q_lens, seq_lens, strict=True)):
+    out, kv_indptr, qo_indptr = [], [0], [0]
+    for row, q, s in zip(rows, q_lens, seq_lens, strict=True):
         for pos in range(s - q, s):
             out.append(int(pool.req_to_token[row, pos]))
         kv_indptr.append(kv_indptr[-1] + s)
         qo_indptr.append(qo_indptr[-1] + q)
-        for t in range(0, q, PREFILL_Q_TILE):
-            tile_b.append(b)
-            tile_i.append(t // PREFILL_Q_TILE)
-    return out, kv_indptr, qo_indptr, tile_b, tile_i
+    return out, kv_indptr, qo_indptr
 
 
 CONFIGS = {
@@ -184,34 +179,20 @@ def test_bind_tasks_matches_a_per_token_reference(name, q_lens, seq_lens):
     for row, s in zip(rows, seq_lens, strict=True):
         assert pool.extend(row, s)
     kv = pool.bind_tasks(rows, q_lens, seq_lens)
-    out, kv_indptr, qo_indptr, tile_b, tile_i = reference_bind(pool, rows, q_lens, seq_lens)
+    out, kv_indptr, qo_indptr = reference_bind(pool, rows, q_lens, seq_lens)
     assert kv.out_cache_loc.dtype == torch.int64 and kv.out_cache_loc.tolist() == out
     assert kv.req_pool_indices.dtype == torch.int64 and kv.req_pool_indices.tolist() == rows
     assert kv.seq_lens.dtype == torch.int64 and kv.seq_lens.tolist() == seq_lens
     assert kv.kv_indptr.dtype == torch.int32 and kv.kv_indptr.tolist() == kv_indptr
     assert kv.qo_indptr.dtype == torch.int32 and kv.qo_indptr.tolist() == qo_indptr
-    assert kv.q_tile_to_batch.dtype == torch.int32 and kv.q_tile_to_batch.tolist() == tile_b
-    assert kv.q_tile_to_index.dtype == torch.int32 and kv.q_tile_to_index.tolist() == tile_i
     assert kv.max_len == max(seq_lens) and kv.max_q_len == max(q_lens)
     assert kv.num_tokens == sum(q_lens)
     assert kv.q_lens_host == tuple(q_lens) and kv.seq_lens_host == tuple(seq_lens)
     assert kv.k_buffer is pool.k_buffer and kv.v_buffer is pool.v_buffer
-    assert kv.req_to_token is pool.req_to_token and kv.plan == {}
-    assert kv.decode_o_part.shape == (3, N_HEADS, DECODE_MAX_SPLITS, HEAD_DIM) and kv.decode_o_part.dtype == torch.float32
-    assert kv.decode_ml_part.shape == (3, N_HEADS, DECODE_MAX_SPLITS) and kv.decode_ml_part.dtype == torch.float32
-    assert kv.decode_out.shape == (3, N_HEADS, HEAD_DIM) and kv.decode_out.dtype == torch.bfloat16
-
-
-def test_decode_buffers_are_preallocated_once():
-    pool = make_pool(KVConfig(max_batch_size=4, max_seq_len=8))
-    rows = [pool.task_alloc() for _ in range(3)]
-    for row in rows:
-        pool.extend(row, 2)
-    first = pool.bind_tasks(rows, [1, 1, 1], [2, 2, 2])
-    second = pool.bind_tasks(rows[:2], [2, 1], [2, 1])
-    for field in ("decode_o_part", "decode_ml_part", "decode_out"):
-        assert getattr(first, field).data_ptr() == getattr(second, field).data_ptr()
-    assert second.decode_out.shape[0] == 2
+    assert kv.req_to_token is pool.req_to_token and kv.plan == {} and kv.backend is None
+    # what only one backend reads is that backend's to fill (astrai-backend-cuda's prepare)
+    for name in ("q_tile_to_batch", "q_tile_to_index", "decode_o_part", "decode_ml_part", "decode_out"):
+        assert getattr(kv, name) is None, name
 
 
 def test_bind_tasks_rejects_inconsistent_input():

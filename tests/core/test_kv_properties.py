@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from astrai.errors import CapacityExceeded
-from astrai.kvcache import PREFILL_Q_TILE, KVConfig, PagePool, assert_nothing_held, check_pool_invariants
+from astrai.kvcache import KVConfig, PagePool, assert_nothing_held, check_pool_invariants
 
 MAX_SEQ = 12
 ROWS = 3
@@ -239,12 +239,10 @@ def test_bind_tasks_agrees_with_a_per_token_reference(paged, page_size, batch):
         seq_lens.append(seq_len)
         q_lens.append(seq_len - min(cached, seq_len - 1))
     kv = pool.bind_tasks(rows, q_lens, seq_lens)
-    out, tiles = [], []
-    for b, (row, q, s) in enumerate(zip(rows, q_lens, seq_lens, strict=True)):
+    out = []
+    for row, q, s in zip(rows, q_lens, seq_lens, strict=True):
         out += [int(pool.req_to_token[row, pos]) for pos in range(s - q, s)]
-        tiles += [(b, i) for i in range(-(-q // PREFILL_Q_TILE))]
     assert kv.out_cache_loc.tolist() == out
-    assert list(zip(kv.q_tile_to_batch.tolist(), kv.q_tile_to_index.tolist(), strict=True)) == tiles
     assert kv.kv_indptr.tolist() == [sum(seq_lens[:i]) for i in range(len(rows) + 1)]
     assert kv.qo_indptr.tolist() == [sum(q_lens[:i]) for i in range(len(rows) + 1)]
     assert len(set(out)) == len(out)  # no two new tokens write the same slot

@@ -362,19 +362,19 @@ def test_a_dying_loop_fails_every_waiter_and_reports_unhealthy(tiny_engine, monk
     results = [engine.submit(prompt(5 + i), SamplingParams(max_tokens=400, **GREEDY), on_piece=lambda _: started.set())
                for i in range(3)]
     assert started.wait(timeout=20)  # the requests are running, holding KV
-    refill = sched._refill
+    refill = sched.policy._refill
 
     def broken_refill():
         raise ValueError("corrupted state")
 
-    monkeypatch.setattr(sched, "_refill", broken_refill)
+    monkeypatch.setattr(sched.policy, "_refill", broken_refill)
     for r in results:
         assert r.wait_completion(timeout=20)
         assert isinstance(r.error, EngineNotReady) and "corrupted state" in str(r.error)
     assert not engine.is_healthy() and "ValueError: corrupted state" in sched.reason
     with pytest.raises(EngineNotReady):
         engine.generate("x", max_tokens=2)
-    monkeypatch.setattr(sched, "_refill", refill)
+    monkeypatch.setattr(sched.policy, "_refill", refill)
 
 
 def test_shutdown_fails_waiters_and_is_idempotent(tiny_engine):

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from astrai.errors import KernelUnavailable
-from astrai.extension.backend.torch_native import TorchNativeBackend, _plan, _StepPlan
+from astrai.extension.backend.torch_native import NativePlan, TorchNativeBackend, plan_step
+from astrai_backend_cpu import kernels
 from astrai_backend_cpu.build import load_kernels
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def _has_prefill_kernel() -> bool:
 
 
 class _CpuPlan(NamedTuple):
-    native: _StepPlan | None  # torch_native's plan for rows the kernels do not take (None: they take all)
+    native: NativePlan | None  # torch_native's plan for rows the kernels do not take (None: they take all)
     tok_rows: torch.Tensor | None  # [b] token row of each decode request; None: every row, in order
     rows: torch.Tensor  # [b] int64 req_to_token row of each decode request
     seq_lens: torch.Tensor  # [b] int64
@@ -48,6 +49,7 @@ def _prefill_kernel_runs(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
 
 
 def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
+    """Which rows go to which kernel (host facts only; ``q`` for its dtype and head dim)."""
     if kv.max_q_len == 1:  # a pure decode step: every request, in order
         return _CpuPlan(None, None, kv.req_pool_indices.long(), kv.seq_lens.long(), None)
     q_lens = torch.tensor(kv.q_lens_host) if kv.q_lens_host else kv.qo_indptr.diff().long()
@@ -56,7 +58,7 @@ def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
     decode = q_lens == 1
     pick = decode.nonzero()[:, 0]
     if not _prefill_kernel_runs(q, k_buf):
-        return _CpuPlan(_plan(kv, q.dtype), starts[pick], req_rows[pick], seq_lens[pick], None)
+        return _CpuPlan(plan_step(kv, q.dtype), starts[pick], req_rows[pick], seq_lens[pick], None)
     other = (~decode).nonzero()[:, 0]
     chunks = (req_rows[other], starts[other], q_lens[other], (seq_lens - q_lens)[other])
     return _CpuPlan(None, starts[pick], req_rows[pick], seq_lens[pick], chunks)
@@ -64,7 +66,7 @@ def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
 
 class CpuBackend(TorchNativeBackend):
     """torch_native plus the CPU decode kernel; see ``AttentionBackend.forward`` (torch_native's,
-    which writes the K/V and then calls ``_attend_step``).
+    which writes the K/V and then calls ``attend_step``).
 
     Handles CPU tensors in float32, bfloat16 and float16, any head dim; ``supports()``
     names what it cannot handle so the policy falls back (automatic) or raises (explicit).
@@ -82,6 +84,12 @@ class CpuBackend(TorchNativeBackend):
             return False, str(err)
         return True, ""
 
+    @classmethod
+    def install(cls) -> None:
+        """The fused CPU kernels (norms, rotary, ``linear``, whole-step decode) into ``astrai.extension.fused``."""
+        load_kernels()
+        kernels.install(cls)
+
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         """``None`` for CPU tensors of a supported dtype, else the reason."""
         if q.device.type != "cpu":
@@ -90,11 +98,15 @@ class CpuBackend(TorchNativeBackend):
             return f"dtype {q.dtype} not supported (float32, bfloat16, float16)"
         return None
 
-    def _attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
+    def prepare(self, q: torch.Tensor, kv_cache: KVCache) -> None:
+        """The step's split between the kernels and torch_native, kept in ``kv_cache.plan["cpu"]``."""
+        kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, kv_cache.k_buffer)
+
+    def attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
         """After torch_native's K/V write: decode rows on ``paged_decode``, the others on
         ``prefill_attention`` where it runs, else as torch_native."""
         plan = kv_cache.plan.get(self.name)
-        if plan is None:
+        if plan is None:  # a direct call, without prepare()
             plan = kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, k_buf)
         if plan.rows.numel():
             dq = q if plan.tok_rows is None else q.index_select(0, plan.tok_rows)
@@ -106,5 +118,5 @@ class CpuBackend(TorchNativeBackend):
         if plan.chunks is not None:
             out = torch.ops.astrai_cpu.prefill_attention(q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale)
         else:
-            out = self._attend(q, k, v, k_buf, v_buf, plan.native._replace(decode=None), scale)
+            out = self.attend(q, k, v, k_buf, v_buf, plan.native._replace(decode=None), scale)
         return out.index_copy_(0, plan.tok_rows, decoded) if plan.rows.numel() else out

@@ -4,7 +4,9 @@ Decode steps (one token per request) are a single ``attn_paged_decode`` launch t
 writes the new K/V and attends straight from the pool through ``req_to_token``, split-K
 (the split count chosen per step from the batch, the longest sequence and the GPU's
 size); other steps write K/V with ``index_copy_`` and run ``attn_paged_prefill``.
-Nothing is gathered, nothing is allocated in decode, the device is never synchronised.
+``prepare`` fills the ``KVCache`` fields only these kernels read, once per step: the
+prefill tile maps (one host-to-device copy), or slices of split-K scratch allocated once
+per pool. Nothing is gathered, nothing is allocated in decode, the device is never synchronised.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import torch
 from astrai.errors import KernelUnavailable
 from astrai.extension import ops
 from astrai.extension.backend.base import AttentionBackend
-from astrai_backend_cuda.build import load_kernels
-from astrai_backend_cuda.plan import HEAD_DIMS, MAX_GROUP, decode_num_splits
+from astrai.extension.backend.rotary import register_rotary_kernel
+from astrai_backend_cuda.build import load_kernels, rotary_kernel
+from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, HEAD_DIMS, MAX_GROUP, decode_num_splits, prefill_tiles
 
 if TYPE_CHECKING:
     from astrai.kvcache.cache import KVCache
 
 _DTYPES = (torch.bfloat16, torch.float16)
+_installed = False  # the rotary kernel is in apply_rotary_emb's dispatch
 
 
 class CudaBackend(AttentionBackend):
@@ -42,6 +46,8 @@ class CudaBackend(AttentionBackend):
         self._slots: dict[
             tuple[int, torch.dtype, int, int], tuple[int, int]
         ] = {}  # (device, dtype, D, group)
+        # split-K scratch per (device, dtype, rows, heads, D): allocated once, sliced per step
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -57,8 +63,17 @@ class CudaBackend(AttentionBackend):
             return False, str(err)
         return True, ""
 
+    @classmethod
+    def install(cls) -> None:
+        """The fused rotary kernel into ``apply_rotary_emb``'s dispatch for CUDA tensors (once per process)."""
+        global _installed
+        if not _installed:
+            load_kernels()
+            register_rotary_kernel(rotary_kernel, "cuda")
+            _installed = True
+
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
-        """None, or the first of: dtype, head_dim, head grouping, decode scratch shape, device (host facts only)."""
+        """None, or the first of: dtype, head_dim, head grouping, device (host facts only)."""
         if q.dtype not in _DTYPES or kv_cache.k_buffer.dtype != q.dtype:
             return f"dtype {q.dtype} (KV {kv_cache.k_buffer.dtype}) not supported: bfloat16 or float16"
         head_dim, n_heads, n_kv = q.shape[-1], q.shape[1], kv_cache.k_buffer.shape[2]
@@ -68,11 +83,25 @@ class CudaBackend(AttentionBackend):
             return (
                 f"{n_heads} query heads over {n_kv} KV heads not supported (at most {MAX_GROUP} per KV head)"
             )
-        if kv_cache.decode_o_part.dim() != 4:
-            return "decode_o_part has no split dimension ([B, n_heads, splits, head_dim] expected)"
         if q.device.type != self.device_type:
             return f"device {q.device.type}"
         return None
+
+    def prepare(self, q: torch.Tensor, kv_cache: KVCache) -> None:
+        """Decode steps: the split count (``kv_cache.plan["cuda"]``) and the split-K scratch; other
+        steps: the prefill tile maps. Fields already set (a hand-built step) are kept."""
+        kv = kv_cache
+        if kv.max_q_len == 1:
+            if kv.decode_o_part is None:
+                o_part, ml_part, out = self._decode_scratch(q, kv)
+                b = kv.req_pool_indices.shape[0]
+                kv.decode_o_part, kv.decode_ml_part, kv.decode_out = o_part[:b], ml_part[:b], out[:b]
+            kv.plan[self.name] = self._decode_splits(q, kv)
+        elif kv.q_tile_to_batch is None:
+            q_lens = kv.q_lens_host or tuple(kv.qo_indptr.diff().tolist())  # hand-built steps may lack host facts
+            to_batch, to_index = prefill_tiles(q_lens)
+            tiles = torch.tensor([to_batch, to_index], dtype=torch.int32).to(q.device)
+            kv.q_tile_to_batch, kv.q_tile_to_index = tiles[0], tiles[1]
 
     def forward(
         self,
@@ -86,14 +115,16 @@ class CudaBackend(AttentionBackend):
         """Decode steps: one fused launch, result in ``kv_cache.decode_out``; others: write, then prefill."""
         kv = kv_cache
         if q.shape[0] == kv.req_pool_indices.shape[0]:  # T == B: every request brings one token
-            splits = kv.plan.get(self.name)
-            if splits is None:
-                splits = kv.plan[self.name] = self._decode_splits(q, kv)
+            if self.name not in kv.plan or kv.decode_o_part is None:  # a direct call, without prepare()
+                self.prepare(q, kv)
+            splits = kv.plan[self.name]
             return ops.attn_paged_decode(
                 q, k, v, kv.k_buffer, kv.v_buffer, layer_id, kv.req_to_token, kv.req_pool_indices,
                 kv.seq_lens, kv.out_cache_loc, kv.max_len, splits, kv.decode_o_part, kv.decode_ml_part,
                 kv.decode_out, scale,
             )  # fmt: skip
+        if kv.q_tile_to_batch is None:  # a direct call, without prepare()
+            self.prepare(q, kv)
         kv.k_buffer[layer_id].index_copy_(0, kv.out_cache_loc, k)
         kv.v_buffer[layer_id].index_copy_(0, kv.out_cache_loc, v)
         return ops.attn_paged_prefill(
@@ -106,8 +137,21 @@ class CudaBackend(AttentionBackend):
         n_kv = kv.k_buffer.shape[2]
         num_sms, blocks_per_sm = self._device_slots(q, q.shape[1] // n_kv)
         return decode_num_splits(
-            q.shape[0], n_kv, kv.max_len, num_sms, blocks_per_sm, kv.decode_o_part.shape[2]
+            kv.req_pool_indices.shape[0], n_kv, kv.max_len, num_sms, blocks_per_sm, kv.decode_o_part.shape[2]
         )
+
+    def _decode_scratch(self, q: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(o_part, ml_part, out)`` for every row of ``req_to_token``, made once per pool shape."""
+        rows, n_heads, head_dim = kv.req_to_token.shape[0], q.shape[1], q.shape[-1]
+        key = (q.device, q.dtype, rows, n_heads, head_dim)
+        if key not in self._scratch:
+            partial = (rows, n_heads, DECODE_MAX_SPLITS)
+            self._scratch[key] = (
+                torch.zeros((*partial, head_dim), dtype=torch.float32, device=q.device),
+                torch.zeros(partial, dtype=torch.float32, device=q.device),
+                torch.zeros((rows, n_heads, head_dim), dtype=q.dtype, device=q.device),
+            )
+        return self._scratch[key]
 
     def _device_slots(self, q: torch.Tensor, group: int) -> tuple[int, int]:
         """``(SM count, decode blocks per SM)`` of q's device for this shape, asked once per key."""

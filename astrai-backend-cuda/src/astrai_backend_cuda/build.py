@@ -9,8 +9,8 @@
    ``~/.cache/astrai/cuda-kernels/<torch>-cu<cuda>``; torch rebuilds only when a source
    or flag changes, so only the first use on a machine pays the compile (about a minute).
 
-It then registers fake (meta) implementations, so the ops trace under ``torch.compile``,
-and installs the rotary kernel into ``apply_rotary_emb``'s dispatch.
+It then registers fake (meta) implementations, so the ops trace under ``torch.compile``
+(installing the rotary kernel into ``apply_rotary_emb``'s dispatch is ``CudaBackend.install``'s).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from astrai.errors import KernelUnavailable
-from astrai.extension.backend.rotary import register_rotary_kernel
 from astrai_backend_cuda import _sources
 
 logger = logging.getLogger(__name__)
@@ -116,7 +115,6 @@ def load_kernels() -> str:
                     "astrai CUDA kernels could not be loaded: " + "; ".join(errors)
                 ) from err
         _register_fakes()
-        register_rotary_kernel(rotary_kernel, "cuda")
         _loaded = how
         logger.info("astrai CUDA kernels loaded (%s)", how)
         return how

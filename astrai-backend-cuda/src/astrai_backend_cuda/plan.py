@@ -1,12 +1,18 @@
-"""Host-side launch planning of the decode kernel: the split-K ranges and the split count.
+"""Host-side launch planning of the kernels: prefill Q tiles, the decode split-K ranges and split count.
 
-Shared by ``CudaBackend`` (which picks ``num_splits``) and the reference (which must cut
-the sequence exactly where the kernel does).
+Shared by ``CudaBackend`` (which picks ``num_splits`` and builds the tile maps in ``prepare``)
+and the reference (which must cut the sequence exactly where the kernel does).
 """
 
 from __future__ import annotations
 
 import math
+
+#: Query rows per prefill tile (kernels.h kPrefillTileQ); ``KVCache.q_tile_to_batch``/``q_tile_to_index``
+#: are in these units.
+PREFILL_Q_TILE = 64
+#: Split-K partial slots per request and head in ``KVCache.decode_o_part``/``decode_ml_part``.
+DECODE_MAX_SPLITS = 32
 
 #: Positions per decode pipeline stage; a split's length is a multiple of it (kernels.h kDecodeTile).
 DECODE_TILE = 32
@@ -55,3 +61,13 @@ def decode_num_splits(
         if cost < best_cost:
             best, best_cost = s, cost
     return best
+
+
+def prefill_tiles(q_lens: tuple[int, ...] | list[int]) -> tuple[list[int], list[int]]:
+    """``(q_tile_to_batch, q_tile_to_index)`` of a step: one entry per ``PREFILL_Q_TILE`` rows of each request."""
+    to_batch, to_index = [], []
+    for b, n in enumerate(q_lens):
+        tiles = -(-n // PREFILL_Q_TILE)
+        to_batch += [b] * tiles
+        to_index += range(tiles)
+    return to_batch, to_index

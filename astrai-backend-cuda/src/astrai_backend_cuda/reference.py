@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from astrai.kvcache.cache import PREFILL_Q_TILE
-from astrai_backend_cuda.plan import decode_split_range
+from astrai_backend_cuda.plan import PREFILL_Q_TILE, decode_split_range
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float):

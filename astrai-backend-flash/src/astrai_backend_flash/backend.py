@@ -80,6 +80,10 @@ class FlashAttnBackend(AttentionBackend):
             )
         return None
 
+    def prepare(self, q: torch.Tensor, kv_cache: KVCache) -> None:
+        """The step's plan (mode, block table, ``cache_seqlens``), kept in ``kv_cache.plan["flash"]``."""
+        kv_cache.plan[self.name] = build_plan(kv_cache)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -91,8 +95,7 @@ class FlashAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Write ``k``/``v`` at ``out_cache_loc`` and attend: ``q [T, Hq, D]`` -> ``[T, Hq, D]``.
 
-        The plan (block table, ``cache_seqlens``) is built on the first layer of the step
-        and kept in ``kv_cache.plan["flash"]``.
+        Reads the plan ``prepare`` made (a direct call without it plans here).
         """
         plan = kv_cache.plan.get(self.name)
         if plan is None:

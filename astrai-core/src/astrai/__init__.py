@@ -1,12 +1,51 @@
 """astrai: an LLM inference engine built as a layered plugin framework.
 
-``astrai.hookimpl`` marks a hook plugin's implementations (see ``astrai.hookspecs``);
-the entry-point groups are named in ``astrai.plugins``.
+The engine API is importable from here::
+
+    from astrai import InferenceEngine, SamplingParams
+
+    with InferenceEngine.from_model() as engine:      # the default model
+        print(engine.generate("Once upon a time", max_tokens=32))
+
+``InferenceEngine``, ``EngineConfig``, ``SamplingParams`` and ``GenerateResult`` load on first
+use, so ``import astrai`` stays cheap (no torch). ``astrai.hookimpl`` marks a hook plugin's
+implementations (see ``astrai.hookspecs``); the entry-point groups are named in ``astrai.plugins``.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from astrai.hookspecs import hookimpl
 
+if TYPE_CHECKING:
+    from astrai.config import EngineConfig
+    from astrai.engine import InferenceEngine
+    from astrai.result import GenerateResult
+    from astrai.sampling.params import SamplingParams
+
 __version__ = "0.1.0"
-__all__ = ["hookimpl", "__version__"]
+
+#: Public name -> the module that defines it (imported by ``__getattr__`` on first use).
+_LAZY = {
+    "InferenceEngine": "astrai.engine",
+    "EngineConfig": "astrai.config",
+    "GenerateResult": "astrai.result",
+    "SamplingParams": "astrai.sampling.params",
+}
+
+__all__ = ["EngineConfig", "GenerateResult", "InferenceEngine", "SamplingParams", "__version__", "hookimpl"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'astrai' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,6 +1,7 @@
-"""InferenceEngine: the user-facing API over the scheduler (the spec's Engine API).
+"""InferenceEngine: the user-facing API over the scheduler (``generate``, ``chat``, ``submit``, stats).
 
-``GenerateResult`` (a request's handle) lives in ``astrai.result`` and is re-exported here.
+``EngineConfig`` (``astrai.config``) and ``GenerateResult`` (a request's handle, ``astrai.result``)
+are re-exported here.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from astrai.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from astrai.cpu_tuning import run_off_thread, tune_malloc
-from astrai.extension.backend.policy import available_backends, context_backend
-from astrai.kvcache import KVConfig, PagePool
-from astrai.kvcache.storage import KVStorage
+from astrai.extension.backend.policy import load_backends
+from astrai.kvcache import PagePool
 from astrai.model import IncrementalDecoder
 from astrai.plugins import HookThread, PluginManager
 from astrai.request import FinishedRequest, Request
@@ -30,7 +30,7 @@ from astrai.scheduler import InferenceScheduler
 from astrai.stopping import StopChecker
 
 if TYPE_CHECKING:
-    from astrai.model import ModelConfig, Tokenizer
+    from astrai.model import Tokenizer
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "GenerateResult", "InferenceEngine"]
 
@@ -38,52 +38,8 @@ logger = logging.getLogger(__name__)
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
-#: KV budget of a paged pool when neither n_tokens nor kv_memory_bytes is given.
-DEFAULT_KV_MEMORY_BYTES = 512 * 2**20
-
-
-@dataclass
-class EngineConfig:
-    """How the engine batches and sizes its KV pool (maps onto ``KVConfig``), and its plugins' settings.
-
-    Paged by default: ``page_size`` 16 with radix prefix caching, the pool sized by
-    ``n_tokens`` or ``kv_memory_bytes`` (default: ``DEFAULT_KV_MEMORY_BYTES``, capped
-    at ``max_batch_size * max_seq_len`` tokens). ``paged=False`` gives the spec's
-    contiguous pool (``max_batch_size * max_seq_len`` slots, no prefix caching).
-    ``sampling``: defaults of plugin sampling parameters for every request, e.g.
-    ``{"min_p": 0.05}`` (see ``SamplingPipeline``). ``plugin_options``: values of the
-    options hook plugins declared (``astrai_add_options``), by ``dest``.
-    """
-
-    max_batch_size: int = 64
-    max_seq_len: int | None = None  # None: the model's context length
-    paged: bool = True
-    page_size: int = 16
-    n_tokens: int | None = None
-    kv_memory_bytes: int | None = None
-    prefix_caching: bool = True
-    max_prefill_tokens: int = 2048
-    attention_backend: str | None = None  # strict selection for every step (as ASTR_BACKEND); None: policy
-    sampling: dict[str, Any] = field(default_factory=dict)
-    plugin_options: dict[str, Any] = field(default_factory=dict)
-
-    def kv_config(self, model_config: ModelConfig, dtype: torch.dtype) -> KVConfig:
-        """The pool configuration for a model; raises ValueError on an impossible size."""
-        ctx = model_config.max_position_embeddings
-        seq = min(self.max_seq_len or ctx, ctx)
-        if not self.paged:
-            return KVConfig(self.max_batch_size, seq, page_size=1, prefix_caching=False)
-        n_tokens, budget = self.n_tokens, self.kv_memory_bytes
-        if n_tokens is None and budget is None:
-            per_token = KVStorage.bytes_per_token(
-                model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype
-            )
-            n_tokens = max(seq, min(self.max_batch_size * seq, DEFAULT_KV_MEMORY_BYTES // per_token))
-        return KVConfig(self.max_batch_size, seq, self.page_size, n_tokens, budget, self.prefix_caching)
-
-
 class InferenceEngine:
-    """Continuous-batching generation over ``model`` and ``tokenizer`` (the spec's Engine API).
+    """Continuous-batching generation over ``model`` and ``tokenizer``: the Engine API of docs/architecture.md.
 
     Starts the scheduler thread on construction; ``shutdown()`` (or leaving a
     ``with`` block) stops it. Sampling keywords are those of ``SamplingParams``
@@ -124,10 +80,10 @@ class InferenceEngine:
             self.pool = run_off_thread(PagePool, *pool_args)  # zero-filling the pool uses OpenMP
         else:
             self.pool = PagePool(*pool_args)
-        # Ask every attention backend whether it can run, now: a plugin that builds kernels on
-        # first use (astrai-backend-cpu, once per machine) does so before the first request, and
-        # its fused kernels (astrai.extension.fused) are in place from the first step.
-        available_backends()
+        # Load every attention backend that can run, now: a plugin that builds kernels on first
+        # use (astrai-backend-cpu, once per machine) does so before the first request, and its
+        # fused kernels (astrai.extension.fused) are installed for the first step.
+        load_backends()
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
         # Built only when someone listens: the scheduler then just queues a small record per request.
         self._hooks = HookThread(self.plugins) if self.plugins.has_impls("astrai_request_finished") else None
@@ -153,6 +109,11 @@ class InferenceEngine:
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, config, plugins)
 
+    @property
+    def context_limit(self) -> int:
+        """Tokens one request may hold, prompt plus generated: the context length, capped by the KV pool."""
+        return self.pool.context_limit
+
     # ------------------------------------------------------------ low level
     def submit(
         self,
@@ -165,15 +126,15 @@ class InferenceEngine:
         rid = uuid.uuid4().hex
         result = GenerateResult(rid, len(prompt_ids), on_piece, on_done)
         stopper = StopChecker(IncrementalDecoder(self.tokenizer), params.stop)
-        req = Request(rid, list(prompt_ids), params, result, stopper, backend=context_backend())
-        self.scheduler.submit(req)
+        # submitted on this thread: the scheduler keeps the attn_backend() choice in force here
+        self.scheduler.submit(Request(rid, list(prompt_ids), params, result, stopper))
         return result
 
     def abort(self, request_id: str) -> None:
         """End a request within one step (finish reason "abort"); its KV is freed."""
         self.scheduler.abort(request_id)
 
-    # ------------------------------------------------------------ the spec's API
+    # ------------------------------------------------------------ the Engine API
     def generate(
         self, prompt: str | Sequence[str], stream: bool = False, **sampling: Any
     ) -> str | list[str] | Generator[str, None, None] | Generator[tuple[int, str], None, None]:

@@ -9,6 +9,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from astrai.extension.backend.policy import BackendChoice
     from astrai.sampling import SamplingParams
     from astrai.stopping import StopChecker
 
@@ -59,7 +60,7 @@ class Request:
     stop_sequence: str | None = None
     error: BaseException | None = None
     tried_epoch: int = -1  # pool free-epoch of the last failed admission (no retry until pages free)
-    backend: str | None = None  # attn_backend(...) in force where it was submitted; None = automatic/env
+    backend: BackendChoice | None = None  # attention backend chosen where it was submitted (None: not yet)
     # Timings, time.perf_counter() seconds; 0.0 until it happens. Set on the scheduler thread,
     # except submitted_at (the submitting thread, before the scheduler sees the request).
     submitted_at: float = field(default_factory=time.perf_counter)

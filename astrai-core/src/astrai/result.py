@@ -17,7 +17,7 @@ class GenerateResult:
 
     Non-streaming callers block in ``wait_completion()`` (a Condition); streaming
     callers wait on ``wait()`` (an Event set by every new piece and at the end) and
-    read ``pieces()``. ``on_piece(piece)`` (the spec's ``cb(token)``) and
+    read ``pieces()``. ``on_piece(piece)`` (a per-token callback) and
     ``on_done(result)`` run on the scheduler thread and must not block; an
     exception from ``on_piece`` fails this request only. After completion:
     ``text``, ``output_ids`` (EOS included when generated), ``prompt_tokens``,

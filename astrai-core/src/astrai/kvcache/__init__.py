@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from astrai.kvcache.allocator import Allocator
-from astrai.kvcache.cache import PREFILL_Q_TILE, KVCache
+from astrai.kvcache.cache import KVCache
 from astrai.kvcache.invariants import assert_nothing_held, check_pool_invariants
 from astrai.kvcache.pool import KVConfig, PagePool
 from astrai.kvcache.radix import RadixCache, RadixNode
@@ -15,7 +15,6 @@ from astrai.kvcache.req_to_token import ReqToTokenPool
 from astrai.kvcache.storage import KVStorage
 
 __all__ = [
-    "PREFILL_Q_TILE",
     "Allocator",
     "KVCache",
     "KVConfig",

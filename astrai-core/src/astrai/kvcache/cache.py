@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-#: Query rows per prefill tile; ``q_tile_to_batch``/``q_tile_to_index`` are in these units.
-PREFILL_Q_TILE = 64
-#: Split-K partial slots per request and head in ``decode_o_part``/``decode_ml_part``.
-DECODE_MAX_SPLITS = 32
+if TYPE_CHECKING:
+    from astrai.extension.backend.base import AttentionBackend
 
 
 @dataclass
@@ -23,6 +21,12 @@ class KVCache:
     so its new tokens sit at positions ``seq_lens[i] - q_len[i] .. seq_lens[i] - 1``.
     New tokens are flattened request after request: ``T = qo_indptr[-1]``.
     A decode step is the case where every ``q_len`` is 1.
+
+    ``PagePool.bind_tasks`` fills every field a backend-neutral attention needs. The
+    fields that only one backend reads (the CUDA kernels' prefill tile maps and split-K
+    scratch) stay ``None`` until that backend's ``prepare`` fills them, once per step and
+    only for the steps it runs; ``backend`` is the attention backend resolved for the step
+    (``astrai.extension.bind_step``), which every layer uses as it is.
 
     All tensors live on the pool's device. Integer index tensors are int64 unless
     stated; the ``*_indptr`` and tile maps are int32 (kernel-friendly).
@@ -37,11 +41,12 @@ class KVCache:
     max_len: int  # max(seq_lens), kept on the host to avoid a device sync in decode
     kv_indptr: torch.Tensor  # [B + 1] int32: prefix sum of seq_lens
     qo_indptr: torch.Tensor  # [B + 1] int32: prefix sum of per-request q_len
-    q_tile_to_batch: torch.Tensor  # [num_q_tiles] int32: prefill Q tile -> request
-    q_tile_to_index: torch.Tensor  # [num_q_tiles] int32: prefill Q tile -> tile index within its request
-    decode_o_part: torch.Tensor  # [B, n_heads, DECODE_MAX_SPLITS, head_dim] f32: split-K partial outputs
-    decode_ml_part: torch.Tensor  # [B, n_heads, DECODE_MAX_SPLITS] f32: split-K partial log-sum-exp
-    decode_out: torch.Tensor  # [B, n_heads, head_dim] model dtype: decode output accumulator
+    # Filled by the backend that reads them (astrai-backend-cuda), in its prepare():
+    q_tile_to_batch: torch.Tensor | None = None  # [num_q_tiles] int32: prefill Q tile -> request
+    q_tile_to_index: torch.Tensor | None = None  # [num_q_tiles] int32: prefill Q tile -> tile index within its request
+    decode_o_part: torch.Tensor | None = None  # [B, n_heads, splits, head_dim] f32: split-K partial outputs
+    decode_ml_part: torch.Tensor | None = None  # [B, n_heads, splits] f32: split-K partial log-sum-exp
+    decode_out: torch.Tensor | None = None  # [B, n_heads, head_dim] model dtype: decode output accumulator
     # Host-side facts, so no backend has to read a device tensor to learn them.
     max_q_len: int = 0  # max(q_len); 1 means a pure decode step
     num_tokens: int = 0  # T
@@ -51,7 +56,8 @@ class KVCache:
     # request sit in slots [p*page_size, (p+1)*page_size), in order. The pool's page size in
     # paged mode, max_seq_len in contiguous mode; 1 promises nothing.
     page_size: int = 1
+    # The attention backend of this step, resolved once (None: not yet; attention() resolves it).
+    backend: AttentionBackend | None = None
     # Per-step scratch for backends: metadata a backend derives once per step (gather
     # indices, masks, block tables) and reuses in every layer, keyed by backend name.
     plan: dict[str, Any] = field(default_factory=dict)
-

@@ -10,9 +10,10 @@ import torch
 
 from astrai.errors import CapacityExceeded
 from astrai.kvcache.allocator import Allocator
-from astrai.kvcache.cache import DECODE_MAX_SPLITS, PREFILL_Q_TILE, KVCache
+from astrai.kvcache.cache import KVCache
 from astrai.kvcache.radix import RadixCache, RadixNode
 from astrai.kvcache.req_to_token import ReqToTokenPool
+from astrai.kvcache.step import step_kv_cache
 from astrai.kvcache.storage import KVStorage
 
 logger = logging.getLogger(__name__)
@@ -95,12 +96,6 @@ class PagePool:
         rows = config.max_batch_size
         self._pages = self.req_to_token_pool.pages  # paged: each row's page ids in position order
         self._locks: list[RadixNode | None] = [None] * rows  # deepest radix node each row holds
-        # allocated once, sliced per step: a decode step must not allocate.
-        # split-K partials of the CUDA decode kernel: DECODE_MAX_SPLITS slots per request and head.
-        partial = (rows, n_heads, DECODE_MAX_SPLITS)
-        self._decode_o_part = torch.zeros((*partial, head_dim), dtype=torch.float32, device=self.device)
-        self._decode_ml_part = torch.zeros(partial, dtype=torch.float32, device=self.device)
-        self._decode_out = torch.zeros((rows, n_heads, head_dim), dtype=dtype, device=self.device)
         mode = ("paged, radix" if self.radix else "paged") if self.paged else "contiguous"
         logger.info("KV pool (%s): %d slots, page_size %d, %.1f MiB", mode, self.size, self.page_size,
                     self.storage.nbytes() / 2**20)
@@ -226,9 +221,36 @@ class PagePool:
             return (self.allocator.num_free + evictable) * self.page_size
         return self.size - self._live_positions()
 
+    def round_up(self, n_tokens: int) -> int:
+        """``n_tokens`` rounded up to whole pages: the slots that many positions take (contiguous: ``n_tokens``)."""
+        ps = self.page_size if self.paged else 1
+        return -(-n_tokens // ps) * ps
+
+    def headroom(self, n_requests: int) -> int:
+        """Slots to keep free for ``n_requests`` running requests: a page each, so that admitting
+        another does not force a preemption when they grow by a token."""
+        return n_requests * self.round_up(1)
+
+    def grow(self, req_idx: int, want: int) -> int:
+        """Extend the request towards ``want`` positions, as far as the pool allows now.
+
+        Returns the positions it has slots for afterwards: ``want``, or less (as many as the
+        free and evictable pages give), or its length before the call when nothing could be had.
+        """
+        if self.extend(req_idx, want):
+            return want
+        have = self.req_len(req_idx)
+        cap = min(want, self.round_up(have) + self.available_tokens())
+        return cap if cap > have and self.extend(req_idx, cap) else have
+
     def _live_positions(self) -> int:
         pool = self.req_to_token_pool
         return sum(pool.lens[r] for r in pool.live_rows())
+
+    @property
+    def context_limit(self) -> int:
+        """Positions one request may hold (prompt plus generated): ``max_seq_len``, capped by the pool."""
+        return min(self.max_ctx_len, self.size)
 
     def can_ever_fit(self, n_tokens: int) -> bool:
         """Whether one request of ``n_tokens`` positions fits max_seq_len and the empty pool."""
@@ -253,75 +275,11 @@ class PagePool:
 
     # ----------------------------------------------------------------- per step
     def bind_tasks(self, req_indices: Sequence[int], q_lens: Sequence[int], seq_lens: Sequence[int]) -> KVCache:
-        """Build this step's KVCache (``plan`` left empty) with one host-to-device copy per dtype.
+        """Build this step's KVCache (``plan`` empty, no backend) with one host-to-device copy per dtype.
 
         Request ``i`` (row ``req_indices[i]``) brings ``q_lens[i] >= 1`` tokens at positions
         ``[seq_lens[i] - q_lens[i], seq_lens[i])``, which must already have slots.
         Raises ValueError on an empty batch, mismatched lengths, a repeated or
         non-live row, ``q_len`` outside ``[1, seq_len]``, or a position without a slot.
         """
-        rows, ql, sl = [int(r) for r in req_indices], [int(q) for q in q_lens], [int(s) for s in seq_lens]
-        b = len(rows)
-        if b == 0 or len(ql) != b or len(sl) != b:
-            raise ValueError(f"bind_tasks needs equal, non-empty lists, got {len(rows)}, {len(ql)}, {len(sl)}")
-        if len(set(rows)) != b:
-            raise ValueError(f"a request row appears twice in one step: {rows}")
-        lens = self.req_to_token_pool.lens
-        for row, q, s in zip(rows, ql, sl, strict=True):
-            self.req_to_token_pool.require_live(row)
-            if not 1 <= q <= s:
-                raise ValueError(f"row {row}: q_len {q} outside [1, seq_len {s}]")
-            if s > lens[row]:
-                raise ValueError(f"row {row}: position {s - 1} has no slot (extend to {s} first)")
-        if max(ql) == 1:
-            return self._bind_decode(rows, sl)
-        host = torch.tensor([rows, ql, sl], dtype=torch.int64)
-        rows_t, q_t, s_t = host[0], host[1], host[2]
-        t = sum(ql)
-        qo_indptr = torch.zeros(b + 1, dtype=torch.int64)
-        torch.cumsum(q_t, 0, out=qo_indptr[1:])
-        kv_indptr = torch.zeros(b + 1, dtype=torch.int64)
-        torch.cumsum(s_t, 0, out=kv_indptr[1:])
-        # token -> request, then its position: start of the request's new tokens plus offset.
-        batch = torch.arange(b)
-        tok_req = torch.repeat_interleave(batch, q_t, output_size=t)
-        tok_pos = torch.arange(t) - qo_indptr[:-1][tok_req] + (s_t - q_t)[tok_req]
-        tiles = (q_t + PREFILL_Q_TILE - 1) // PREFILL_Q_TILE
-        n_tiles = int(tiles.sum())
-        tile_req = torch.repeat_interleave(batch, tiles, output_size=n_tiles)
-        tile_idx = torch.arange(n_tiles) - (torch.cumsum(tiles, 0) - tiles)[tile_req]
-        longs = torch.cat([rows_t, s_t, rows_t[tok_req], tok_pos]).to(self.device)
-        ints = torch.cat([kv_indptr, qo_indptr, tile_req, tile_idx]).to(torch.int32).to(self.device)
-        req_pool_indices, seq_lens_d, tok_rows, tok_pos_d = torch.split(longs, [b, b, t, t])
-        kv_indptr_d, qo_indptr_d, tile_req_d, tile_idx_d = torch.split(ints, [b + 1, b + 1, n_tiles, n_tiles])
-        out_cache_loc = self.req_to_token[tok_rows, tok_pos_d].to(torch.int64)
-        return self._kv_cache(req_pool_indices, seq_lens_d, out_cache_loc, kv_indptr_d, qo_indptr_d, tile_req_d,
-                              tile_idx_d, ql, sl)  # fmt: skip
-
-    def _bind_decode(self, rows: list[int], sl: list[int]) -> KVCache:
-        """``bind_tasks`` for a step of one token per request (the common case), from host lists:
-        a few tensors instead of the general path's two dozen small ops."""
-        b = len(rows)
-        kv_indptr = [0] * (b + 1)
-        for i, s in enumerate(sl):
-            kv_indptr[i + 1] = kv_indptr[i] + s
-        longs = torch.tensor([rows, sl, [s - 1 for s in sl]], dtype=torch.int64).to(self.device)
-        out_cache_loc = self.req_to_token[longs[0], longs[2]].to(torch.int64)
-        # kv_indptr, qo_indptr (0..b), one tile per request (tile_req 0..b-1, tile_idx 0)
-        ints = torch.tensor([*kv_indptr, *range(b + 1), *range(b), *[0] * b], dtype=torch.int32).to(self.device)
-        kv_indptr_d, qo_indptr_d, tile_req_d, tile_idx_d = torch.split(ints, [b + 1, b + 1, b, b])
-        return self._kv_cache(longs[0], longs[1], out_cache_loc, kv_indptr_d, qo_indptr_d, tile_req_d, tile_idx_d,
-                              [1] * b, sl)  # fmt: skip
-
-    def _kv_cache(self, req_pool_indices, seq_lens, out_cache_loc, kv_indptr, qo_indptr, tile_req, tile_idx, ql, sl):
-        b = len(sl)
-        return KVCache(
-            k_buffer=self.k_buffer, v_buffer=self.v_buffer, req_to_token=self.req_to_token,
-            req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
-            max_len=max(sl), kv_indptr=kv_indptr, qo_indptr=qo_indptr,
-            q_tile_to_batch=tile_req, q_tile_to_index=tile_idx,
-            decode_o_part=self._decode_o_part[:b], decode_ml_part=self._decode_ml_part[:b],
-            decode_out=self._decode_out[:b],
-            max_q_len=max(ql), num_tokens=sum(ql), q_lens_host=tuple(ql), seq_lens_host=tuple(sl),
-            page_size=self.page_size if self.paged else self.max_ctx_len,
-        )
+        return step_kv_cache(self, req_indices, q_lens, seq_lens)

@@ -53,7 +53,7 @@ class PackedLinear(nn.Module):
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the model's [tokens, features]: no reshape
         kernel = kernel_for("linear", rows)
         if kernel is not None and (kernel.max_rows is None or rows.shape[0] <= kernel.max_rows):
-            y = kernel(rows, self._packed_for(kernel), self.bias)
+            y = kernel(rows, self.packed_for(kernel), self.bias)
         else:
             y = self._op(rows, self.onednn_weight(), self.bias, "none", [], "")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -65,7 +65,7 @@ class PackedLinear(nn.Module):
                 self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         return self._onednn
 
-    def _packed_for(self, kernel) -> object:
+    def packed_for(self, kernel) -> object:
         """The weight in ``kernel``'s layout, packed on first use (``astrai.extension.fused``'s ``linear``)."""
         if self._small is None or self._small[0] is not kernel:
             with torch.no_grad():

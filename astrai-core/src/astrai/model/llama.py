@@ -7,13 +7,14 @@ through the ``astrai.extension`` policy API so any backend can run it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai.extension import RotaryEmbedding, apply_rotary_emb, attention
+from astrai.extension import RotaryEmbedding, apply_rotary_emb, attention, bind_step
 from astrai.extension.fused import add_rms_norm, kernel_for, rms_norm, silu_and_mul
 
 if TYPE_CHECKING:
@@ -120,6 +121,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+@dataclass(frozen=True)
+class DecoderStack:
+    """A model's decoder layers described for a whole-stack kernel (``decoder_layers`` of
+    ``astrai.extension.fused``): the stock Llama layer, the same shapes in every layer."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float  # of both norms of every layer
+    scale: float  # attention's softmax scale
+    norms: tuple[torch.Tensor, ...]  # per layer: input_layernorm.weight, post_attention_layernorm.weight
+    linears: tuple[nn.Module, ...]  # per layer: qkv_proj, o_proj, gate_up_proj, down_proj
+    qkv_biases: tuple[torch.Tensor, ...]  # per layer, or () when no layer has one
+
+
 class LlamaBody(nn.Module):
     """``model.*`` in HF naming: embeddings, layers, final norm."""
 
@@ -164,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
         Returns ``[B, vocab]`` float32. Writes this step's K/V into the pool.
         """
         x = self.model.embed_tokens(input_ids)
+        if kv_cache.backend is None:  # a direct call (no ModelRunner bound the step): resolve its backend once
+            bind_step(kv_cache, x.new_empty((0, self.config.num_attention_heads, self.config.head_dim)))
         freqs = self.rotary(positions.unsqueeze(0))
         stack = kernel_for("decoder_layers", x)  # a plugin's whole-stack kernel (astrai.extension.fused)
         out = stack(self, x, freqs, kv_cache) if stack is not None else None
@@ -174,6 +193,46 @@ class LlamaForCausalLM(nn.Module):
             x = out
         x = self.model.norm(x.index_select(0, logits_indices))
         return self.lm_head(x).float()
+
+    def decoder_stack(self) -> DecoderStack | None:
+        """The decoder layers as a whole-stack kernel may run them in place of ``forward``'s loop.
+
+        ``None`` unless every layer is the stock ``DecoderLayer`` (stock attention, MLP and
+        norms, projections fused by ``fuse_projections``) with the same shapes and eps, and
+        o/gate_up/down have no bias: then running the layers one by one computes exactly
+        what the description says.
+        """
+        layers = list(self.model.layers)
+        if not layers:
+            return None
+        first = layers[0]
+        shape = (first.self_attn.n_heads, first.self_attn.n_kv_heads, first.self_attn.head_dim,
+                 first.mlp.down_proj.in_features, first.input_layernorm.eps, first.self_attn.scale)  # fmt: skip
+        norms, linears, biases = [], [], []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stock = (
+                type(layer) is DecoderLayer and type(attn) is Attention and type(mlp) is MLP
+                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+                and hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")
+            )  # fmt: skip
+            if not stock:
+                return None
+            eps = layer.input_layernorm.eps
+            if (attn.n_heads, attn.n_kv_heads, attn.head_dim, mlp.down_proj.in_features, eps, attn.scale) != shape:
+                return None
+            if layer.post_attention_layernorm.eps != eps:
+                return None
+            parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.bias is not None for lin in parts[1:]):
+                return None
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            linears += parts
+            if attn.qkv_proj.bias is not None:
+                biases.append(attn.qkv_proj.bias)
+        if len(biases) not in (0, len(layers)):
+            return None
+        return DecoderStack(*shape, tuple(norms), tuple(linears), tuple(biases))
 
     def fuse_projections(self) -> None:
         """Merge q/k/v and gate/up projections for inference; call once weights are final.

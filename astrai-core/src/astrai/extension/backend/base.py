@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from astrai.plugins import check_class
+
 if TYPE_CHECKING:
     import torch
 
@@ -35,13 +37,32 @@ class AttentionBackend(ABC):
         raise and must not allocate device memory.
         """
 
+    @classmethod  # noqa: B027 - an optional hook: nothing by default
+    def install(cls) -> None:
+        """Put this backend's process-wide kernels in place (``astrai.extension.fused`` ops, rotary).
+
+        Called once per process by the registry when it loads the backend for use (its first
+        instance), after ``is_available()`` said yes; never by a capability check. Default: nothing.
+        """
+
     @abstractmethod
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
-        """Capability check for one call.
+        """Capability check for one step.
 
-        Returns ``None`` when this backend can run the call, else a short reason
-        (``"dtype torch.float32 not supported"``, ``"head_dim 80 not supported"``,
-        ``"device cpu"``). Must not synchronise the device.
+        ``q`` carries the step's query layout: its dtype, device and ``[n_heads, head_dim]``
+        (the engine passes a zero-row tensor; values are never read). Returns ``None`` when
+        this backend can run the step, else a short reason (``"dtype torch.float32 not
+        supported"``, ``"head_dim 80 not supported"``, ``"device cpu"``). Host facts only:
+        must not synchronise the device.
+        """
+
+    def prepare(self, q: torch.Tensor, kv_cache: KVCache) -> None:  # noqa: B027 - optional hook
+        """Derive what this backend reads in every layer, once per step, before the first layer.
+
+        ``q`` as in ``supports``. Stash it in ``kv_cache.plan[self.name]``, or fill the
+        ``KVCache`` fields only this backend reads (they are ``None`` until then). Runs only
+        for the steps this backend runs; a ``forward`` called without it (a direct call)
+        must prepare for itself. Default: nothing.
         """
 
     @abstractmethod
@@ -63,6 +84,18 @@ class AttentionBackend(ABC):
         then returns ``o [T, n_heads, head_dim]``: for each request, causal
         attention of its new tokens over its ``seq_len`` cached-plus-new tokens
         (a new token at position ``p`` sees positions ``0..p``). ``n_heads`` is a
-        multiple of ``n_kv_heads`` (grouped-query attention). May stash per-step
-        metadata in ``kv_cache.plan[self.name]``; must not mutate anything else.
+        multiple of ``n_kv_heads`` (grouped-query attention). Reads what ``prepare`` made;
+        must not mutate anything but the pool's new slots and its own ``plan`` entry.
         """
+
+
+ATTENTION_BACKENDS = "astrai.attention_backends"
+"""The entry-point group of ``AttentionBackend`` subclasses; the name is what ``ASTR_BACKEND`` takes."""
+
+
+def check_backend_class(name: str, plugin: object, origin: str) -> type[AttentionBackend]:
+    """Validate an ``astrai.attention_backends`` plugin: an ``AttentionBackend`` named ``name``.
+
+    ``origin`` names the entry point and distribution for the message. Raises PluginError.
+    """
+    return check_class(AttentionBackend, name, plugin, origin)

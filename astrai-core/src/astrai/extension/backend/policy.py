@@ -1,33 +1,43 @@
-"""Attention backend selection: ``attention()``, ``attn_backend()``, ``ASTR_BACKEND``.
+"""Attention backend selection: ``attn_backend()``, ``ASTR_BACKEND``, ``bind_step()``, ``attention()``.
 
 Who chooses, strongest first:
 
 1. ``attn_backend(...)`` context (a ``contextvars.ContextVar``: per thread and
-   per asyncio task; a new thread starts with no selection, so enter the context
-   in the thread that runs the model, e.g. the scheduler thread);
-2. the ``ASTR_BACKEND`` environment variable, read at every selection;
-3. automatic: per call, the first backend by ``priority`` (cuda 10, flash 20,
+   per asyncio task; a new thread starts with no selection);
+2. an engine's ``EngineConfig.attention_backend`` (``astrai serve --attention-backend``);
+3. the ``ASTR_BACKEND`` environment variable;
+4. automatic: the first backend by ``priority`` (cuda 10, flash 20, cpu 50,
    torch_native 100) that is available and whose ``supports()`` returns None.
 
-Choices 1 and 2 are strict: if the named backend is missing, broken,
-unavailable or rejects the call, ``BackendUnavailable`` (``PluginError`` for a
-broken plugin) is raised; nothing switches silently.
+Choices 1-3 are strict: if the named backend is missing, broken, unavailable or
+rejects the step, ``BackendUnavailable`` (``PluginError`` for a broken plugin) is
+raised; nothing switches silently.
+
+The choice is read once per request, where it is submitted (``requested_backend``:
+the engine keeps it with the request, so the scheduler thread honours the caller's
+context), and resolved to a backend once per step (``bind_step``: the backend's
+``prepare`` runs, and ``KVCache.backend`` carries it to every layer). ``attention()``
+reads nothing but the step's ``KVCache``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from contextvars import ContextVar
-from enum import Enum
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from astrai.errors import BackendUnavailable, PluginError
-from astrai.extension.backend.base import AttentionBackend
-from astrai.plugins import PluginFailure, load_attention_backends
+from astrai.extension.backend.base import ATTENTION_BACKENDS, AttentionBackend, check_backend_class
+from astrai.extension.backend.selection import (  # noqa: F401 - the policy's public names
+    ATTN_BACKEND,
+    AUTOMATIC,
+    ENV_VAR,
+    BackendChoice,
+    attn_backend,
+    requested_backend,
+)
+from astrai.plugins import LoadedPlugins, PluginFailure, load_plugins
 
 if TYPE_CHECKING:
     import torch
@@ -36,59 +46,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "ASTR_BACKEND"
-
-
-class ATTN_BACKEND(str, Enum):  # noqa: N801 - the spec's public name
-    """The backends astrai knows by name; the value is the entry-point name."""
-
-    CUDA = "cuda"
-    FLASH = "flash"
-    TORCH_NATIVE = "torch_native"
-
-
-_SELECTED: ContextVar[str | None] = ContextVar("astrai_attn_backend", default=None)
-
-
-@contextlib.contextmanager
-def attn_backend(backend: ATTN_BACKEND | str) -> Iterator[None]:
-    """Run the block with ``backend`` selected (strictly), like ``torch.nn.attention.sdpa_kernel``.
-
-    Accepts an ``ATTN_BACKEND`` member or an entry-point name string; beats
-    ``ASTR_BACKEND``; nests, and restores the previous selection on exit. An
-    unknown name raises ``BackendUnavailable`` at the first ``attention()`` call.
-    """
-    if isinstance(backend, ATTN_BACKEND):
-        name = backend.value
-    elif isinstance(backend, str) and backend:
-        name = backend
-    else:
-        raise TypeError(f"attn_backend() takes an ATTN_BACKEND member or a backend name, not {backend!r}")
-    token = _SELECTED.set(name)
-    try:
-        yield
-    finally:
-        _SELECTED.reset(token)
-
-
-def context_backend() -> str | None:
-    """The backend chosen by an enclosing ``attn_backend(...)`` in this context, or None.
-
-    Threads do not inherit it: the engine captures it when a request is submitted
-    and the scheduler thread re-enters it for that request's steps.
-    """
-    return _SELECTED.get()
-
-
-def requested_backend() -> tuple[str | None, str]:
-    """The explicit selection in force here: ``(name, source)``, or ``(None, "automatic")``."""
-    name = _SELECTED.get()
-    if name is not None:
-        return name, "attn_backend()"
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env:
-        return env, f"{ENV_VAR}={env}"
-    return None, "automatic"
+def load_attention_backends() -> LoadedPlugins:
+    """Every installed ``astrai.attention_backends`` class (validated; failures kept)."""
+    return load_plugins(ATTENTION_BACKENDS, check_backend_class)
 
 
 class BackendRegistry:
@@ -132,11 +92,26 @@ class BackendRegistry:
             return self._availability[name]
 
     def instance(self, name: str) -> AttentionBackend:
-        """The one instance of a loaded backend (which must be available)."""
+        """The one instance of a loaded backend (which must be available); making it installs
+        the backend's kernels (``AttentionBackend.install``)."""
         with self._lock:
             if name not in self._instances:
-                self._instances[name] = self._classes[name]()
+                cls = self._classes[name]
+                cls.install()
+                self._instances[name] = cls()
             return self._instances[name]
+
+    def load(self) -> list[tuple[str, bool, str]]:
+        """Load every available backend for use (their kernels installed); returns ``available_backends()``.
+
+        An engine calls this when it starts, so that a plugin which builds kernels on first
+        use does so before the first request, and its fused kernels serve the first step.
+        """
+        rows = self.available_backends()
+        for name in self._order:
+            if self.availability(name)[0]:
+                self.instance(name)
+        return rows
 
     def available_backends(self) -> list[tuple[str, bool, str]]:
         """``(name, available, reason)`` for loaded, broken and known-but-missing backends."""
@@ -174,15 +149,17 @@ class BackendRegistry:
             raise BackendUnavailable(f"attention backend {name!r} (from {source}) is unavailable: {reason}")
         return self.instance(name)
 
-    def select(self, q: torch.Tensor, kv_cache: KVCache) -> AttentionBackend:
-        """The backend that runs this call; raises ``BackendUnavailable`` (see module doc)."""
-        name, source = requested_backend()
-        if name is not None:
-            backend = self._explicit(name, source)
+    def resolve(self, choice: BackendChoice, q: torch.Tensor, kv_cache: KVCache) -> AttentionBackend:
+        """The backend that runs this step for ``choice``; raises ``BackendUnavailable`` (see module doc).
+
+        ``q`` and ``kv_cache`` as ``AttentionBackend.supports`` takes them.
+        """
+        if choice.name is not None:
+            backend = self._explicit(choice.name, choice.source)
             reason = backend.supports(q, kv_cache)
             if reason is not None:
                 raise BackendUnavailable(
-                    f"attention backend {name!r} (from {source}) cannot run this call: {reason}"
+                    f"attention backend {choice.name!r} (from {choice.source}) cannot run this call: {reason}"
                 )
             return backend
         reasons = []
@@ -194,6 +171,10 @@ class BackendRegistry:
         raise BackendUnavailable(
             "no attention backend can run this call (" + "; ".join(reasons or ["none installed"]) + ")"
         )
+
+    def select(self, q: torch.Tensor, kv_cache: KVCache) -> AttentionBackend:
+        """``resolve(requested_backend(), q, kv_cache)``: the choice in force in this context."""
+        return self.resolve(requested_backend(), q, kv_cache)
 
     def attention(
         self,
@@ -215,7 +196,7 @@ _registry_lock = threading.Lock()
 def get_registry() -> BackendRegistry:
     """The process-wide registry, discovered on first use (one discovery per process)."""
     global _registry
-    registry = _registry  # lock-free fast path: this runs for every layer of every step
+    registry = _registry  # lock-free fast path: this runs for every step
     if registry is not None:
         return registry
     with _registry_lock:
@@ -231,18 +212,39 @@ def reset_registry() -> None:
         _registry = None
 
 
+def bind_step(kv_cache: KVCache, q: torch.Tensor, choice: BackendChoice | None = None) -> AttentionBackend:
+    """Resolve the step's attention backend once, let it ``prepare``, and keep it in ``kv_cache.backend``.
+
+    ``choice`` defaults to ``requested_backend()`` (read here); ``q`` carries the query layout
+    (see ``AttentionBackend.supports``). Raises ``BackendUnavailable`` (or ``PluginError``).
+    """
+    backend = get_registry().resolve(requested_backend() if choice is None else choice, q, kv_cache)
+    backend.prepare(q, kv_cache)
+    kv_cache.backend = backend
+    return backend
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_cache: KVCache, scale: float
 ) -> torch.Tensor:
-    """Write this step's K/V for ``layer_id`` and attend, with the selected backend.
+    """Write this step's K/V for ``layer_id`` and attend, on the step's backend (``kv_cache.backend``).
 
     ``q [T, n_heads, head_dim]``, ``k``/``v [T, n_kv_heads, head_dim]`` (RoPE
-    applied) -> ``o [T, n_heads, head_dim]``, model dtype, on the pool's device.
-    Raises ``BackendUnavailable`` (or ``PluginError``) as the module doc says.
+    applied) -> ``o [T, n_heads, head_dim]``, model dtype, on the pool's device. A step
+    that nobody bound (a direct call, outside the engine) is bound here, on its first
+    layer, for the selection in force (``bind_step``); raises as the module doc says.
     """
-    return get_registry().attention(q, k, v, layer_id, kv_cache, scale)
+    backend = kv_cache.backend
+    if backend is None:
+        backend = bind_step(kv_cache, q)
+    return backend.forward(q, k, v, layer_id, kv_cache, scale)
 
 
 def available_backends() -> list[tuple[str, bool, str]]:
     """``(name, available, reason)`` of every backend, by priority; see ``BackendRegistry``."""
     return get_registry().available_backends()
+
+
+def load_backends() -> list[tuple[str, bool, str]]:
+    """Load every available backend of the process registry (``BackendRegistry.load``)."""
+    return get_registry().load()

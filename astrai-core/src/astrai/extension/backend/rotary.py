@@ -87,7 +87,7 @@ def register_rotary_kernel(kernel: RotaryKernel | None, device_type: str = "cuda
     return fused.register_kernel("rotary", kernel, device_type)
 
 
-def _rotate_torch(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def rotate_torch(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Complex-multiply path in float32; differentiable."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
     rot = torch.view_as_complex(freqs.float().contiguous()).unsqueeze(-2)  # broadcast over heads
@@ -105,4 +105,4 @@ def apply_rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     kernel = fused.kernel_for("rotary", x)
     if kernel is not None and x.dtype == torch.bfloat16:
         return kernel(x, freqs)
-    return _rotate_torch(x, freqs)
+    return rotate_torch(x, freqs)

@@ -16,8 +16,8 @@ always-available fallback. A step's ragged batch is split in three on the host:
   tiles, one SDPA call. ``C`` is the candidate that minimises padded rows plus K/V
   gathers.
 
-The indices and masks depend only on the step, so they are built once, on the
-first layer, and kept in ``kv_cache.plan["torch_native"]`` for the others.
+The indices and masks depend only on the step, so ``prepare`` builds them once per step
+(``plan_step``) and keeps them in ``kv_cache.plan["torch_native"]`` for every layer.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ class _PrefillPlan(NamedTuple):
     out_rows: torch.Tensor  # [Tp] int64: padded output row of each of these tokens
 
 
-class _StepPlan(NamedTuple):
+class NativePlan(NamedTuple):
+    """torch_native's plan of one step (``plan_step``): what each kind of row needs, for every layer."""
+
     decode: _DecodePlan | None  # requests with one new token
     fresh: tuple[tuple[int, int], ...]  # (first row, rows) of prompts with no cached prefix
     prefill: _PrefillPlan | None  # the other prefill requests (chunks after cached positions)
@@ -151,12 +153,12 @@ def _prefill_plan(kv: KVCache, sub: _Subset, whole: bool, dtype: torch.dtype) ->
     return _PrefillPlan(tok_rows, kv_slots[entry_req], mask, q_rows, out_rows)
 
 
-def _plan(kv: KVCache, dtype: torch.dtype) -> _StepPlan:
-    """Split the step on the host into decodes, fresh prompts and the rest; plan each part."""
+def plan_step(kv: KVCache, dtype: torch.dtype) -> NativePlan:
+    """Split the step on the host into decodes, fresh prompts and the rest; plan each part (masks in ``dtype``)."""
     if kv.max_q_len == 1:
-        return _StepPlan(_decode_plan(kv, _subset(kv, None), whole=True), (), None)
+        return NativePlan(_decode_plan(kv, _subset(kv, None), whole=True), (), None)
     if not kv.q_lens_host:  # no host facts: everything through the tiled path, one tile each
-        return _StepPlan(None, (), _prefill_plan(kv, _subset(kv, None), True, dtype))
+        return NativePlan(None, (), _prefill_plan(kv, _subset(kv, None), True, dtype))
     q_lens, seq_lens = torch.tensor(kv.q_lens_host), torch.tensor(kv.seq_lens_host)
     starts = torch.cumsum(q_lens, 0) - q_lens
     is_decode = q_lens == 1
@@ -170,7 +172,7 @@ def _plan(kv: KVCache, dtype: torch.dtype) -> _StepPlan:
     if bool(is_tiled.any()):
         whole = bool(is_tiled.all())
         prefill = _prefill_plan(kv, _subset(kv, None if whole else is_tiled.nonzero()[:, 0]), whole, dtype)
-    return _StepPlan(decode, fresh, prefill)
+    return NativePlan(decode, fresh, prefill)
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -236,6 +238,10 @@ class TorchNativeBackend(AttentionBackend):
         """Always ``None``: every dtype, device and head dim."""
         return None
 
+    def prepare(self, q: torch.Tensor, kv_cache: KVCache) -> None:
+        """``plan_step`` for the step, kept in ``kv_cache.plan["torch_native"]``."""
+        kv_cache.plan[self.name] = plan_step(kv_cache, q.dtype)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -254,17 +260,18 @@ class TorchNativeBackend(AttentionBackend):
         k_buf.index_copy_(0, kv_cache.out_cache_loc, k.to(k_buf.dtype))
         v_buf.index_copy_(0, kv_cache.out_cache_loc, v.to(v_buf.dtype))
 
-        return self._attend_step(q, k, v, k_buf, v_buf, kv_cache, scale)
+        return self.attend_step(q, k, v, k_buf, v_buf, kv_cache, scale)
 
-    def _attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
+    def attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
         """Attention of every row of the step, once its K/V are written (subclasses may take rows over)."""
         plan = kv_cache.plan.get(self.name)
-        if plan is None:
-            plan = kv_cache.plan[self.name] = _plan(kv_cache, q.dtype)
-        return self._attend(q, k, v, k_buf, v_buf, plan, scale)
+        if plan is None:  # a direct call, without prepare()
+            self.prepare(q, kv_cache)
+            plan = kv_cache.plan[self.name]
+        return self.attend(q, k, v, k_buf, v_buf, plan, scale)
 
     @staticmethod
-    def _attend(q, k, v, k_buf, v_buf, plan: _StepPlan, scale: float) -> torch.Tensor:
+    def attend(q, k, v, k_buf, v_buf, plan: NativePlan, scale: float) -> torch.Tensor:
         """Attention of the rows ``plan`` covers (K/V already written); other rows are left unset."""
         if plan.decode is not None and plan.decode.tok_rows is None:  # every row decodes
             return _decode_attention(q, k_buf, v_buf, plan.decode, scale)

@@ -1,0 +1,68 @@
+"""The plugin's fused kernels for ``astrai.extension.fused``: rotary, the norms, ``linear``, ``decoder_layers``.
+
+``install(CpuBackend)`` puts them in place; ``CpuBackend.install`` calls it once per process,
+when the registry loads the backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from astrai.extension.backend.rotary import rotate_torch
+from astrai.extension.fused import register_kernel
+from astrai_backend_cpu.stack import DecoderLayersKernel
+
+
+def rotary_kernel(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_emb``'s contract on ``astrai_cpu::rotary`` (``[..., heads, D]`` with contiguous heads)."""
+    heads, dim = x.shape[-2:]
+    if x.stride(-1) != 1 or x.stride(-2) != dim or freqs.shape[:-2] != x.shape[:-2] or x.dim() < 3:
+        return rotate_torch(x, freqs)  # broadcasting or exotic strides: the torch path
+    rows = x.reshape(-1, heads, dim)  # a view for the model's [1, T, H, D] slices of the fused QKV
+    out = torch.ops.astrai_cpu.rotary(rows, freqs.reshape(-1, dim // 2, 2).float().contiguous())
+    return out.view(x.shape)
+
+
+class LinearKernel:
+    """``astrai.extension.fused``'s ``linear`` on ``astrai_cpu::linear_pack``/``linear_packed`` (bf16 rows).
+
+    ``max_rows``: any number where the CPU has no AMX (the kernel matches oneDNN from 256 rows
+    and beats it below); with AMX, oneDNN's tile GEMMs should win on prefill-sized inputs, so
+    inputs over 64 rows go to oneDNN there (a threshold not measured on an AMX machine).
+    """
+
+    def __init__(self) -> None:
+        self.max_rows: int | None = 64 if torch.cpu._is_amx_tile_supported() else None
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The ``[N, K]`` weight in 16-row tiles by pairs of k, and ``N``."""
+        return torch.ops.astrai_cpu.linear_pack(weight.contiguous()), weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.astrai_cpu.linear_packed(x, packed[0], packed[1], bias)
+
+
+_installed = False
+
+
+def install(backend: type) -> None:
+    """Install the fused CPU kernels into ``astrai.extension.fused`` (rotary: bf16 only, by its dispatch
+    rule), once per process: a later call (a registry discovered anew) changes nothing.
+
+    The kernels must be loaded (``build.load_kernels``). ``backend`` is the attention backend
+    whose steps the whole-step decode kernel may run (see ``stack.DecoderLayersKernel``).
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    ops = torch.ops.astrai_cpu
+    register_kernel("rotary", rotary_kernel, "cpu")
+    register_kernel("rms_norm", lambda x, w, eps: ops.rms_norm(x.contiguous(), w.to(x.dtype), eps), "cpu")
+    register_kernel(
+        "add_rms_norm", lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps), "cpu"
+    )
+    if ops.has_linear_packed():  # the compiler targeted AVX512-BF16: small-batch GEMMs at the read bandwidth
+        linear = LinearKernel()
+        register_kernel("linear", linear, "cpu")
+        register_kernel("decoder_layers", DecoderLayersKernel(linear, backend), "cpu")  # on the same packed weights

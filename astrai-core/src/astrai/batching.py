@@ -1,0 +1,300 @@
+"""The batching policy: which requests run in the next step, and how many tokens each brings.
+
+``BatchPolicy.schedule()`` decides a step and returns it as a ``StepPlan``; the caller runs it
+(``astrai.runner.ModelRunner``) and hands the sampled tokens to ``update()``. A step is, in order:
+
+1. cleanup: finished requests' materialized pages go into the radix, their KV is freed;
+2. refill: waiting requests are admitted in arrival order, each resuming prefill after its
+   longest cached prefix; one that does not fit now does not block the ones behind it, and
+   one whose prompt is mostly a prefix that a running request is computing right now waits
+   for those pages (recorded after every prefill chunk) instead of computing them twice;
+3. decode rows: every decoding request brings its one token at its own position; when one
+   cannot grow by a token the newest running request is preempted (its computed prefix is
+   recorded, it requeues at the front and recomputes later without re-emitting text);
+4. prefill rows: chunks of prefilling requests, oldest first, under ``max_prefill_tokens``.
+
+All rows run as one ragged batch; only rows that need a next token are sampled. Page arithmetic
+is the pool's (``round_up``, ``headroom``, ``grow``). Runs on the scheduler thread; no tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import deque
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING
+
+from astrai.errors import CapacityExceeded
+from astrai.extension.backend.policy import AUTOMATIC, BackendChoice
+from astrai.request import FinishReason, Request
+
+if TYPE_CHECKING:
+    from astrai.kvcache import PagePool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step as the policy decided it: host-side, plain values, serialisable.
+
+    Row ``i`` is request ``request_ids[i]`` on pool row ``req_indices[i]``: it had ``starts[i]``
+    positions computed and brings ``q_lens[i]`` tokens (``input_ids``, row after row), and its
+    last one is sampled when ``sample[i]``. Decode rows come first, then prefill chunks.
+    ``backend`` is the attention choice every row's request made. ``finished`` names the
+    requests that ended and were released since the previous plan (their KV is free): the
+    caller delivers them. A plan without rows runs nothing.
+    """
+
+    request_ids: tuple[str, ...] = ()
+    req_indices: tuple[int, ...] = ()
+    starts: tuple[int, ...] = ()
+    q_lens: tuple[int, ...] = ()
+    sample: tuple[bool, ...] = ()
+    input_ids: tuple[int, ...] = ()
+    backend: BackendChoice = AUTOMATIC
+    finished: tuple[str, ...] = ()
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        """Positions each row holds after the step."""
+        return tuple(s + q for s, q in zip(self.starts, self.q_lens, strict=True))
+
+    @property
+    def num_tokens(self) -> int:  # T
+        return len(self.input_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row brings one token and is sampled (the common case, with a cheaper layout)."""
+        return len(self.input_ids) == len(self.q_lens) and all(self.sample)
+
+
+class BatchPolicy:
+    """The waiting queue, the running batch and every choice between them, over ``pool``.
+
+    ``running`` is sorted by arrival (the last is the newest, preemption's victim). The
+    pool's ``max_batch_size`` bounds the batch; ``max_prefill_tokens`` the prefill tokens
+    of one step. ``eos_token_ids`` end a request in ``update`` (unless it ignores EOS).
+    """
+
+    def __init__(self, pool: PagePool, max_prefill_tokens: int = 2048, eos_token_ids: Container[int] = ()) -> None:
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.pool = pool
+        self.max_batch_size = pool.config.max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = {"total_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0}
+        self._free_epoch = 0  # bumped whenever pages are freed: a refused admission may now fit
+        self._scheduled: list[Request] = []  # the rows of the last plan, in order
+
+    # ------------------------------------------------------------ the step
+    def add(self, req: Request) -> None:
+        """Queue ``req`` behind the waiting ones."""
+        self.waiting.append(req)
+
+    def schedule(self) -> StepPlan:
+        """Cleanup, refill, decode rows, prefill rows: the next step (see the module doc).
+
+        When no row can run, makes room instead: preempts the newest of several running
+        requests, or fails a lone one that this pool can never grow (``CapacityExceeded``).
+        """
+        finished = self._cleanup()
+        self._refill()
+        # decode rows are planned first: running requests grow by their one token (preempting if
+        # they must) before prefill chunks take pages; both then run in the same forward.
+        rows = self._decode() + self._prefill()
+        if not rows:
+            self._make_room()
+        self._scheduled = reqs = [req for req, _, _ in rows]
+        return StepPlan(
+            request_ids=tuple(r.request_id for r in reqs),
+            req_indices=tuple(r.req_idx for r in reqs),
+            starts=tuple(r.num_computed for r in reqs),
+            q_lens=tuple(q for _, q, _ in rows),
+            sample=tuple(s for _, _, s in rows),
+            input_ids=tuple(chain.from_iterable(r.tokens[r.num_computed : r.num_computed + q] for r, q, _ in rows)),
+            backend=(reqs[0].backend or AUTOMATIC) if reqs else AUTOMATIC,
+            finished=tuple(r.request_id for r in finished),
+        )
+
+    def sampled(self, plan: StepPlan) -> list[Request]:
+        """The requests of ``plan`` (the last one scheduled) whose next token it samples, in row order."""
+        return [req for req, s in zip(self._scheduled, plan.sample, strict=True) if s]
+
+    def update(self, plan: StepPlan, next_ids: Sequence[int]) -> None:
+        """Advance each row of ``plan`` (the last one scheduled) and accept its sampled tokens.
+
+        A prefill chunk's complete pages enter the radix at once (a sharer may be waiting for
+        them). A request whose decoder or stream callback raises fails alone.
+        """
+        reqs = self._scheduled
+        for req, q in zip(reqs, plan.q_lens, strict=True):
+            req.num_computed += q
+            if q > 1:  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
+                self.pool.record(req.req_idx, req.tokens[: req.num_computed])
+        sampled = self.sampled(plan)
+        self.counters["total_tokens"] += len(sampled)
+        for req, token in zip(sampled, next_ids, strict=True):
+            try:
+                req.accept(token, self.eos_token_ids)
+            except Exception as exc:
+                logger.exception("request %s failed", req.request_id)
+                req.finish(FinishReason.ERROR, error=exc)
+
+    def fail(self, plan: StepPlan, error: BaseException) -> None:
+        """The step of ``plan`` failed: its requests end with ``error`` (released at the next cleanup)."""
+        for req in self._scheduled:
+            req.finish(FinishReason.ERROR, error=error)
+
+    def drain(self) -> list[Request]:
+        """Every request in flight, running then waiting, with its KV released (not recorded)."""
+        pending, self.running, self.waiting = [*self.running, *self.waiting], [], deque()
+        for req in pending:
+            try:
+                self.release(req, record=False)
+            except Exception:
+                logger.exception("could not free request %s", req.request_id)
+        return pending
+
+    def release(self, req: Request, record: bool) -> None:
+        """Free ``req``'s pool row; with ``record``, its materialized tokens enter the radix first."""
+        if req.req_idx < 0:
+            return
+        idx, req.req_idx = req.req_idx, -1
+        self._free_epoch += 1
+        try:
+            if record:  # excludes the last sampled token: it has not passed through the model
+                self.pool.record(idx, req.tokens[: req.num_computed])
+        finally:
+            self.pool.task_free(idx)
+
+    # ------------------------------------------------------------ phases
+    def _cleanup(self) -> list[Request]:
+        """Release the finished running requests (their materialized tokens recorded first)."""
+        if not any(r.finished for r in self.running):
+            return []
+        done = [r for r in self.running if r.finished]
+        self.running = [r for r in self.running if not r.finished]
+        for req in done:
+            self.release(req, record=req.finish_reason is not FinishReason.ERROR)
+        return done
+
+    def _refill(self) -> None:
+        """Admit waiting requests in order; one that does not fit now does not block the rest."""
+        skipped: list[Request] = []
+        while self.waiting and len(self.running) < self.max_batch_size:
+            req = self.waiting.popleft()
+            if self._sharer_computing(req):  # admitted next step, onto the sharer's recorded pages
+                skipped.append(req)
+                continue
+            # one forward runs on one attention backend: a request that chose another waits
+            mismatch = bool(self.running) and _backend_name(req) != _backend_name(self.running[0])
+            if mismatch or req.tried_epoch == self._free_epoch or not self._admit(req):
+                req.tried_epoch = self._free_epoch
+                skipped.append(req)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _decode(self) -> list[tuple[Request, int, bool]]:
+        """One row per decoding request; preempt the newest when one cannot grow by a token."""
+        rows = []
+        for req in list(self.running):
+            if req.req_idx < 0 or req.remaining != 1:
+                continue
+            while not self.pool.extend(req.req_idx, req.num_computed + 1):
+                victim = self.running[-1]  # newest; never a row already planned (those are older)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                rows.append((req, 1, True))
+        return rows
+
+    def _prefill(self) -> list[tuple[Request, int, bool]]:
+        """Chunks of prefilling requests, oldest first, under the ``max_prefill_tokens`` budget."""
+        rows = []
+        budget = self.max_prefill_tokens
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.remaining <= 1:
+                continue
+            end = self.pool.grow(req.req_idx, req.num_computed + min(req.remaining, budget))
+            if end > req.num_computed:
+                rows.append((req, end - req.num_computed, end == len(req.tokens)))
+                budget -= end - req.num_computed
+        return rows
+
+    def _make_room(self) -> None:
+        """Nothing could progress: preempt the newest, or fail a lone request this pool cannot grow."""
+        if len(self.running) > 1:
+            self._preempt(self.running[-1])
+        elif self.running:
+            req = self.running[0]
+            req.finish(FinishReason.ERROR, error=CapacityExceeded(f"request {req.request_id} cannot grow"))
+
+    # ------------------------------------------------------------ decisions
+    def _admit(self, req: Request) -> bool:
+        """Give ``req`` a row and its cached prefix, if its uncached tokens fit the pool now."""
+        idx = self.pool.task_alloc()
+        hit = self.pool.match_prefix(idx, req.tokens)
+        need = self.pool.round_up(len(req.tokens) + 1) - hit  # the whole (re)prefill plus its first decode
+        if self.running and need + self.pool.headroom(len(self.running)) > self.pool.available_tokens():
+            self.pool.task_free(idx)  # only drops the references match_prefix took
+            return False
+        req.req_idx, req.num_computed = idx, hit
+        self.counters["prefix_hit_tokens"] += hit
+        if req.cached_tokens < 0:  # first admission: what the client waited for and what the cache saved
+            req.admitted_at, req.cached_tokens = time.perf_counter(), min(hit, len(req.prompt_ids))
+        bisect.insort(self.running, req, key=lambda r: r.arrival)
+        return True
+
+    def _sharer_computing(self, req: Request) -> bool:
+        """Whether a running request is still computing complete pages of at least half of ``req``'s prompt.
+
+        Admitting ``req`` once they are recorded makes them a cache hit; admitting it now would
+        compute them twice (SGLang's in-batch prefix caching does the same). A shorter shared
+        head (a chat template's default system prompt) is not worth a step of waiting.
+        """
+        if self.pool.radix is None:
+            return False
+        page = self.pool.page_size
+        for other in self.running:
+            if other.remaining <= 1:  # decoding: its prompt's pages are recorded already
+                continue
+            shared = _common_pages(req.tokens, other.tokens, page) * page
+            if 2 * shared >= len(req.tokens) and other.num_computed < shared:
+                return True
+        return False
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s pages (materialized prefix recorded first) and requeue it at the front."""
+        logger.info("preempting request %s at %d tokens", req.request_id, req.num_computed)
+        self.release(req, record=True)
+        req.num_computed = 0
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.counters["preemptions"] += 1
+
+
+def _backend_name(req: Request) -> str | None:
+    return req.backend.name if req.backend is not None else None
+
+
+def _common_pages(a: list[int], b: list[int], page: int) -> int:
+    """Complete pages that ``a[:-1]`` (what a prefix match may cover) and ``b`` share from the start."""
+    lo, hi = 0, min(len(a) - 1, len(b)) // page
+    while lo < hi:  # binary search on slice equality: C-speed comparisons, log(pages) of them
+        mid = (lo + hi + 1) // 2
+        if a[: mid * page] == b[: mid * page]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

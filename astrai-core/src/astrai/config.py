@@ -1,0 +1,60 @@
+"""``EngineConfig``: how an engine batches, sizes its KV pool and configures its plugins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from astrai.kvcache import KVConfig
+from astrai.kvcache.storage import KVStorage
+
+if TYPE_CHECKING:
+    import torch
+
+    from astrai.model import ModelConfig
+
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig"]
+
+#: KV budget of a paged pool when neither n_tokens nor kv_memory_bytes is given.
+DEFAULT_KV_MEMORY_BYTES = 512 * 2**20
+
+
+@dataclass
+class EngineConfig:
+    """How the engine batches and sizes its KV pool (maps onto ``KVConfig``), and its plugins' settings.
+
+    Paged by default: ``page_size`` 16 with radix prefix caching, the pool sized by
+    ``n_tokens`` or ``kv_memory_bytes`` (default: ``DEFAULT_KV_MEMORY_BYTES``, capped
+    at ``max_batch_size * max_seq_len`` tokens). ``paged=False`` gives the
+    contiguous pool (``max_batch_size * max_seq_len`` slots, no prefix caching).
+    ``sampling``: defaults of plugin sampling parameters for every request, e.g.
+    ``{"min_p": 0.05}`` (see ``SamplingPipeline``). ``plugin_options``: values of the
+    options hook plugins declared (``astrai_add_options``), by ``dest``.
+    """
+
+    max_batch_size: int = 64
+    max_seq_len: int | None = None  # None: the model's context length
+    paged: bool = True
+    page_size: int = 16
+    n_tokens: int | None = None
+    kv_memory_bytes: int | None = None
+    prefix_caching: bool = True
+    max_prefill_tokens: int = 2048
+    # strict selection for every request that made none in an attn_backend() context (beats ASTR_BACKEND)
+    attention_backend: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    plugin_options: dict[str, Any] = field(default_factory=dict)
+
+    def kv_config(self, model_config: ModelConfig, dtype: torch.dtype) -> KVConfig:
+        """The pool configuration for a model; raises ValueError on an impossible size."""
+        ctx = model_config.max_position_embeddings
+        seq = min(self.max_seq_len or ctx, ctx)
+        if not self.paged:
+            return KVConfig(self.max_batch_size, seq, page_size=1, prefix_caching=False)
+        n_tokens, budget = self.n_tokens, self.kv_memory_bytes
+        if n_tokens is None and budget is None:
+            per_token = KVStorage.bytes_per_token(
+                model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype
+            )
+            n_tokens = max(seq, min(self.max_batch_size * seq, DEFAULT_KV_MEMORY_BYTES // per_token))
+        return KVConfig(self.max_batch_size, seq, self.page_size, n_tokens, budget, self.prefix_caching)
