@@ -15,6 +15,9 @@ quantization marker dropped from its config, saved once under ``--cache-dir``). 
 runs offline (``HF_HUB_OFFLINE=1``).
 
 Usage: python benchmarks/serve_bench.py [--quick] [--only astrai|transformers] [--dtype bfloat16]
+
+Over 300 lines because it is one self-contained script: copied to another machine, it runs
+with nothing else of the repository's benchmarks beside it.
 """
 
 from __future__ import annotations

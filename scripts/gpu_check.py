@@ -18,6 +18,9 @@ Sections, each timed and fenced (a failure is reported and the next section runs
 Prints a markdown summary on stdout and writes the full JSON (``--json``) and markdown
 (``--markdown``); sections that would overrun ``--budget`` seconds are cut or skipped.
 Usage: ``python scripts/gpu_check.py [--json F] [--markdown F] [--quick] [--budget S]``.
+
+Over 300 lines because a lent GPU is rare and short: every check runs from this one prepared
+file, in one call of the device tool.
 """
 
 from __future__ import annotations

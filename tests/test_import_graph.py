@@ -1,0 +1,144 @@
+"""The import graph of the distributions, read from their sources: acyclic between and inside them.
+
+Every ``import`` counts, at module level or inside a function (a lazy import still ties two
+modules together), except those under ``if TYPE_CHECKING:`` (annotations only). A module's
+edge goes to the module it names: ``from a.b import c`` is an edge to ``a.b.c`` when that is
+a module, else to the package ``a.b``. Implicit imports of parent packages are not edges.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Distribution -> the folder that holds its top-level package(s).
+DISTRIBUTIONS = {
+    "astrai-core": ROOT / "astrai-core" / "src",
+    "astrai-server": ROOT / "astrai-server" / "src",
+    "astrai-backend-cpu": ROOT / "astrai-backend-cpu" / "src",
+    "astrai-backend-cuda": ROOT / "astrai-backend-cuda" / "src",
+    "astrai-backend-flash": ROOT / "astrai-backend-flash" / "src",
+    "astrai-ollama": ROOT / "examples" / "astrai-ollama" / "src",
+    "astrai-min-p": ROOT / "examples" / "astrai-min-p" / "src",
+    "astrai-request-log": ROOT / "examples" / "astrai-request-log" / "src",
+}
+
+
+def _modules(src: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted(src.rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = {name: path for src in DISTRIBUTIONS.values() for name, path in _modules(src).items()}
+OWNER = {name: dist for dist, src in DISTRIBUTIONS.items() for name in _modules(src)}
+
+
+def _runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, skipping the bodies of ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                stack.extend(child.orelse)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            stack.append(child)
+
+
+def imports_of(module: str) -> set[str]:
+    """The modules of these distributions that ``module`` imports."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        for name in names:
+            while name and name not in MODULES:  # `import a.b.c` of a function or attribute: its module
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
+def test_modules_of_a_distribution_import_one_another_without_a_cycle(dist: str) -> None:
+    inside = {m: {n for n in deps if OWNER[n] == dist} for m, deps in GRAPH.items() if OWNER[m] == dist}
+    assert inside, f"no modules found for {dist}"
+    assert _cycles(inside) == []
+
+
+def test_distributions_import_one_another_without_a_cycle() -> None:
+    between: dict[str, set[str]] = {}
+    for module, deps in GRAPH.items():
+        between.setdefault(OWNER[module], set()).update(OWNER[n] for n in deps if OWNER[n] != OWNER[module])
+    assert _cycles(between) == []
+    assert between["astrai-core"] == set(), "astrai-core imports another distribution"
+
+
+def test_the_plugin_loader_imports_nothing_above_it() -> None:
+    """``astrai.plugins`` sits under every subsystem: they import it, it imports none of them."""
+    assert GRAPH["astrai.plugins"] <= {"astrai.errors", "astrai.hookspecs"}
+
+
+def test_the_checker_sees_cycles_and_lazy_imports() -> None:
+    """The test's own reading: a lazy import is an edge, a TYPE_CHECKING one is not, cycles are found."""
+    assert "astrai.groups" in GRAPH["astrai.cli"]  # imported inside plugin_rows()
+    assert "astrai.engine" not in GRAPH["astrai.hookspecs"]  # annotations only
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
