@@ -35,7 +35,7 @@ def make_batch(params, steps=None, output_ids=None):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"max_tokens": 0},
+        {"max_tokens": -1},
         {"max_tokens": 1.5},
         {"temperature": -0.1},
         {"temperature": 2.01},

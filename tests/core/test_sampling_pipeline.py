@@ -7,6 +7,7 @@ import torch
 
 from astrai.errors import PluginError, RequestRejected
 from astrai.sampling import (
+    MinPStrategy,
     SamplingBatch,
     SamplingParams,
     SamplingPipeline,
@@ -20,15 +21,15 @@ from astrai.sampling import (
 NEG_INF = float("-inf")
 
 
-class MinPStrategy(SamplingStrategy):
-    """A third-party style strategy: drop tokens below min_p times the top probability."""
+class RelPStrategy(SamplingStrategy):
+    """A third-party style strategy: drop tokens below rel_p times the top probability."""
 
-    name = "min_p"
+    name = "rel_p"
 
     def apply(self, logits, batch):
-        min_p = batch.extra_tensor("min_p", 0.0)
+        rel_p = batch.extra_tensor("rel_p", 0.0)
         probs = torch.softmax(logits, dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        floor = probs.amax(dim=-1, keepdim=True) * rel_p.unsqueeze(1)
         return logits.masked_fill_(probs < floor, NEG_INF)
 
 
@@ -37,9 +38,9 @@ def make_batch(params, steps=None, output_ids=None):
     return SamplingBatch.from_params(params, steps, "cpu", output_ids)
 
 
-def min_p_reference(row: torch.Tensor, min_p: float) -> torch.Tensor:
+def rel_p_reference(row: torch.Tensor, rel_p: float) -> torch.Tensor:
     probs = torch.softmax(row, dim=-1)
-    return torch.where(probs >= probs.max() * min_p, row, torch.full_like(row, NEG_INF))
+    return torch.where(probs >= probs.max() * rel_p, row, torch.full_like(row, NEG_INF))
 
 
 def test_greedy_rows_take_argmax_of_penalised_logits_in_a_mixed_batch():
@@ -99,18 +100,18 @@ def test_extra_strategy_runs_only_on_rows_that_select_it():
     torch.manual_seed(9)
     logits = torch.randn(4, 200) * 3
     params = [
-        SamplingParams(strategy="min_p", extra={"min_p": 0.2}),
+        SamplingParams(strategy="rel_p", extra={"rel_p": 0.2}),
         SamplingParams(extra={"typical_p": 0.2}),  # a parameter of no installed strategy: nothing selected
-        SamplingParams(extra={"min_p": 0.05}, temperature=0.5),  # its own-named parameter selects it
+        SamplingParams(extra={"rel_p": 0.05}, temperature=0.5),  # its own-named parameter selects it
         SamplingParams(top_k=30),
     ]
-    got = SamplingPipeline.default(extra=[MinPStrategy()]).apply(logits.clone(), make_batch(params))
+    got = SamplingPipeline.default(extra=[RelPStrategy()]).apply(logits.clone(), make_batch(params))
     base = SamplingPipeline.default().apply(
         logits.clone(),
         make_batch([SamplingParams(**{"temperature": p.temperature, "top_k": p.top_k}) for p in params]),
     )
-    assert torch.equal(got[0], min_p_reference(logits[0], 0.2))
-    assert torch.equal(got[2], min_p_reference(logits[2] / 0.5, 0.05))
+    assert torch.equal(got[0], rel_p_reference(logits[0], 0.2))
+    assert torch.equal(got[2], rel_p_reference(logits[2] / 0.5, 0.05))
     assert torch.equal(got[1], logits[1])
     assert torch.equal(got[3], base[3])
     assert int(torch.isfinite(got[0]).sum()) < 200
@@ -119,27 +120,27 @@ def test_extra_strategy_runs_only_on_rows_that_select_it():
 def test_enabled_extra_strategy_runs_on_every_row():
     torch.manual_seed(10)
     logits = torch.randn(3, 100) * 3
-    params = [SamplingParams(extra={"min_p": 0.3}), SamplingParams(), SamplingParams(extra={"min_p": 0.1})]
-    got = SamplingPipeline.default(extra=[MinPStrategy()], enabled=["min_p"]).apply(
+    params = [SamplingParams(extra={"rel_p": 0.3}), SamplingParams(), SamplingParams(extra={"rel_p": 0.1})]
+    got = SamplingPipeline.default(extra=[RelPStrategy()], enabled=["rel_p"]).apply(
         logits.clone(), make_batch(params)
     )
     for row, m in enumerate([0.3, 0.0, 0.1]):
-        assert torch.equal(got[row], min_p_reference(logits[row], m))
+        assert torch.equal(got[row], rel_p_reference(logits[row], m))
 
 
 def test_extra_strategy_never_samples_filtered_tokens():
     logits = torch.tensor([[4.0, 3.9, 1.0, 0.5] + [-1.0] * 60])
-    params = SamplingParams(strategy="min_p", extra={"min_p": 0.5}, seed=3)
+    params = SamplingParams(strategy="rel_p", extra={"rel_p": 0.5}, seed=3)
     n = 500
-    ids = SamplingPipeline.default(extra=[MinPStrategy()]).sample(
+    ids = SamplingPipeline.default(extra=[RelPStrategy()]).sample(
         logits.expand(n, -1), make_batch([params] * n)
     )
     assert set(ids.tolist()) == {0, 1}
 
 
 def test_unknown_strategy_is_rejected():
-    pipe = SamplingPipeline.default(extra=[MinPStrategy()])
-    pipe.validate(SamplingParams(strategy="min_p"))
+    pipe = SamplingPipeline.default(extra=[RelPStrategy()])
+    pipe.validate(SamplingParams(strategy="rel_p"))
     pipe.validate(SamplingParams(strategy="top_p"))
     with pytest.raises(RequestRejected, match="typical"):
         pipe.validate(SamplingParams(strategy="typical"))
@@ -151,22 +152,22 @@ def test_unknown_strategy_is_rejected():
 
 def test_pipeline_configuration_errors():
     with pytest.raises(PluginError, match="not found"):
-        SamplingPipeline.default(enabled=["min_p"])
+        SamplingPipeline.default(enabled=["rel_p"])
     with pytest.raises(PluginError):
-        SamplingPipeline.default(extra=[MinPStrategy(), MinPStrategy()])
+        SamplingPipeline.default(extra=[RelPStrategy(), RelPStrategy()])
     with pytest.raises(PluginError):
         SamplingPipeline.default(extra=[object()])
 
 
 def test_from_strategies_maps_entry_points():
     pipe = SamplingPipeline.from_strategies(
-        {"top_p": TopPStrategy, "min_p": MinPStrategy, "temperature": TemperatureStrategy()},
-        enabled=["min_p"],
+        {"top_p": TopPStrategy, "rel_p": RelPStrategy, "temperature": TemperatureStrategy()},
+        enabled=["rel_p"],
     )
-    assert [type(s) for s in pipe.stages] == [TemperatureStrategy, TopKStrategy, TopPStrategy]
-    assert list(pipe.extra) == ["min_p"] and pipe.enabled == ("min_p",)
-    with pytest.raises(PluginError, match="min_p"):
-        SamplingPipeline.from_strategies({"min_p": TopKStrategy})
+    assert [type(s) for s in pipe.stages] == [TemperatureStrategy, TopKStrategy, TopPStrategy, MinPStrategy]
+    assert list(pipe.extra) == ["rel_p"] and pipe.enabled == ("rel_p",)
+    with pytest.raises(PluginError, match="rel_p"):
+        SamplingPipeline.from_strategies({"rel_p": TopKStrategy})
     with pytest.raises(PluginError):
         SamplingPipeline.from_strategies({"broken": int})
 
@@ -187,24 +188,24 @@ def test_sample_shortcut():
         sample(logits, top_p=0.0)
 
 
-class BoundedMinP(MinPStrategy):
-    """MinP declaring its parameter, so that admission checks it (the default ``validate``)."""
+class BoundedRelP(RelPStrategy):
+    """RelP declaring its parameter, so that admission checks it (the default ``validate``)."""
 
-    extra_params = ("min_p",)
+    extra_params = ("rel_p",)
 
 
 def test_defaults_are_merged_at_admission_and_select_the_strategy():
-    pipe = SamplingPipeline.default(extra=[BoundedMinP()])
-    pipe = SamplingPipeline(pipe.stages, pipe.extra.values(), defaults={"min_p": 0.5})
-    assert pipe.prepare(SamplingParams()).extra == {"min_p": 0.5}
-    own = SamplingParams(extra={"min_p": 0.0, "unclaimed": "x"})
+    pipe = SamplingPipeline.default(extra=[BoundedRelP()])
+    pipe = SamplingPipeline(pipe.stages, pipe.extra.values(), defaults={"rel_p": 0.5})
+    assert pipe.prepare(SamplingParams()).extra == {"rel_p": 0.5}
+    own = SamplingParams(extra={"rel_p": 0.0, "unclaimed": "x"})
     assert pipe.prepare(own) is own  # nothing to add: the request's own value wins
     logits = torch.tensor([[2.0, 2.0 + torch.log(torch.tensor(0.4)).item(), 0.0]])
     got = pipe.apply(logits.clone(), make_batch([pipe.prepare(SamplingParams())]))
     assert torch.isfinite(got).tolist() == [[True, False, False]]  # 0.4 < 0.5 of the top probability
-    with pytest.raises(RequestRejected, match="min_p must be a finite number"):
-        pipe.prepare(SamplingParams(extra={"min_p": "high"}))  # checked before any step runs
+    with pytest.raises(RequestRejected, match="rel_p must be a finite number"):
+        pipe.prepare(SamplingParams(extra={"rel_p": "high"}))  # checked before any step runs
     with pytest.raises(PluginError, match="'typical_p' not found; misspelled or not installed"):
         SamplingPipeline(defaults={"typical_p": 0.9})
     with pytest.raises(PluginError, match="configured sampling defaults"):
-        SamplingPipeline(extra=[BoundedMinP()], defaults={"min_p": "high"})
+        SamplingPipeline(extra=[BoundedRelP()], defaults={"rel_p": "high"})

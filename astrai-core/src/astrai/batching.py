@@ -13,8 +13,9 @@
    recorded, it requeues at the front and recomputes later without re-emitting text);
 4. prefill rows: chunks of prefilling requests, oldest first, under ``max_prefill_tokens``.
 
-All rows run as one ragged batch; only rows that need a next token are sampled. Page arithmetic
-is the pool's (``round_up``, ``headroom``, ``grow``). Runs on the scheduler thread; no tensors.
+All rows run as one ragged batch; only rows that need a next token are sampled, and rows whose
+request asked for prompt log-probs are scored at every position. Page arithmetic is the pool's
+(``round_up``, ``headroom``, ``grow``). Runs on the scheduler thread; no tensors.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from astrai.request import FinishReason, Request
 
 if TYPE_CHECKING:
     from astrai.kvcache import PagePool
+    from astrai.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class StepPlan:
     Row ``i`` is request ``request_ids[i]`` on pool row ``req_indices[i]``: it had ``starts[i]``
     positions computed and brings ``q_lens[i]`` tokens (``input_ids``, row after row), and its
     last one is sampled when ``sample[i]``. Decode rows come first, then prefill chunks.
+    ``scored[i]``: the row's request wants the log-probs of its prompt (empty: no row does).
     ``backend`` is the attention choice every row's request made. ``finished`` names the
     requests that ended and were released since the previous plan (their KV is free): the
     caller delivers them. A plan without rows runs nothing.
@@ -56,6 +59,7 @@ class StepPlan:
     q_lens: tuple[int, ...] = ()
     sample: tuple[bool, ...] = ()
     input_ids: tuple[int, ...] = ()
+    scored: tuple[bool, ...] = ()
     backend: BackendChoice = AUTOMATIC
     finished: tuple[str, ...] = ()
 
@@ -93,7 +97,7 @@ class BatchPolicy:
         self.running: list[Request] = []
         self.counters = {"total_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0}
         self._free_epoch = 0  # bumped whenever pages are freed: a refused admission may now fit
-        self._scheduled: list[Request] = []  # the rows of the last plan, in order
+        self.scheduled: list[Request] = []  # the requests of the last plan's rows, in order
 
     # ------------------------------------------------------------ the step
     def add(self, req: Request) -> None:
@@ -113,7 +117,7 @@ class BatchPolicy:
         rows = self._decode() + self._prefill()
         if not rows:
             self._make_room()
-        self._scheduled = reqs = [req for req, _, _ in rows]
+        self.scheduled = reqs = [req for req, _, _ in rows]
         return StepPlan(
             request_ids=tuple(r.request_id for r in reqs),
             req_indices=tuple(r.req_idx for r in reqs),
@@ -121,37 +125,39 @@ class BatchPolicy:
             q_lens=tuple(q for _, q, _ in rows),
             sample=tuple(s for _, _, s in rows),
             input_ids=tuple(chain.from_iterable(r.tokens[r.num_computed : r.num_computed + q] for r, q, _ in rows)),
+            scored=tuple(_scores(r) for r in reqs) if any(r.params.prompt_logprobs is not None for r in reqs) else (),
             backend=(reqs[0].backend or AUTOMATIC) if reqs else AUTOMATIC,
             finished=tuple(r.request_id for r in finished),
         )
 
     def sampled(self, plan: StepPlan) -> list[Request]:
         """The requests of ``plan`` (the last one scheduled) whose next token it samples, in row order."""
-        return [req for req, s in zip(self._scheduled, plan.sample, strict=True) if s]
+        return [req for req, s in zip(self.scheduled, plan.sample, strict=True) if s]
 
-    def update(self, plan: StepPlan, next_ids: Sequence[int]) -> None:
+    def update(self, plan: StepPlan, next_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None] = ()) -> None:
         """Advance each row of ``plan`` (the last one scheduled) and accept its sampled tokens.
 
-        A prefill chunk's complete pages enter the radix at once (a sharer may be waiting for
-        them). A request whose decoder or stream callback raises fails alone.
+        ``logprobs``: per sampled row, its token's log-probs (empty: none asked). A prefill
+        chunk's complete pages enter the radix at once (a sharer may be waiting for them).
+        A request whose decoder or stream callback raises fails alone.
         """
-        reqs = self._scheduled
+        reqs = self.scheduled
         for req, q in zip(reqs, plan.q_lens, strict=True):
             req.num_computed += q
             if q > 1:  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
                 self.pool.record(req.req_idx, req.tokens[: req.num_computed])
         sampled = self.sampled(plan)
         self.counters["total_tokens"] += len(sampled)
-        for req, token in zip(sampled, next_ids, strict=True):
+        for req, token, lp in zip(sampled, next_ids, logprobs or [None] * len(sampled), strict=True):
             try:
-                req.accept(token, self.eos_token_ids)
+                req.accept(token, self.eos_token_ids, lp)
             except Exception as exc:
                 logger.exception("request %s failed", req.request_id)
                 req.finish(FinishReason.ERROR, error=exc)
 
     def fail(self, plan: StepPlan, error: BaseException) -> None:
         """The step of ``plan`` failed: its requests end with ``error`` (released at the next cleanup)."""
-        for req in self._scheduled:
+        for req in self.scheduled:
             req.finish(FinishReason.ERROR, error=error)
 
     def drain(self) -> list[Request]:
@@ -244,7 +250,9 @@ class BatchPolicy:
     def _admit(self, req: Request) -> bool:
         """Give ``req`` a row and its cached prefix, if its uncached tokens fit the pool now."""
         idx = self.pool.task_alloc()
-        hit = self.pool.match_prefix(idx, req.tokens)
+        # prompt log-probs need the logits of every position not scored yet: those are not taken from the cache
+        scored = req.tokens if req.params.prompt_logprobs is None else req.tokens[: len(req.prompt_logprobs) + 1]
+        hit = self.pool.match_prefix(idx, scored)
         need = self.pool.round_up(len(req.tokens) + 1) - hit  # the whole (re)prefill plus its first decode
         if self.running and need + self.pool.headroom(len(self.running)) > self.pool.available_tokens():
             self.pool.task_free(idx)  # only drops the references match_prefix took
@@ -265,11 +273,10 @@ class BatchPolicy:
         """
         if self.pool.radix is None:
             return False
-        page = self.pool.page_size
         for other in self.running:
             if other.remaining <= 1:  # decoding: its prompt's pages are recorded already
                 continue
-            shared = _common_pages(req.tokens, other.tokens, page) * page
+            shared = self.pool.common_pages(req.tokens, other.tokens) * self.pool.page_size
             if 2 * shared >= len(req.tokens) and other.num_computed < shared:
                 return True
         return False
@@ -284,17 +291,9 @@ class BatchPolicy:
         self.counters["preemptions"] += 1
 
 
+def _scores(req: Request) -> bool:
+    return req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
+
+
 def _backend_name(req: Request) -> str | None:
     return req.backend.name if req.backend is not None else None
-
-
-def _common_pages(a: list[int], b: list[int], page: int) -> int:
-    """Complete pages that ``a[:-1]`` (what a prefix match may cover) and ``b`` share from the start."""
-    lo, hi = 0, min(len(a) - 1, len(b)) // page
-    while lo < hi:  # binary search on slice equality: C-speed comparisons, log(pages) of them
-        mid = (lo + hi + 1) // 2
-        if a[: mid * page] == b[: mid * page]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

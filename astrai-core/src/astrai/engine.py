@@ -127,7 +127,9 @@ class InferenceEngine:
         result = GenerateResult(rid, len(prompt_ids), on_piece, on_done)
         stopper = StopChecker(IncrementalDecoder(self.tokenizer), params.stop)
         # submitted on this thread: the scheduler keeps the attn_backend() choice in force here
-        self.scheduler.submit(Request(rid, list(prompt_ids), params, result, stopper))
+        req = Request(rid, list(prompt_ids), params, result, stopper)
+        result.bind(req)
+        self.scheduler.submit(req)
         return result
 
     def abort(self, request_id: str) -> None:

@@ -28,7 +28,15 @@ class CapacityExceeded(AstraiError):
 
 
 class RequestRejected(AstraiError):
-    """A request can never be served (too long for the context or the pool, bad parameters)."""
+    """A request can never be served (too long for the context or the pool, bad parameters).
+
+    ``param`` names the offending request field when one is to blame (servers put it in
+    the protocol's error body).
+    """
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFound(AstraiError):

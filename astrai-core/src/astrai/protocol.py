@@ -29,11 +29,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
+from astrai.chat_prompt import chat_prompt_ids
 from astrai.errors import PluginError
 from astrai.plugins import LoadedPlugins, check_class, load_plugins
 
 if TYPE_CHECKING:
+    from astrai.logprobs import TokenLogprob
     from astrai.sampling import SamplingParams
+
+__all__ = [
+    "PROTOCOLS", "ChatResult", "Choice", "Prepared", "ResponseBuilder", "ToolCall", "chat_prompt_ids",
+    "check_builder_class", "error_type_for", "load_protocols", "new_id", "plugin_sampling", "sse", "value_or_default",
+]  # fmt: skip
 
 @dataclass
 class ToolCall:
@@ -54,6 +61,10 @@ class Choice:
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that matched (finish_reason "stop_sequence")
     tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_index: int = 0  # which of ``Prepared.prompts`` it completes
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (first: None), when asked
+    logprobs_streamed: int = 0  # how many of ``logprobs`` went out with streamed chunks already
 
 
 @dataclass
@@ -61,7 +72,7 @@ class ChatResult:
     """Everything a builder needs to shape a final response or the end of a stream."""
 
     choices: list[Choice]
-    prompt_tokens: int  # prompt tokens after templating, counted once whatever n is
+    prompt_tokens: int  # prompt tokens after templating (of every prompt), counted once whatever n is
 
     @property
     def completion_tokens(self) -> int:
@@ -85,12 +96,15 @@ class Prepared:
     ``tool_call_required`` (OpenAI ``"required"`` or a named function, Anthropic
     ``any`` or ``tool``) makes it open a call at the end of the prompt, naming the
     tool when ``tools`` holds just one, so that the answer is a call.
+    ``prompts`` holds several prompts when one request completes each (``/v1/completions``
+    with a list): choice ``k`` completes prompt ``k // n``; ``None`` means ``[prompt_ids]``.
     ``state`` is the builder's own per-request scratch space.
     """
 
     request: BaseModel
     prompt_ids: list[int]
     params: SamplingParams
+    prompts: list[list[int]] | None = None
     stream: bool = False
     n: int = 1
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -116,9 +130,10 @@ def plugin_sampling(request: BaseModel) -> dict[str, Any]:
     """The request's undeclared fields (``model_extra``), for ``SamplingParams.extra``.
 
     How parameters of sampling plugins travel without any protocol naming them: a
-    request model with ``extra="allow"`` keeps ``"min_p": 0.1``, and the engine's
-    pipeline runs the strategy named by such a key (ignoring keys no strategy claims)
-    and validates its value at admission.
+    request model with ``extra="allow"`` keeps ``"typical_p": 0.9``, and the engine's
+    pipeline runs the strategy named by such a key and validates its value at admission.
+    A key no installed strategy claims never gets here: the server refuses it first
+    (``astrai_server.handler.refuse_unknown``, a 400 naming the field).
     """
     return dict(request.model_extra or {})
 
@@ -136,47 +151,6 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n"
-
-
-_TOOLS_PROMPT = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
-)
-
-
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of ``messages`` (Hugging Face chat convention) through the model's chat template.
-
-    ``tools`` (``[{"type": "function", "function": {...}}]``) go to the template.
-    A template that never mentions ``tools`` (SmolLM2's, for one) would drop
-    them, so they are described in the system message instead, in the
-    Hermes/Qwen ``<tool_call>`` format; likewise an assistant turn's
-    ``tool_calls`` become ``<tool_call>`` text for a template that ignores them.
-    Raises ``RequestRejected`` (from the tokenizer) when the template fails.
-    """
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if tools and "tools" not in template:
-        described = _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-        if messages and messages[0]["role"] == "system":
-            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{described}"}, *messages[1:]]
-        else:
-            messages = [{"role": "system", "content": described}, *messages]
-        tools = None
-    if "tool_calls" not in template:
-        messages = [_inline_tool_calls(m) if m.get("tool_calls") else m for m in messages]
-    return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True))
-
-
-def _inline_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
-    calls = "\n".join(
-        "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) + "\n</tool_call>"
-        for c in message["tool_calls"]
-    )
-    content = f"{message.get('content') or ''}\n{calls}".lstrip("\n")
-    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
 
 
 class ResponseBuilder(ABC):
@@ -212,8 +186,14 @@ class ResponseBuilder(ABC):
         """Frames sent before the first piece (e.g. OpenAI role deltas, Anthropic message_start)."""
 
     @abstractmethod
-    def format_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
-        """Frames carrying ``text``, a non-empty piece of choice ``index``."""
+    def format_chunk(self, prepared: Prepared, index: int, text: str, **logprobs: Any) -> list[str]:
+        """Frames carrying ``text``, a non-empty piece of choice ``index``.
+
+        When the request asked for log-probs (``params.logprobs`` / ``prompt_logprobs`` set) the
+        handler adds ``logprobs=`` (the ``TokenLogprob`` of the tokens this text comes from) and, on a
+        choice's first chunk, ``prompt_logprobs=`` (``Choice.prompt_logprobs``). The rest, of tokens
+        that brought no text (EOS, a held-back stop string), is ``Choice.logprobs[logprobs_streamed:]``.
+        """
 
     @abstractmethod
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
@@ -223,12 +203,22 @@ class ResponseBuilder(ABC):
     def format_response(self, prepared: Prepared, result: ChatResult) -> dict[str, Any]:
         """The JSON body of a non-streaming response."""
 
-    def get_routes(self) -> dict[str, Callable[[Any], dict[str, Any]]]:
+    def get_routes(self) -> dict[str, Callable[..., dict[str, Any]]]:
         """GET routes the protocol adds besides its POST route (e.g. a model listing).
 
-        Maps a path (starting with "/") to a function of the engine returning the
-        JSON body. The server guards them with the API key and answers 503 while
-        the engine is not ready. Default: none.
+        Maps a path (starting with "/"; ``{name}`` segments are path parameters) to a function
+        of the engine (and the path parameters, by keyword) returning the JSON body. The server
+        guards them with the API key, answers 503 while the engine is not ready, and shapes
+        errors with :meth:`format_error` (``ModelNotFound`` is a 404). Default: none.
+        """
+        return {}
+
+    def post_routes(self) -> dict[str, tuple[type[BaseModel], Callable[[Any, Any], dict[str, Any]]]]:
+        """JSON POST routes that generate nothing (tokenizer endpoints, token counting).
+
+        Maps a path to ``(request model, function(request, engine) -> JSON body)``; the body is
+        validated and checked for unknown fields as a generation request is, errors are shaped
+        by :meth:`format_error`. Default: none.
         """
         return {}
 

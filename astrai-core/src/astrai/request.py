@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from astrai.extension.backend.policy import BackendChoice
+    from astrai.logprobs import TokenLogprob
     from astrai.sampling import SamplingParams
     from astrai.stopping import StopChecker
 
@@ -28,7 +29,9 @@ class ResultSink(Protocol):
     """Where a request's output goes. Both methods are called on the scheduler thread."""
 
     def deliver_piece(self, piece: str) -> None:
-        """A non-empty piece of valid text, in order. May raise: the request then fails."""
+        """A non-empty piece of valid text, in order. May raise: the request then fails.
+
+        ``Request.logprobs`` then holds the entries of every token accepted so far."""
 
     def deliver_final(self, request: Request) -> None:
         """The request is over and its KV is released; called exactly once."""
@@ -69,6 +72,10 @@ class Request:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission; -1: never admitted
+    # Log-probs (when params.logprobs / prompt_logprobs is set): one per accepted token, and one per
+    # prompt token from the second on, appended by the runner as the prompt is computed.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -90,13 +97,22 @@ class Request:
             self.finish_reason, self.stop_sequence, self.error = reason, stop_sequence, error
             self.finished_at = time.perf_counter()
 
-    def accept(self, token: int, eos_token_ids: Container[int]) -> None:
-        """Append one sampled token, emit its text, and apply the stop conditions. O(1) per token."""
+    def accept(self, token: int, eos_token_ids: Container[int], logprob: TokenLogprob | None = None) -> None:
+        """Append one sampled token (and its log-prob), emit its text, and apply the stop conditions.
+
+        O(1) per token (``stop_token_ids`` is a short list). A request with ``max_tokens`` 0
+        wanted its prompt computed only: it ends with "length" and keeps nothing.
+        """
+        if self.params.max_tokens == 0:
+            self.finish(FinishReason.LENGTH)
+            return
         if not self.output_ids:
             self.first_token_at = time.perf_counter()
         self.tokens.append(token)
         self.output_ids.append(token)
-        if token in eos_token_ids and not self.params.ignore_eos:
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if (token in eos_token_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
             self._end(FinishReason.STOP)
             return
         piece, matched = self.stopper.push(token)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from astrai.logprobs import TokenLogprob
     from astrai.request import FinishReason, Request
 
 __all__ = ["GenerateResult"]
@@ -22,6 +23,13 @@ class GenerateResult:
     exception from ``on_piece`` fails this request only. After completion:
     ``text``, ``output_ids`` (EOS included when generated), ``prompt_tokens``,
     ``completion_tokens``, ``finish_reason``, ``stop_sequence``, ``error``.
+
+    Log-probs, when ``SamplingParams.logprobs`` / ``prompt_logprobs`` asked for them:
+    ``logprobs`` (one ``TokenLogprob`` per generated token, growing as tokens are accepted,
+    before the piece holding their text is delivered), ``prompt_logprobs`` (``None`` for the
+    first prompt token, then one per prompt token; complete before the first piece) and
+    ``piece_ends`` (for the k-th piece, how many generated tokens had been accepted when it
+    was delivered: its log-probs are ``logprobs[piece_ends[k - 1]:piece_ends[k]]``).
     """
 
     def __init__(
@@ -33,6 +41,10 @@ class GenerateResult:
     ) -> None:
         self.request_id, self.prompt_tokens = request_id, prompt_tokens
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # the request's own list once bound (see bind)
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        self.piece_ends: list[int] = []
+        self._request: Request | None = None
         self.finish_reason: FinishReason | None = None
         self.stop_sequence: str | None = None
         self.error: BaseException | None = None
@@ -55,9 +67,16 @@ class GenerateResult:
     def completion_tokens(self) -> int:
         return len(self.output_ids)
 
+    def bind(self, request: Request) -> None:
+        """Share ``request``'s log-prob lists (written on the scheduler thread, read after each piece)."""
+        self._request = request
+        self.logprobs = request.logprobs
+
     def deliver_piece(self, piece: str) -> None:
         with self._cond:
             self._pieces.append(piece)
+            self.piece_ends.append(len(self.logprobs))
+            self._prompt_logprobs()
             self._event.set()
         if self._on_piece is not None:
             self._on_piece(piece)
@@ -65,6 +84,7 @@ class GenerateResult:
     def deliver_final(self, request: Request) -> None:
         with self._cond:
             self.output_ids = list(request.output_ids)
+            self._prompt_logprobs()
             self.finish_reason, self.stop_sequence = request.finish_reason, request.stop_sequence
             self.error = request.error
             self._done = True
@@ -72,6 +92,12 @@ class GenerateResult:
             self._event.set()
         if self._on_done is not None:
             self._on_done(self)
+
+    def _prompt_logprobs(self) -> None:
+        request = self._request
+        if not self.prompt_logprobs and request is not None and request.params.prompt_logprobs is not None:
+            if len(request.prompt_logprobs) == len(request.prompt_ids) - 1:  # complete (not an aborted prefill)
+                self.prompt_logprobs = [None, *request.prompt_logprobs]
 
     def wait_completion(self, timeout: float | None = None) -> bool:
         """Block until the request is over (no timeout by default); False if ``timeout`` passed."""

@@ -3,19 +3,21 @@
 ``ModelRunner.execute`` builds the step's flattened ragged batch (ids, positions, the
 ``KVCache`` of ``PagePool.bind_tasks``), resolves the step's attention backend once and lets
 it prepare (``astrai.extension.bind_step``), runs the model and samples the rows that want a
-next token, all at once. ``warm_up`` runs two tiny steps on a scratch pool before the first
+next token, all at once; the log-probs of the rows that asked come from the same logits
+(``astrai.logprobs``). ``warm_up`` runs two tiny steps on a scratch pool before the first
 request. Runs on the scheduler thread (see ``astrai.cpu_tuning`` for why the model does).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from astrai.extension.backend.policy import BackendChoice, bind_step
+from astrai.logprobs import TokenLogprob, token_logprobs
 from astrai.sampling import SamplingBatch, SamplingPipeline
 
 if TYPE_CHECKING:
@@ -30,16 +32,28 @@ class ModelRunner:
     """Runs ``model`` over ``pool`` one step at a time and samples with ``pipeline``.
 
     ``model(input_ids [T], positions [T], kv_cache, logits_indices [B]) -> [B, vocab] f32``.
+    ``eos_token_ids`` are banned (with ``stop_token_ids``) until a request reaches ``min_tokens``.
     """
 
-    def __init__(self, model: torch.nn.Module, pool: PagePool, pipeline: SamplingPipeline | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, pool: PagePool, pipeline: SamplingPipeline | None = None,
+        eos_token_ids: Collection[int] = (),
+    ) -> None:  # fmt: skip
         self.model, self.pool = model, pool
         self.pipeline = pipeline or SamplingPipeline.default()
+        self.eos_token_ids = tuple(eos_token_ids)
         # the query layout backends are asked about (supports/prepare read dtype, device, heads, head_dim)
         self._query = torch.empty((0, pool.n_heads, pool.head_dim), dtype=pool.dtype, device=pool.device)
 
-    def execute(self, plan: StepPlan, sampled: Sequence[Request]) -> list[int]:
-        """Run ``plan``'s rows as one forward; the next token of each of ``sampled`` (its sampled rows)."""
+    def execute(
+        self, plan: StepPlan, sampled: Sequence[Request], rows: Sequence[Request] = ()
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Run ``plan``'s rows as one forward: the next token of each of ``sampled`` (its sampled rows)
+        and, per sampled row, its log-probs (``None`` where not asked; an empty list when no row asked).
+
+        ``rows``: the requests of every row, needed when ``plan.scored``: the prompt log-probs of
+        the positions a scored row computes are appended to its ``Request.prompt_logprobs``.
+        """
         device = self.pool.device
         if plan.is_decode:  # one token per row: host lists are cheaper than the general layout
             host = torch.tensor([plan.input_ids, plan.starts])
@@ -53,29 +67,76 @@ class ModelRunner:
             ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=device)
             positions = (torch.arange(t) + torch.repeat_interleave(starts - (ends - q_t), q_t, output_size=t)).to(device)
             logits_indices = (ends - 1)[torch.tensor(plan.sample, dtype=torch.bool)].to(device)
+        scoring = self._scoring(plan, rows) if any(plan.scored) else None
+        if scoring is not None:
+            logits_indices = torch.cat([scoring[0].to(device), logits_indices])
         kv = self.pool.bind_tasks(plan.req_indices, plan.q_lens, plan.seq_lens)
         self.bind(kv, plan.backend)
         logits = self.model(ids, positions, kv, logits_indices)
+        if scoring is not None:
+            _, targets, owners = scoring
+            ks = [req.params.prompt_logprobs for req, n in owners for _ in range(n)]
+            scored = token_logprobs(logits[: len(targets)], targets.to(device), ks)
+            logits, at = logits[len(targets) :], 0
+            for req, n in owners:
+                req.prompt_logprobs.extend(scored[at : at + n])
+                at += n
         return self.sample(logits, sampled)
+
+    @staticmethod
+    def _scoring(plan: StepPlan, rows: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, list] | None:
+        """Flat token indices whose logits score a prompt token, those tokens, and ``(request, count)``
+        per scored row: the positions its chunk computes that no earlier step scored."""
+        indices, targets, owners, offset = [], [], [], 0
+        for req, start, q, scored in zip(rows, plan.starts, plan.q_lens, plan.scored, strict=True):
+            lo, hi = max(start, len(req.prompt_logprobs)), min(start + q, len(req.prompt_ids) - 1)
+            if scored and hi > lo:  # position p's logits give the log-prob of prompt token p + 1
+                indices.extend(range(offset + lo - start, offset + hi - start))
+                targets.extend(req.prompt_ids[lo + 1 : hi + 1])
+                owners.append((req, hi - lo))
+            offset += q
+        if not owners:
+            return None
+        return torch.tensor(indices, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), owners
 
     def bind(self, kv: KVCache, choice: BackendChoice) -> None:
         """The step's attention backend for ``choice``, resolved once and prepared (``kv.backend``)."""
         bind_step(kv, self._query, choice)
 
-    def sample(self, logits: torch.Tensor, sampled: Sequence[Request]) -> list[int]:
-        """One token per row of ``logits`` (``[B, vocab]``, row i for ``sampled[i]``), vectorised."""
+    def sample(self, logits: torch.Tensor, sampled: Sequence[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row of ``logits`` (``[B, vocab]``, row i for ``sampled[i]``), vectorised, and the
+        log-probs of the rows that asked (of the raw ``logits``: the pipeline does not modify them)."""
         if not sampled:
-            return []
-        if all(r.params.plain_greedy for r in sampled):  # argmax, whatever the pipeline holds
-            return logits.argmax(dim=-1).tolist()
-        penalised = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
-        batch = SamplingBatch.from_params(
-            [r.params for r in sampled],
-            [len(r.output_ids) for r in sampled],
-            logits.device,
-            [r.output_ids for r in sampled] if penalised else None,
-        )
-        return self.pipeline.sample(logits, batch).tolist()
+            return [], []
+        params = [r.params for r in sampled]
+        if all(p.plain_greedy for p in params):  # argmax, whatever the pipeline holds
+            ids = logits.argmax(dim=-1)
+        else:
+            penalised = any(p.penalised for p in params)
+            batch = SamplingBatch.from_params(
+                params,
+                [len(r.output_ids) for r in sampled],
+                logits.device,
+                [r.output_ids for r in sampled] if penalised else None,
+                [r.prompt_ids for r in sampled] if any(p.repetition_penalty != 1.0 for p in params) else None,
+                [self._banned(r) for r in sampled] if any(p.min_tokens for p in params) else None,
+            )
+            ids = self.pipeline.sample(logits, batch)
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asked:
+            return ids.tolist(), []
+        rows = torch.tensor(asked, device=logits.device)
+        entries = token_logprobs(logits.index_select(0, rows), ids.index_select(0, rows), [params[i].logprobs for i in asked])
+        out: list[TokenLogprob | None] = [None] * len(sampled)
+        for i, entry in zip(asked, entries, strict=True):
+            out[i] = entry
+        return ids.tolist(), out
+
+    def _banned(self, req: Request) -> tuple[int, ...]:
+        """Tokens ``req`` may not sample yet: EOS (unless ignored) and its stop ids, before ``min_tokens``."""
+        if len(req.output_ids) >= req.params.min_tokens:
+            return ()
+        return (*(() if req.params.ignore_eos else self.eos_token_ids), *req.params.stop_token_ids)
 
     def warm_up(self, choice: BackendChoice) -> None:
         """A two-token prefill and a decode step on a scratch one-row pool: weights a kernel packs

@@ -63,7 +63,7 @@ class InferenceScheduler:
     ) -> None:
         self.pool = pool
         self.policy = BatchPolicy(pool, max_prefill_tokens, frozenset(eos_token_ids))
-        self.runner = ModelRunner(model, pool, pipeline)
+        self.runner = ModelRunner(model, pool, pipeline, self.policy.eos_token_ids)
         self.backend = backend  # attention backend for requests that did not choose one
         self.on_finished = on_finished  # after a request's result is delivered; cheap, on this thread
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -111,7 +111,9 @@ class InferenceScheduler:
         attention-backend choice in force on the calling thread is kept with the request.
         """
         if not req.prompt_ids:
-            raise RequestRejected("empty prompt: at least one token is needed")
+            raise RequestRejected("empty prompt: at least one token is needed", param="prompt")
+        if self.vocab_size is not None and not 0 <= min(req.prompt_ids) <= max(req.prompt_ids) < self.vocab_size:
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         req.params = self.runner.pipeline.prepare(req.params, self.vocab_size)
         n = len(req.prompt_ids) + req.params.max_tokens
         if not self.pool.can_ever_fit(n):
@@ -167,12 +169,13 @@ class InferenceScheduler:
     def _execute(self, plan: StepPlan) -> None:
         """Run ``plan`` and advance its requests; a failure fails only them."""
         try:
-            next_ids = self.runner.execute(plan, self.policy.sampled(plan))
+            rows = self.policy.scheduled if plan.scored else ()
+            next_ids, logprobs = self.runner.execute(plan, self.policy.sampled(plan), rows)
         except Exception as exc:
             logger.exception("step of %d requests failed", len(plan.request_ids))
             self.policy.fail(plan, exc)
             return
-        self.policy.update(plan, next_ids)
+        self.policy.update(plan, next_ids, logprobs)
 
     def _run(self) -> None:
         try:

@@ -226,6 +226,18 @@ class PagePool:
         ps = self.page_size if self.paged else 1
         return -(-n_tokens // ps) * ps
 
+    def common_pages(self, a: list[int], b: list[int]) -> int:
+        """Complete pages that ``a[:-1]`` (what a prefix match may cover) and ``b`` share from the start."""
+        page = self.page_size
+        lo, hi = 0, min(len(a) - 1, len(b)) // page
+        while lo < hi:  # binary search on slice equality: C-speed comparisons, log(pages) of them
+            mid = (lo + hi + 1) // 2
+            if a[: mid * page] == b[: mid * page]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def headroom(self, n_requests: int) -> int:
         """Slots to keep free for ``n_requests`` running requests: a page each, so that admitting
         another does not force a preemption when they grow by a token."""

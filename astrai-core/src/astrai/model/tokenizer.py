@@ -40,6 +40,29 @@ def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character each byte is written as -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _bytes_to_unicode()
+
+
+def _is_byte_level(hf: PreTrainedTokenizerBase) -> bool:
+    """Whether the backend tokenizer decodes with the byte-level (GPT-2) decoder."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and "ByteLevel" in type(decoder).__name__ + repr(decoder)[:200]
+
+
 class Tokenizer:
     """Encode, decode and chat-template a model's text; ``hf`` is the wrapped transformers tokenizer."""
 
@@ -119,6 +142,27 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of :meth:`render_chat`; the template writes BOS/special tokens itself."""
         return self.encode(self.render_chat(messages, tools, add_generation_prompt))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (a byte-level BPE token may hold part of a character).
+
+        Special tokens give their text's UTF-8; ids the tokenizer does not know give b"".
+        """
+        token = self.hf.convert_ids_to_tokens(int(token_id))
+        if token is None:
+            return b""
+        if token_id not in self.hf.added_tokens_decoder and _is_byte_level(self.hf):
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in token)
+            except KeyError:  # not a byte-level piece after all
+                pass
+        if token.startswith("<0x") and token.endswith(">") and len(token) == 6:  # SentencePiece byte fallback
+            return bytes([int(token[3:5], 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """Token ``token_id`` as text, as OpenAI log-probs show it (partial UTF-8 bytes as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     @property
     def eos_token_ids(self) -> list[int]:

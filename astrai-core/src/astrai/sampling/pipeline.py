@@ -1,4 +1,4 @@
-"""SamplingPipeline: penalties -> temperature -> top-k -> top-p -> extras -> draw."""
+"""SamplingPipeline: penalties -> temperature -> top-k -> top-p -> min-p -> extras -> draw."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from astrai.errors import PluginError, RequestRejected
 from astrai.plugins import load_plugins
 from astrai.sampling.base import SAMPLING, SamplingStrategy, check_strategy_class
+from astrai.sampling.min_p import MinPStrategy
 from astrai.sampling.noise import categorical
 from astrai.sampling.params import SamplingBatch, SamplingParams
 from astrai.sampling.penalties import apply_penalties
@@ -30,6 +31,7 @@ BUILTINS: dict[str, type[SamplingStrategy]] = {
     "temperature": TemperatureStrategy,
     "top_k": TopKStrategy,
     "top_p": TopPStrategy,
+    "min_p": MinPStrategy,
 }
 """The stages every row goes through, in order, by entry-point name."""
 
@@ -37,7 +39,7 @@ BUILTINS: dict[str, type[SamplingStrategy]] = {
 class SamplingPipeline(SamplingStrategy):
     """Composes the strategies and draws one token per row.
 
-    Order: penalties and logit bias, then the stages (Temperature -> Top-K -> Top-P),
+    Order: penalties, logit bias and bans, then the stages (Temperature -> Top-K -> Top-P -> Min-P),
     then each extra strategy on the rows that select it (``SamplingParams.strategy``
     names it or ``SamplingParams.extra`` has its name as a key) or on every row when
     it is ``enabled``, then a draw from the softmax of the result. Temperature 0 rows
@@ -193,7 +195,9 @@ class SamplingPipeline(SamplingStrategy):
             if self._selected(name, params):
                 strategy.validate(params)
         if vocab_size is not None and any(t >= vocab_size for t in params.logit_bias):
-            raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab_size}")
+            raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab_size}", param="logit_bias")
+        if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
+            raise RequestRejected(f"stop_token_ids must be < vocab size {vocab_size}", param="stop_token_ids")
 
     def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Penalties, stages and extras; float32 ``[B, V]`` with -inf for filtered tokens.
@@ -231,7 +235,7 @@ class SamplingPipeline(SamplingStrategy):
         on the other rows. Synchronises the device only when some top-p row needs a full
         sort (see :class:`TopPStrategy`). Raises RequestRejected for an unknown strategy.
         """
-        if batch.all_greedy and not (batch.needs_penalties or batch.has_logit_bias):
+        if batch.all_greedy and not batch.changes_logits:
             return self._check(logits, batch, copy=False).argmax(dim=-1)
         logits = apply_penalties(self._check(logits, batch, copy=True), batch)
         # Greedy rows read the penalised logits before any stage divides or filters them.
