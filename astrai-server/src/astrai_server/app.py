@@ -1,8 +1,9 @@
 """``create_app(settings, engine)``: the FastAPI application (no import-time state).
 
 Mounts one POST route per protocol builder (every ``astrai.protocols`` entry
-point unless ``settings.protocols`` names some) and the GET routes builders
-declare (OpenAI's ``/v1/models``), plus ``GET /health`` and ``GET /stats``; then
+point unless ``settings.protocols`` names some) and the GET and JSON POST routes
+builders declare (OpenAI's ``/v1/models``, ``/tokenize``; Anthropic's token counting),
+plus ``GET /health`` and ``GET /stats``; then
 hook plugins extend the app (``astrai_server_app``). The engine hangs off
 ``app.state.engine`` and may arrive later (``astrai serve`` loads it after the
 socket is open): until then /health is 503 and protocol routes answer 503 in
@@ -15,18 +16,19 @@ import hmac
 import json
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from astrai.errors import EngineNotReady
 from astrai.plugins import PluginManager
 from astrai.protocol import ResponseBuilder
 from astrai_server.config import ServerSettings
 from astrai_server.errors import HTTPProblem, public_message, status_for
-from astrai_server.handler import ProtocolHandler
+from astrai_server.handler import ProtocolHandler, refuse_unknown
 
 if TYPE_CHECKING:
     from astrai.engine import InferenceEngine
@@ -59,7 +61,9 @@ def create_app(
     for builder in builders:
         app.add_api_route(builder.route, _protocol_endpoint(builder), methods=["POST"], name=builder.name)
         for path, body in builder.get_routes().items():
-            app.add_api_route(path, _get_endpoint(body), methods=["GET"], name=f"{builder.name}:{path}")
+            app.add_api_route(path, _get_endpoint(body, builder), methods=["GET"], name=f"{builder.name}:{path}")
+        for path, (model, body) in builder.post_routes().items():
+            app.add_api_route(path, _json_endpoint(builder, model, body), methods=["POST"], name=f"{builder.name}:{path}")
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/stats", _get_endpoint(lambda engine: engine.get_stats()), methods=["GET"])
@@ -90,8 +94,9 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _parse(builder: ResponseBuilder, raw: bytes) -> Any:
-    """The validated request model; HTTPProblem 400 for malformed JSON, 422 for schema errors."""
+def _parse(builder: ResponseBuilder, raw: bytes, model: type[BaseModel] | None = None) -> Any:
+    """The validated request model (``builder.request_model`` by default); HTTPProblem 400 for
+    malformed JSON or a field the model forbids (an unknown nested field), 422 for schema errors."""
     try:
         body = json.loads(raw)
     except ValueError as e:  # includes invalid UTF-8
@@ -99,21 +104,28 @@ def _parse(builder: ResponseBuilder, raw: bytes) -> Any:
     if not isinstance(body, dict):
         raise HTTPProblem(400, "request body must be a JSON object")
     try:
-        return builder.request_model.model_validate(body)
+        return (model or builder.request_model).model_validate(body)
     except ValidationError as e:
-        first = e.errors(include_url=False)[0]
+        errors = e.errors(include_url=False)
+        unknown = [err for err in errors if err["type"] == "extra_forbidden"]
+        first = (unknown or errors)[0]
         loc = ".".join(str(x) for x in first["loc"])
+        if unknown:
+            raise HTTPProblem(400, f"unsupported parameter {loc}: astrai does not implement it", param=loc) from None
         more = f" (and {e.error_count() - 1} more errors)" if e.error_count() > 1 else ""
         raise HTTPProblem(422, f"{loc or 'body'}: {first['msg']}{more}", param=loc or None) from None
 
 
+def _error(builder: ResponseBuilder, exc: BaseException) -> JSONResponse:
+    """``exc`` as the builder's error body, with its status (``param`` when the error names a field)."""
+    status = status_for(exc)
+    if status >= 500 and not isinstance(exc, EngineNotReady):
+        logger.error("%s request failed", builder.name, exc_info=exc)
+    return JSONResponse(builder.format_error(status, public_message(exc), getattr(exc, "param", None)), status_code=status)
+
+
 def _protocol_endpoint(builder: ResponseBuilder) -> Any:
-    def error(exc: BaseException) -> JSONResponse:
-        status = status_for(exc)
-        if status >= 500 and not isinstance(exc, EngineNotReady):
-            logger.error("%s request failed", builder.name, exc_info=exc)
-        param = exc.param if isinstance(exc, HTTPProblem) else None
-        return JSONResponse(builder.format_error(status, public_message(exc), param), status_code=status)
+    error = partial(_error, builder)
 
     async def endpoint(request: Request) -> Response:
         try:
@@ -151,12 +163,29 @@ def _guarded(request: Request) -> Any:
     return _ready_engine(request)
 
 
-def _get_endpoint(body: Callable[[Any], dict[str, Any]]) -> Any:
+def _get_endpoint(body: Callable[..., dict[str, Any]], builder: ResponseBuilder | None = None) -> Any:
+    """A GET route: ``body(engine, **path parameters)``; errors in ``builder``'s shape (plain without one)."""
+
     async def endpoint(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(body(_guarded(request)))
+            return JSONResponse(body(_guarded(request), **request.path_params))
         except Exception as exc:
-            return _plain_error(exc)
+            return _plain_error(exc) if builder is None else _error(builder, exc)
+
+    return endpoint
+
+
+def _json_endpoint(builder: ResponseBuilder, model: type[BaseModel], body: Callable[[Any, Any], dict[str, Any]]) -> Any:
+    """A JSON POST route that generates nothing: validated like a generation request, errors in the builder's shape."""
+
+    async def endpoint(request: Request) -> JSONResponse:
+        try:
+            engine = _guarded(request)
+            parsed = _parse(builder, await request.body(), model)
+            refuse_unknown(parsed, engine)
+            return JSONResponse(body(parsed, engine))
+        except Exception as exc:
+            return _error(builder, exc)
 
     return endpoint
 

@@ -1,11 +1,13 @@
 """``ProtocolHandler``: runs one request of any protocol through the engine (no HTTP here).
 
-The handler owns everything protocol-neutral: fitting a defaulted ``max_tokens``
-to ``engine.context_limit`` (the engine checks the rest at submit: ``logit_bias``
-ids against the vocabulary, an explicit ``max_tokens`` against the context), the
-``n`` choices, bridging the engine's scheduler-thread callbacks into the event loop
-(no thread per token), tool-call extraction, aborting on client disconnect, and
-turning the engine's results into ``astrai.protocol.ChatResult``. The builder formats.
+The handler owns everything protocol-neutral: refusing request fields nobody
+implements (``refuse_unknown``), fitting a defaulted ``max_tokens`` to
+``engine.context_limit`` (the engine checks the rest at submit: ``logit_bias`` ids
+against the vocabulary, an explicit ``max_tokens`` against the context), the ``n``
+choices of each prompt, bridging the engine's scheduler-thread callbacks into the event
+loop (no thread per token), log-probs alongside the text they belong to, tool-call
+extraction, aborting on client disconnect, and turning the engine's results into
+``astrai.protocol.ChatResult``. The builder formats.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class ProtocolHandler:
         self.builder, self.engine = builder, engine
 
     def start(self, request: BaseModel) -> _Run:
-        """Prepare and submit every choice. Raises RequestRejected (400: the builder's, or the
-        engine's at submit) or EngineNotReady (503)."""
+        """Prepare and submit every choice. Raises RequestRejected (400: an unknown field, the
+        builder's, or the engine's at submit) or EngineNotReady (503)."""
+        refuse_unknown(request, self.engine)
         prepared = self.builder.prepare(request, self.engine)
         opening = self._open_tool_call(prepared)
         self._check_limits(prepared)
@@ -56,7 +59,7 @@ class ProtocolHandler:
     def _open_tool_call(self, p: Prepared) -> str:
         """A request that must call a tool: end its prompt with the opening of a call, stop at the
         closing tag; returns the opening ("" when not required, or the template's format is another)."""
-        if not (p.tool_call_required and p.tools):
+        if not (p.tool_call_required and p.tools) or p.prompts is not None:
             return ""
         tokenizer = self.engine.tokenizer
         opening = call_opening(tokenizer, p.tools[0]["function"]["name"] if len(p.tools) == 1 else None)
@@ -67,7 +70,7 @@ class ProtocolHandler:
 
     def _check_limits(self, p: Prepared) -> None:
         """Refuse a prompt that leaves no room to generate; shorten a defaulted ``max_tokens`` to fit."""
-        limit, n_prompt = self.engine.context_limit, len(p.prompt_ids)
+        limit, n_prompt = self.engine.context_limit, max(map(len, p.prompts or [p.prompt_ids]))
         if n_prompt >= limit:
             raise RequestRejected(
                 f"the prompt is {n_prompt} tokens after templating, but the context limit is {limit} tokens "
@@ -94,12 +97,12 @@ class ProtocolHandler:
         try:
             for frame in b.format_stream_start(p):
                 yield frame
-            async for index, text in run.events():
-                for frame in b.format_chunk(p, index, text):
+            async for index, text, logprobs in run.events():
+                for frame in b.format_chunk(p, index, text, **logprobs):
                     yield frame
             result = run.result()
-            for index, text in run.held_text():
-                for frame in b.format_chunk(p, index, text):
+            for index, text, logprobs in run.held_text(result):
+                for frame in b.format_chunk(p, index, text, **logprobs):
                     yield frame
             for frame in b.format_stream_end(p, result):
                 yield frame
@@ -113,6 +116,19 @@ class ProtocolHandler:
             run.abort()
 
 
+def refuse_unknown(request: BaseModel, engine: Any) -> None:
+    """RequestRejected (400, ``param`` set) for a top-level field that neither the request model
+    declares nor an installed sampling plugin claims (``SamplingPipeline.extra_keys``): a field
+    the server does not implement is refused, never silently ignored."""
+    pipeline = getattr(engine, "pipeline", None)
+    claimed = pipeline.extra_keys if pipeline is not None else frozenset()
+    for key in request.model_extra or {}:
+        if key not in claimed:
+            raise RequestRejected(
+                f"unsupported parameter {key!r}: astrai does not implement it (see docs/http-api.md)", param=key
+            )
+
+
 async def _abort_on(disconnected: Disconnect, run: _Run) -> None:
     await disconnected()
     logger.info("client of %s disconnected: aborting", run.prepared.response_id)
@@ -120,16 +136,23 @@ async def _abort_on(disconnected: Disconnect, run: _Run) -> None:
 
 
 class _Run:
-    """The ``n`` engine requests of one HTTP request, and their events on the event loop."""
+    """The engine requests of one HTTP request (``n`` per prompt), and their events on the event loop."""
 
     def __init__(self, engine: Any, prepared: Prepared, loop: asyncio.AbstractEventLoop, opening: str = "") -> None:
         self.engine, self.prepared, self.loop = engine, prepared, loop
         self.queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
         self.results: list[Any] = []
+        self.prompts = prepared.prompts or [prepared.prompt_ids]
+        count = prepared.n * len(self.prompts)
         names = {t["function"]["name"] for t in prepared.tools}
-        self.filters = [ToolCallStreamFilter(names, opening) for _ in range(prepared.n)] if names else None
+        self.filters = [ToolCallStreamFilter(names, opening) for _ in range(count)] if names else None
         self.names, self.opening = names, opening  # opening: the start of a call that the prompt ends with
-        self._held: list[str] = [""] * prepared.n  # set by result(): text a filter held that was no call
+        self._held: list[str] = [""] * count  # set by result(): text a filter held that was no call
+        params = prepared.params
+        self.with_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+        self._pieces = [0] * count  # pieces received per choice
+        self._sent = [0] * count  # log-prob entries sent per choice
+        self._opened = [False] * count  # whether a choice's first chunk went out
 
     def _post(self, item: tuple[int, str | None]) -> None:
         # Runs on the scheduler thread: never raise there (a closed loop means nobody listens).
@@ -141,11 +164,12 @@ class _Run:
     def submit(self) -> None:
         p = self.prepared
         try:
-            for i in range(p.n):
-                params = p.params if p.params.seed is None else dataclasses.replace(p.params, seed=p.params.seed + i)
+            for i in range(len(self._pieces)):
+                k = i % p.n  # choice k of prompt i // n
+                params = p.params if p.params.seed is None else dataclasses.replace(p.params, seed=p.params.seed + k)
                 self.results.append(
                     self.engine.submit(
-                        p.prompt_ids, params,
+                        self.prompts[i // p.n], params,
                         on_piece=lambda piece, i=i: self._post((i, piece)),
                         on_done=lambda _r, i=i: self._post((i, None)),
                     )
@@ -154,21 +178,41 @@ class _Run:
             self.abort()  # one choice rejected: withdraw the others
             raise
 
-    async def events(self) -> AsyncIterator[tuple[int, str]]:
-        """``(choice index, text)`` as it may be sent (tool-call text held back), until all are done."""
+    async def events(self) -> AsyncIterator[tuple[int, str, dict[str, Any]]]:
+        """``(choice index, text, log-probs)`` as it may be sent (tool-call text held back), until all
+        are done; the log-probs are ``format_chunk``'s keywords ({} when the request asked none)."""
         left = len(self.results)
         while left:
             index, piece = await self.queue.get()
             if piece is None:
                 left -= 1
                 continue
+            self._pieces[index] += 1
             text = self.filters[index].push(piece) if self.filters else piece
             if text:
-                yield index, text
+                yield index, text, self._logprobs(index, self._pieces[index] - 1)
 
-    def held_text(self) -> list[tuple[int, str]]:
-        """Text a tool-call filter held back that turned out not to be a call (after ``result``)."""
-        return [(i, t) for i, t in enumerate(self._held) if t]
+    def _logprobs(self, index: int, piece: int | None) -> dict[str, Any]:
+        """The log-prob keywords of choice ``index``'s next chunk: its entries not sent yet, up to those
+        of its ``piece``-th piece (None: all)."""
+        if not self.with_logprobs:
+            return {}
+        r = self.results[index]
+        upto = len(r.logprobs) if piece is None else r.piece_ends[piece]
+        out: dict[str, Any] = {"logprobs": r.logprobs[self._sent[index] : upto]}
+        self._sent[index] = max(self._sent[index], upto)
+        if not self._opened[index] and self.prepared.params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = r.prompt_logprobs
+        self._opened[index] = True
+        return out
+
+    def held_text(self, result: ChatResult) -> list[tuple[int, str, dict[str, Any]]]:
+        """Text a tool-call filter held back that turned out not to be a call (after ``result``, whose
+        choices then count the log-probs these chunks carry as streamed)."""
+        held = [(i, t, self._logprobs(i, None)) for i, t in enumerate(self._held) if t]
+        for c in result.choices:
+            c.logprobs_streamed = self._sent[c.index]
+        return held
 
     def result(self) -> ChatResult:
         """The finished choices; raises the first engine error (status from ``errors.status_for``)."""
@@ -183,13 +227,18 @@ class _Run:
                 text = parse_tool_calls(text, self.names)[0] if calls else text
             if self.opening and stop_sequence == CLOSE:  # the forced call's end, not the client's stop
                 reason, stop_sequence = "stop", None
+            params = self.prepared.params
             choices.append(
                 Choice(
                     index=i, text=text, finish_reason="tool_calls" if calls else reason,
                     completion_tokens=r.completion_tokens, stop_sequence=stop_sequence, tool_calls=calls,
+                    prompt_index=i // self.prepared.n,
+                    logprobs=list(r.logprobs) if params.logprobs is not None else None,
+                    prompt_logprobs=r.prompt_logprobs if params.prompt_logprobs is not None else None,
+                    logprobs_streamed=self._sent[i],
                 )
             )  # fmt: skip
-        return ChatResult(choices=choices, prompt_tokens=len(self.prepared.prompt_ids))
+        return ChatResult(choices=choices, prompt_tokens=sum(map(len, self.prompts)))
 
     def abort(self) -> None:
         """Abort every choice still running (idempotent; finished ones are left alone)."""
