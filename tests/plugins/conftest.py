@@ -1,6 +1,6 @@
 """Fixtures of the plugin tests: the example distributions as users install them, a real ``astrai serve``.
 
-The examples (``examples/astrai-ollama``, ``astrai-min-p``, ``astrai-request-log``) and the
+The examples (``examples/astrai-ollama``, ``astrai-typical-p``, ``astrai-request-log``) and the
 deliberately broken ``tests/plugins/broken_plugin`` are pip-installed by the README's test
 command; nothing here registers or patches a plugin. Without them the tests skip locally
 and fail under CI, where their absence is a broken setup.
@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-DISTRIBUTIONS = ("astrai-ollama", "astrai-min-p", "astrai-request-log", "astrai-broken-plugin")
-INSTALL = "pip install ./examples/astrai-ollama ./examples/astrai-min-p ./examples/astrai-request-log ./tests/plugins/broken_plugin"
+DISTRIBUTIONS = ("astrai-ollama", "astrai-typical-p", "astrai-request-log", "astrai-broken-plugin")
+INSTALL = "pip install ./examples/astrai-ollama ./examples/astrai-typical-p ./examples/astrai-request-log ./tests/plugins/broken_plugin"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -61,8 +61,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -
     """``astrai serve`` on the default model (float32) with every installed plugin.
 
     Configured as a user would: ``serve.yaml`` sets the request-log plugin's
-    ``request_log`` key; the flag ``--sampling min_p=1.0`` makes every request
-    min-p-filtered unless it sets ``min_p`` itself.
+    ``request_log`` key; the flag ``--sampling typical_p=1e-9`` leaves every sampled
+    request one token per step (its most typical one, whatever the seed) unless it sets
+    ``typical_p`` itself.
     """
     tmp = tmp_path_factory.mktemp("served")
     log, output = tmp / "requests.jsonl", tmp / "server.log"
@@ -70,7 +71,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -
     config.write_text(f"server:\n  dtype: float32\n  max_seq_len: 1024\n  request_log: {log}\n")
     port = _free_port()
     cmd = [sys.executable, "-m", "astrai.cli", "serve", "--config", str(config), "--port", str(port),
-           "--sampling", "min_p=1.0", "--log-level", "warning"]  # fmt: skip
+           "--sampling", "typical_p=1e-9", "--log-level", "warning"]  # fmt: skip
     with output.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

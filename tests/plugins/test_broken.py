@@ -25,7 +25,7 @@ def test_failures_are_kept_with_their_distribution() -> None:
 
 def test_selecting_a_broken_sampling_plugin_raises_its_error() -> None:
     pipe = SamplingPipeline.discover()  # loads despite it
-    assert "min_p" in pipe.extra and "not_a_strategy" not in pipe.extra
+    assert "typical_p" in pipe.extra and "not_a_strategy" not in pipe.extra
     for params in (SamplingParams(strategy="not_a_strategy"), SamplingParams(extra={"not_a_strategy": 1})):
         with pytest.raises(PluginError, match=DIST):
             pipe.prepare(params)

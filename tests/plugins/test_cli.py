@@ -23,8 +23,9 @@ def test_plugins_lists_every_group_with_distribution_version_and_status() -> Non
         ("astrai.attention_backends", "torch_native"): "astrai-core",
         ("astrai.protocols", "openai"): "astrai-server",
         ("astrai.protocols", "ollama"): "astrai-ollama",
+        ("astrai.protocols", "ollama_generate"): "astrai-ollama",
         ("astrai.sampling", "top_p"): "astrai-core",
-        ("astrai.sampling", "min_p"): "astrai-min-p",
+        ("astrai.sampling", "typical_p"): "astrai-typical-p",
         ("astrai.models", "qwen2"): "astrai-core",
         ("astrai.plugins", "request_log"): "astrai-request-log",
         ("astrai.plugins", "astrai_server"): "astrai-server",  # its hook adds `astrai serve`
@@ -66,8 +67,8 @@ def test_hook_plugins_add_options_to_the_engine_commands() -> None:
 
 
 def test_bad_sampling_configuration_stops_serve() -> None:
-    done = astrai("serve", "--sampling", "min_p=5", "--port", "0")
-    assert done.returncode == 2 and "min_p must be in [0, 1]" in done.stderr
+    done = astrai("serve", "--sampling", "typical_p=5", "--port", "0")
+    assert done.returncode == 2 and "typical_p must be in (0, 1]" in done.stderr
     done = astrai("serve", "--sampling", "not_a_strategy=1", "--port", "0")  # selects the broken plugin
     assert done.returncode == 2 and "astrai-broken-plugin 0.1.0" in done.stderr
 
@@ -81,14 +82,15 @@ def test_explicitly_selected_broken_protocol_stops_serve() -> None:
 
 @pytest.mark.slow
 def test_chat_takes_sampling_defaults_and_plugin_options(plugin_engine: Any, tmp_path: Path) -> None:
-    """``astrai chat --sampling min_p=1.0 --request-log PATH``: greedy for any seed, one line logged."""
+    """``astrai chat --sampling typical_p=1e-9 --request-log PATH``: the same for any seed, one line logged."""
     question = "What is the capital of France?"
-    greedy = plugin_engine.chat([{"role": "user", "content": question}], temperature=0, max_tokens=12)
+    sampled = {"temperature": 1.0, "max_tokens": 12, "typical_p": 1e-9}  # one token per step: the most typical
+    expected = plugin_engine.chat([{"role": "user", "content": question}], seed=0, **sampled)
     log = tmp_path / "requests.jsonl"
     done = astrai("chat", question, "--dtype", "float32", "--max-tokens", "12", "--temperature", "1.0",
-                  "--seed", "5", "--sampling", "min_p=1.0", "--request-log", str(log))  # fmt: skip
+                  "--seed", "5", "--sampling", "typical_p=1e-9", "--request-log", str(log))  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stdout == greedy + "\n"
+    assert done.stdout == expected + "\n"
     (line,) = log.read_text().splitlines()
     record = json.loads(line)
     assert record["finish_reason"] in ("stop", "length") and record["completion_tokens"] <= 12

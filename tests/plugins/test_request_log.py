@@ -51,7 +51,7 @@ def test_one_json_line_per_finished_request_with_timings(served: Any) -> None:
 
 def test_rejected_requests_are_not_logged_and_aborted_ones_are(served: Any) -> None:
     started = time.time()
-    r = httpx.post(served.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "min_p": 5})
+    r = httpx.post(served.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "typical_p": 5})
     assert r.status_code == 400  # refused before the engine saw it: nothing finished
     body = {"messages": [{"role": "user", "content": "Count to one hundred."}], "max_tokens": 400, "stream": True,
             "ignore_eos": True}  # fmt: skip

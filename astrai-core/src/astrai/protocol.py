@@ -135,7 +135,7 @@ def plugin_sampling(request: BaseModel) -> dict[str, Any]:
     A key no installed strategy claims never gets here: the server refuses it first
     (``astrai_server.handler.refuse_unknown``, a 400 naming the field).
     """
-    return dict(request.model_extra or {})
+    return {k: v for k, v in (request.model_extra or {}).items() if v is not None}  # null: not set
 
 
 def new_id(prefix: str) -> str:

@@ -49,7 +49,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "log_level", "log level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--sampling", dest="sampling", action="append", type=parse_key_value, default=argparse.SUPPRESS,
-        metavar="KEY=VALUE", help="parameter of a sampling plugin for every request, e.g. min_p=0.05 (repeatable)",
+        metavar="KEY=VALUE", help="parameter of a sampling plugin for every request, e.g. typical_p=0.9 (repeatable)",
     )  # fmt: skip
 
 

@@ -54,7 +54,7 @@ class ServerSettings(BaseModel):
     api_key: str | None = None
     protocols: list[str] | None = None  # entry-point names to mount; None: every installed one
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    sampling: dict[str, Any] = {}  # plugin sampling parameters for every request: {"min_p": 0.05}
+    sampling: dict[str, Any] = {}  # plugin sampling parameters for every request: {"typical_p": 0.9}
     plugin_options: dict[str, Any] = {}  # values of hook plugins' options, by dest
 
     @field_validator("kv_memory", mode="before")

@@ -119,11 +119,11 @@ class ProtocolHandler:
 def refuse_unknown(request: BaseModel, engine: Any) -> None:
     """RequestRejected (400, ``param`` set) for a top-level field that neither the request model
     declares nor an installed sampling plugin claims (``SamplingPipeline.extra_keys``): a field
-    the server does not implement is refused, never silently ignored."""
+    the server does not implement is refused, never silently ignored. JSON null is not setting it."""
     pipeline = getattr(engine, "pipeline", None)
     claimed = pipeline.extra_keys if pipeline is not None else frozenset()
-    for key in request.model_extra or {}:
-        if key not in claimed:
+    for key, value in (request.model_extra or {}).items():
+        if value is not None and key not in claimed:
             raise RequestRejected(
                 f"unsupported parameter {key!r}: astrai does not implement it (see docs/http-api.md)", param=key
             )
