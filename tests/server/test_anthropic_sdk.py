@@ -116,11 +116,50 @@ def test_errors_are_typed_sdk_exceptions(anthropic_client: Any, engine: Any, key
     body = info.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert f"{_prompt_tokens(engine, long)} tokens" in body["error"]["message"] and "1024" in body["error"]["message"]
-    with pytest.raises(anthropic.UnprocessableEntityError):
+    with pytest.raises(anthropic.UnprocessableEntityError, match="temperature"):
+        anthropic_client.messages.create(model="astrai", max_tokens=4, messages=FRANCE, extra_body={"temperature": 5})
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\.0\.role"):  # the SDK can send it; astrai refuses it
         anthropic_client.messages.create(model="astrai", max_tokens=4, messages=[{"role": "system", "content": "x"}])
+    with pytest.raises(anthropic.BadRequestError, match="thinking: extended thinking is not supported"):
+        anthropic_client.messages.create(model="astrai", max_tokens=4, messages=FRANCE, thinking={"type": "enabled", "budget_tokens": 1024})
     wrong = anthropic.Anthropic(base_url=keyed_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as auth:
         wrong.messages.create(model="astrai", max_tokens=1, messages=FRANCE)
     assert auth.value.body["error"]["type"] == "authentication_error"
     right = anthropic.Anthropic(base_url=keyed_url, api_key=api_key, max_retries=0)
     assert right.messages.create(model="astrai", max_tokens=1, messages=FRANCE).usage.output_tokens == 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"messages": FRANCE},
+        {"messages": ONE_SHOT, "tools": [WEATHER], "system": "You can look up the weather."},
+        {"messages": [*FRANCE, {"role": "assistant", "content": "The capital"}], "system": [{"type": "text", "text": "Answer briefly."}]},
+    ],
+    ids=["plain", "tools", "prefill"],
+)
+def test_count_tokens_is_the_input_tokens_of_the_same_messages(anthropic_client: Any, case: dict) -> None:
+    counted = anthropic_client.messages.count_tokens(model="astrai", **case)
+    created = anthropic_client.messages.create(model="astrai", max_tokens=1, extra_body=GREEDY, **case)
+    assert counted.input_tokens == created.usage.input_tokens > 0
+
+
+def test_ignored_fields_leave_the_greedy_answer_as_it_is(anthropic_client: Any) -> None:
+    kw = {"model": "astrai", "max_tokens": 12, "extra_body": GREEDY}
+    plain = anthropic_client.messages.create(**kw, messages=FRANCE, system="Answer briefly.")
+    marked = {"type": "ephemeral", "ttl": "5m"}
+    decorated = anthropic_client.messages.create(
+        **kw, system=[{"type": "text", "text": "Answer briefly.", "cache_control": marked}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": FRANCE[0]["content"], "cache_control": marked, "citations": None}]}],
+        metadata={"user_id": "u-1"}, service_tier="standard_only", inference_geo="us", speed="standard",
+        cache_control={"type": "ephemeral"}, thinking={"type": "disabled"}, output_config={}, container=None,
+    )  # fmt: skip
+    assert decorated.content[0].text == plain.content[0].text and plain.content[0].text
+    assert (decorated.usage, decorated.stop_reason) == (plain.usage, plain.stop_reason)
+
+
+def test_max_tokens_zero_computes_the_prompt_only(anthropic_client: Any, engine: Any) -> None:
+    m = anthropic_client.messages.create(model="astrai", max_tokens=0, messages=FRANCE)
+    assert (m.stop_reason, m.usage.output_tokens, [b.text for b in m.content]) == ("max_tokens", 0, [""])
+    assert m.usage.input_tokens == _prompt_tokens(engine, FRANCE)

@@ -109,7 +109,8 @@ def _parse(builder: ResponseBuilder, raw: bytes, model: type[BaseModel] | None =
         errors = e.errors(include_url=False)
         unknown = [err for err in errors if err["type"] == "extra_forbidden"]
         first = (unknown or errors)[0]
-        loc = ".".join(str(x) for x in first["loc"])
+        # without pydantic's union-member labels ("list[TextPart]", "function-after[...]"): the field's path
+        loc = ".".join(str(x) for x in first["loc"] if not (isinstance(x, str) and "[" in x))
         if unknown:
             raise HTTPProblem(400, f"unsupported parameter {loc}: astrai does not implement it", param=loc) from None
         more = f" (and {e.error_count() - 1} more errors)" if e.error_count() > 1 else ""

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from astrai.errors import EngineNotReady, RequestRejected
 from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder
 from astrai_server.errors import public_message, status_for
-from astrai_server.tools import CLOSE, ToolCallStreamFilter, call_opening, parse_tool_calls
+from astrai_server.tools import CLOSE, ToolCallStreamFilter, open_tool_call, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -50,23 +50,11 @@ class ProtocolHandler:
         builder's, or the engine's at submit) or EngineNotReady (503)."""
         refuse_unknown(request, self.engine)
         prepared = self.builder.prepare(request, self.engine)
-        opening = self._open_tool_call(prepared)
+        opening = open_tool_call(prepared, self.engine.tokenizer)
         self._check_limits(prepared)
         run = _Run(self.engine, prepared, asyncio.get_running_loop(), opening)
         run.submit()
         return run
-
-    def _open_tool_call(self, p: Prepared) -> str:
-        """A request that must call a tool: end its prompt with the opening of a call, stop at the
-        closing tag; returns the opening ("" when not required, or the template's format is another)."""
-        if not (p.tool_call_required and p.tools) or p.prompts is not None:
-            return ""
-        tokenizer = self.engine.tokenizer
-        opening = call_opening(tokenizer, p.tools[0]["function"]["name"] if len(p.tools) == 1 else None)
-        if opening:
-            p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
-            p.params = dataclasses.replace(p.params, stop=[*p.params.stop, CLOSE])
-        return opening
 
     def _check_limits(self, p: Prepared) -> None:
         """Refuse a prompt that leaves no room to generate; shorten a defaulted ``max_tokens`` to fit."""

@@ -18,10 +18,11 @@ write one that does not parse; that answer then comes back as text).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
-from astrai.protocol import ToolCall, new_id
+from astrai.protocol import Prepared, ToolCall, new_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -39,6 +40,19 @@ def call_opening(tokenizer: Any, name: str | None) -> str:
         return ""
     head = OPEN + "\n"
     return head + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ' if name else head
+
+
+def open_tool_call(p: Prepared, tokenizer: Any) -> str:
+    """A request that must call a tool: end its prompt with the opening of a call and stop at the
+    closing tag; returns the opening ("" when not required, for several prompts, or when the
+    template teaches another format). Modifies ``p.prompt_ids`` and ``p.params``."""
+    if not (p.tool_call_required and p.tools) or p.prompts is not None:
+        return ""
+    opening = call_opening(tokenizer, p.tools[0]["function"]["name"] if len(p.tools) == 1 else None)
+    if opening:
+        p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
+        p.params = dataclasses.replace(p.params, stop=[*p.params.stop, CLOSE])
+    return opening
 
 
 def _calls_from_json(obj: Any, names: set[str]) -> list[ToolCall] | None:

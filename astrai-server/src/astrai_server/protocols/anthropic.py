@@ -1,26 +1,37 @@
-"""Anthropic Messages (``POST /v1/messages``), as the official ``anthropic`` SDK expects it.
+"""Anthropic Messages (``POST /v1/messages``, ``POST /v1/messages/count_tokens``), as the ``anthropic`` SDK expects.
 
-Registered as entry point ``anthropic`` in ``astrai.protocols``. Parameters,
-defaults and ranges are the fields of ``MessagesRequest``, as documented in
-docs/http-api.md, ``tools`` / ``tool_choice`` included. A final assistant message
-is a prefill: generation continues it. Streams follow Anthropic's event sequence
-(``message_start`` with the real ``input_tokens``, ..., ``message_stop``) and end
-with ``data: [DONE]``.
+Registered as entry point ``anthropic`` in ``astrai.protocols``. Parameters, defaults and ranges
+are the fields of ``MessagesRequest``; its base ``MessagesInput`` holds what shapes the prompt,
+which is all that ``count_tokens`` takes (both share ``_prompt``, so the count is the
+``usage.input_tokens`` of the same input). ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids`` and ``ignore_eos`` are the vLLM extensions. Every field the SDK can send is
+implemented, accepted as metadata (``IGNORED``) or refused with a 400 naming it (``REFUSED``):
+a top-level one in ``prepare`` or, undeclared, by the handler; a nested one by the schema, as
+pydantic's ``extra_forbidden``, which the server answers with a 400 naming its location. A final
+assistant message is a prefill: generation continues it. Streams follow Anthropic's event
+sequence (``message_start`` with the real ``input_tokens``, ..., ``message_stop``) and end with
+``data: [DONE]``.
+
+Over 300 lines because the protocol is one file: a model for every object the SDK can send, the
+tables of what is refused or ignored, the prompt both routes share and the response frames.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from astrai.errors import RequestRejected
 from astrai.protocol import (
     ChatResult,
+    Choice,
     Prepared,
     ResponseBuilder,
+    ToolCall,
     chat_prompt_ids,
     new_id,
     plugin_sampling,
@@ -28,117 +39,267 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
-
-logger = logging.getLogger(__name__)
+from astrai_server.tools import open_tool_call
 
 STOP_REASON = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 ERROR_TYPE = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
 
+#: What astrai refuses of Anthropic's request (a 400 naming the field). The top-level fields that
+#: no value of is served are not declared (the handler refuses them; JSON null means "not sent").
+#: docs/http-api.md shows this table.
+REFUSED = {
+    "container": "code-execution containers are not supported",
+    "context_management": "context editing is not supported",
+    "diagnostics": "prompt-cache diagnostics are not supported",
+    "mcp_servers": "MCP servers are not supported",
+    "output_config": "effort and structured output (format) are not supported; {} is accepted",
+    "thinking": 'extended thinking is not supported; {"type": "disabled"} is accepted',
+    "messages[].role": '"system" is not supported; the system prompt goes in system',
+    "messages[].content[].type": "blocks other than text, tool_use and tool_result (image, document, thinking, ...)",
+    "messages[].content[].citations": "citations are not supported; null or [] is accepted",
+    "messages[].content[].caller": 'callers other than {"type": "direct"} (no programmatic tool calling)',
+    "messages[].content[].toolset_name": "MCP toolsets are not supported",
+    "tools[].type": 'server tools (web search, code execution, ...) are not supported; "custom" is accepted',
+    "tools[].strict": "true: no constrained decoding, so the input may not follow the schema",
+    "tools[].defer_loading": "true: there is no tool search",
+    "tools[].allowed_callers": 'anything but ["direct"] (no programmatic tool calling)',
+    "tools[].input_examples": "examples are not shown to the model; null or [] is accepted",
+}
 
-class TextBlock(BaseModel):
+#: Fields accepted and ignored: metadata that changes nothing a client can observe.
+IGNORED = {
+    "cache_control": "Prompt-caching marks (top level, on blocks and tools): the prefix cache reuses any shared prefix.",
+    "inference_geo": "Where inference runs: where astrai is deployed.",
+    "metadata": "An end-user id (user_id) for abuse detection.",
+    "service_tier": "A capacity tier; astrai has one.",
+    "speed": "A throughput mode; astrai has one.",
+    "user_profile_id": "The party a request acts for; astrai has no accounts.",
+    "workspace_id": "The workspace of a key; astrai has none.",
+    "messages[].content[].is_error": "The model sees the tool result's content only.",
+    "tools[].eager_input_streaming": "A tool's input arrives in one input_json_delta either way.",
+}
+
+
+def _unless(ok: Callable[[Any], bool], key: str) -> BeforeValidator:
+    """Refuse a nested field's non-null value unless ``ok(value)``: ``extra_forbidden``, a 400 naming it."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not ok(value):
+            raise PydanticCustomError("extra_forbidden", "{key}: {why}", {"key": key, "why": REFUSED[key]})
+        return value
+
+    return BeforeValidator(check)
+
+
+def _blocks(value: Any) -> Any:
+    # a string is shorthand for one text block; one list type keeps pydantic's error locations plain
+    return [{"type": "text", "text": value}] if isinstance(value, str) else value
+
+
+TextBlocks = BeforeValidator(_blocks)
+
+
+class Strict(BaseModel):
+    """A nested object of the request: a key the SDK never sends is refused (400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class CacheControl(Strict):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(Strict):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
+    citations: Annotated[list[dict[str, Any]] | None, _unless(lambda v: not v, "messages[].content[].citations")] = None
 
 
-class ToolUseBlock(BaseModel):
+class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any] = Field(default_factory=dict)
+    cache_control: CacheControl | None = None
+    caller: Annotated[dict[str, Any] | None, _unless(lambda v: v == {"type": "direct"}, "messages[].content[].caller")] = None
+    toolset_name: Annotated[str | None, _unless(lambda v: False, "messages[].content[].toolset_name")] = None
 
 
-class ToolResultBlock(BaseModel):
+UNSUPPORTED_BLOCKS = (
+    "image", "document", "search_result", "thinking", "redacted_thinking", "server_tool_use",
+    "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+    "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "tool_search_tool_result",
+    "container_upload", "tool_reference", "browser_state",
+)  # fmt: skip
+
+
+class UnsupportedBlock(BaseModel):
+    """A content block of Anthropic's that astrai does not implement: always refused (400 naming it)."""
+
+    type: Literal[UNSUPPORTED_BLOCKS]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        raise PydanticCustomError("extra_forbidden", "{kind} blocks are not supported", {"kind": kind})
+
+
+class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: Annotated[list[Annotated[TextBlock | UnsupportedBlock, Field(discriminator="type")]] | None, TextBlocks] = None
     is_error: bool = False
+    cache_control: CacheControl | None = None
+    toolset_name: Annotated[str | None, _unless(lambda v: False, "messages[].content[].toolset_name")] = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
+        return "".join(b.text for b in self.content or [])
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")]
 
 
-class AnthropicMessage(BaseModel):
-    role: Literal["user", "assistant"]
-    content: str | list[Block]
+class AnthropicMessage(Strict):
+    role: Annotated[Literal["user", "assistant"], _unless(lambda v: v != "system", "messages[].role")]
+    content: Annotated[list[Block], TextBlocks]
 
 
-class ToolDef(BaseModel):
+class ToolDef(Strict):
+    type: Annotated[Literal["custom"] | None, _unless(lambda v: v == "custom", "tools[].type")] = None
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    cache_control: CacheControl | None = None
+    strict: Annotated[bool | None, _unless(lambda v: v is False, "tools[].strict")] = None
+    defer_loading: Annotated[bool | None, _unless(lambda v: v is False, "tools[].defer_loading")] = None
+    allowed_callers: Annotated[list[str] | None, _unless(lambda v: v == ["direct"], "tools[].allowed_callers")] = None
+    eager_input_streaming: bool | None = None
+    input_examples: Annotated[list[dict[str, Any]] | None, _unless(lambda v: not v, "tools[].input_examples")] = None
 
 
-class ToolChoice(BaseModel):
+class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"] = "auto"
     name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(BaseModel):
-    """The request body of ``POST /v1/messages``; undeclared fields are kept for sampling plugins."""
+class Thinking(Strict):
+    type: str
+    budget_tokens: int | None = None
+    display: str | None = None
+
+
+class OutputConfig(Strict):
+    effort: str | None = None
+    format: dict[str, Any] | None = None
+
+
+class Metadata(Strict):
+    user_id: str | None = None
+
+
+class MessagesInput(BaseModel):
+    """What shapes the prompt: the body of ``POST /v1/messages/count_tokens``, and the base of
+    ``MessagesRequest``. Undeclared top-level fields are kept for sampling plugins."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str = "astrai"
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    max_tokens: int = Field(1024, gt=0)
+    system: Annotated[list[TextBlock] | None, TextBlocks] = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_sent(cls, data: Any) -> Any:
+        # "container": null asks for nothing; the handler refuses an undeclared field whatever its value
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields or k not in REFUSED}
+        return data
+
+
+class MessagesRequest(MessagesInput):
+    """The request body of ``POST /v1/messages``; undeclared fields are kept for sampling plugins."""
+
+    max_tokens: int = Field(1024, ge=0)
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, ge=0.0, le=1.0)
     top_k: int | None = Field(50, ge=0)
+    min_p: float | None = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
     stream: bool | None = False
     stop_sequences: list[str] | None = None
-    metadata: dict[str, Any] | None = None
-    tools: list[ToolDef] | None = None
-    tool_choice: ToolChoice | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    inference_geo: str | None = None
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters for this request: null is the field's default (for ``top_k``: off).
 
         Empty stop sequences are dropped; undeclared fields go to ``extra`` (sampling
         plugins). Raises RequestRejected for a value the engine refuses although the
-        schema takes it (``top_p`` 0).
+        schema takes it (``top_p`` 0, a negative stop token id).
         """
         return SamplingParams(
             max_tokens=self.max_tokens,
             temperature=value_or_default(self, "temperature"),
             top_p=value_or_default(self, "top_p"),
             top_k=self.top_k or 0,
+            min_p=value_or_default(self, "min_p"),
+            repetition_penalty=value_or_default(self, "repetition_penalty"),
+            min_tokens=value_or_default(self, "min_tokens"),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
             stop=[s for s in self.stop_sequences or [] if s],
             extra=plugin_sampling(self),
         )
 
 
-def _template_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+def _refuse_unimplemented(req: MessagesInput) -> None:
+    """RequestRejected (param set) for a declared top-level field whose value astrai does not serve."""
+    if req.thinking is not None and req.thinking.type != "disabled":
+        raise RequestRejected(f"thinking: {REFUSED['thinking']}", param="thinking")
+    for name in ("effort", "format"):
+        if req.output_config is not None and getattr(req.output_config, name) is not None:
+            raise RequestRejected(f"output_config.{name}: {REFUSED['output_config']}", param=f"output_config.{name}")
+
+
+def _template_messages(req: MessagesInput) -> list[dict[str, Any]]:
     """Messages in the Hugging Face chat-template convention: tool_use -> tool_calls, tool_result -> role tool."""
     out: list[dict[str, Any]] = []
-    if req.system:
-        system = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
+    if req.system and (system := "".join(b.text for b in req.system)):
         out.append({"role": "system", "content": system})
     for m in req.messages:
-        if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
-            continue
         text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
         calls = [
             {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
             for b in m.content
             if isinstance(b, ToolUseBlock)
         ]
-        for b in m.content:
-            if isinstance(b, ToolResultBlock):
-                out.append({"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id})
-        if text or calls or not any(isinstance(b, ToolResultBlock) for b in m.content):
+        results = [b for b in m.content if isinstance(b, ToolResultBlock)]
+        out += [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id} for b in results]
+        if text or calls or not results:
             out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})})
     return out
 
 
-def _select_tools(req: MessagesRequest) -> list[dict[str, Any]]:
+def _select_tools(req: MessagesInput) -> list[dict[str, Any]]:
     choice = req.tool_choice or ToolChoice()
     if not req.tools and choice.type in ("any", "tool"):
-        raise RequestRejected(f"tool_choice {choice.type!r} requires tools")
+        raise RequestRejected(f"tool_choice {choice.type!r} requires tools", param="tool_choice")
     if not req.tools or choice.type == "none":
         return []
     tools = [
@@ -148,35 +309,51 @@ def _select_tools(req: MessagesRequest) -> list[dict[str, Any]]:
     if choice.type == "tool":
         tools = [t for t in tools if t["function"]["name"] == choice.name]
         if not tools:
-            raise RequestRejected(f"tool_choice names tool {choice.name!r}, which is not in tools")
+            raise RequestRejected(f"tool_choice names tool {choice.name!r}, which is not in tools", param="tool_choice")
     return tools
 
 
+def _prompt(req: MessagesInput, engine: Any) -> tuple[list[int], list[dict[str, Any]], bool]:
+    """The templated prompt's ids, the tools shown and whether the answer must be a call: what
+    ``prepare`` and ``count_tokens`` share. Raises RequestRejected for what cannot be served."""
+    _refuse_unimplemented(req)
+    tools, messages, tok = _select_tools(req), _template_messages(req), engine.tokenizer
+    prefill = ""
+    if messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
+        prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace; we trim it
+    required = bool(tools) and req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
+    if required and prefill:
+        raise RequestRejected(f"tool_choice {req.tool_choice.type!r} cannot continue a prefilled assistant turn", param="tool_choice")
+    prompt_ids = chat_prompt_ids(tok, messages, tools)
+    return prompt_ids + (tok.encode(prefill, add_special_tokens=False) if prefill else []), tools, required
+
+
 class AnthropicResponseBuilder(ResponseBuilder):
-    """Anthropic Messages over JSON and SSE (named events)."""
+    """Anthropic Messages over JSON and SSE (named events), and its token counting."""
 
     name = "anthropic"
     route = "/v1/messages"
     request_model = MessagesRequest
 
     def prepare(self, request: MessagesRequest, engine: Any) -> Prepared:
-        tools = _select_tools(request)
-        messages = _template_messages(request)
-        tok = engine.tokenizer
-        prefill = ""
-        if messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
-            prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace; we trim it
-        required = bool(tools) and request.tool_choice is not None and request.tool_choice.type in ("any", "tool")
-        if required and prefill:
-            raise RequestRejected(f"tool_choice {request.tool_choice.type!r} cannot continue a prefilled assistant turn")
-        prompt_ids = chat_prompt_ids(tok, messages, tools)
-        if prefill:
-            prompt_ids += tok.encode(prefill, add_special_tokens=False)
+        prompt_ids, tools, required = _prompt(request, engine)
+        one_call = bool(request.tool_choice and request.tool_choice.disable_parallel_tool_use)
         return Prepared(
             request=request, prompt_ids=prompt_ids, params=request.sampling_params(), stream=bool(request.stream),
             tools=tools, tool_call_required=required, max_tokens_explicit="max_tokens" in request.model_fields_set,
-            response_id=new_id("msg_"), model=request.model,
+            response_id=new_id("msg_"), model=request.model, state={"one_call": one_call},
         )  # fmt: skip
+
+    def post_routes(self) -> dict[str, tuple[type[BaseModel], Callable[[Any, Any], dict[str, Any]]]]:
+        return {"/v1/messages/count_tokens": (MessagesInput, self.count_tokens)}
+
+    def count_tokens(self, request: MessagesInput, engine: Any) -> dict[str, Any]:
+        """``{"input_tokens": N}``, the ``usage.input_tokens`` of ``/v1/messages`` for the same input
+        (a forced call's opening included); the context limit is not checked: nothing runs."""
+        prompt_ids, tools, required = _prompt(request, engine)
+        prepared = Prepared(request=request, prompt_ids=prompt_ids, params=SamplingParams(), tools=tools, tool_call_required=required)
+        open_tool_call(prepared, engine.tokenizer)  # the handler's rule, not a copy of it
+        return {"input_tokens": len(prepared.prompt_ids)}
 
     def format_stream_start(self, prepared: Prepared) -> list[str]:
         message = {
@@ -187,14 +364,14 @@ class AnthropicResponseBuilder(ResponseBuilder):
         block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
         return [sse({"type": "message_start", "message": message}, "message_start"), sse(block, "content_block_start")]
 
-    def format_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
+    def format_chunk(self, prepared: Prepared, index: int, text: str, **logprobs: Any) -> list[str]:
         delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
         return [sse(delta, "content_block_delta")]
 
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         choice = result.choices[0]
         frames = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")]
-        for k, call in enumerate(choice.tool_calls, start=1):
+        for k, call in enumerate(_calls(prepared, choice), start=1):
             start = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
             delta = {"type": "input_json_delta", "partial_json": call.arguments}
             frames += [
@@ -218,7 +395,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
             content.append({"type": "text", "text": choice.text})
         content += [
             {"type": "tool_use", "id": _tool_id(t.id), "name": t.name, "input": json.loads(t.arguments)}
-            for t in choice.tool_calls
+            for t in _calls(prepared, choice)
         ]
         return {
             "id": prepared.response_id, "type": "message", "role": "assistant", "model": prepared.model,
@@ -228,8 +405,16 @@ class AnthropicResponseBuilder(ResponseBuilder):
         }  # fmt: skip
 
     def format_error(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+        # Anthropic's shape has no param: the message names the field instead
         kind = ERROR_TYPE.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        if param and param not in message:
+            message = f"{param}: {message}"
         return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _calls(prepared: Prepared, choice: Choice) -> list[ToolCall]:
+    """The tool calls to send: only the first with ``tool_choice.disable_parallel_tool_use``."""
+    return choice.tool_calls[:1] if prepared.state.get("one_call") else choice.tool_calls
 
 
 def _tool_id(call_id: str) -> str:
