@@ -80,6 +80,20 @@ def test_ids_spell_the_text_in_the_gguf_vocabulary(tok, gguf_path):
     assert tok.bos_token_id == 1 and tok.vocab_size == len(vocab) == 49152
 
 
+@pytest.mark.parametrize("text", ["Hello, wörld", "日本語 and emoji 🎉", "  spaces\n\ttabs", "<|im_end|> after"])
+def test_token_bytes_spell_the_text_exactly(tok, text):
+    """Log-prob ``bytes``: each token's own bytes, a split character's part included, join to the text."""
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert all(tok.token_text(i) == tok.token_bytes(i).decode("utf-8", errors="replace") for i in ids)
+
+
+def test_token_text_shows_a_split_character_as_replacement(tok):
+    ids = tok.encode(" 日本")  # byte-level BPE: " 日" is split over three tokens
+    assert [tok.token_bytes(i) for i in ids][:3] == [b" \xe6", b"\x97", b"\xa5"]
+    assert [tok.token_text(i) for i in ids][:3] == [" \ufffd", "\ufffd", "\ufffd"]
+
+
 def test_decode_skips_special_tokens(tok):
     ids = tok.encode("<|im_start|>assistant\nHi<|im_end|>")
     assert tok.decode(ids) == "assistant\nHi"

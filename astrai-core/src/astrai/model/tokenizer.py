@@ -69,6 +69,7 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: PreTrainedTokenizerBase):
         self.hf = hf_tokenizer  # the wrapped transformers tokenizer
         self._eos_token_ids = self._find_eos_token_ids()
+        self._bytes: dict[int, bytes] = {}  # token_bytes, per id
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -147,8 +148,15 @@ class Tokenizer:
         """The bytes token ``token_id`` stands for (a byte-level BPE token may hold part of a character).
 
         Special tokens give their text's UTF-8; ids the tokenizer does not know give b"".
+        Memoised per id (log-probs ask for a handful of tokens per generated one).
         """
-        token = self.hf.convert_ids_to_tokens(int(token_id))
+        found = self._bytes.get(token_id)
+        if found is None:
+            found = self._bytes[token_id] = self._token_bytes(int(token_id))
+        return found
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        token = self.hf.convert_ids_to_tokens(token_id)
         if token is None:
             return b""
         if token_id not in self.hf.added_tokens_decoder and _is_byte_level(self.hf):
