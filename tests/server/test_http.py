@@ -101,7 +101,7 @@ BAD_BODIES = [
     ({"messages": [{"role": "robot", "content": "x"}]}, 422, "messages.0"),
     ({**OK, "temperature": 2.5}, 422, "temperature"),
     ({**OK, "top_p": -1}, 422, "top_p"),
-    ({**OK, "max_tokens": 0}, 422, "max_tokens"),
+    ({**OK, "max_tokens": -1}, 422, "max_tokens"),  # 0 is valid on /v1/messages (prompt only)
     ({**OK, "max_tokens": "many"}, 422, "max_tokens"),
     ({**OK, "stream": "maybe"}, 422, "stream"),
     ({**OK, "max_tokens": 10**9}, 400, "1024 tokens"),

@@ -110,7 +110,7 @@ def _parse(builder: ResponseBuilder, raw: bytes, model: type[BaseModel] | None =
         unknown = [err for err in errors if err["type"] == "extra_forbidden"]
         first = (unknown or errors)[0]
         # without pydantic's union-member labels ("list[TextPart]", "function-after[...]"): the field's path
-        loc = ".".join(str(x) for x in first["loc"] if not (isinstance(x, str) and "[" in x))
+        loc = ".".join(str(x) for x in first["loc"] if not _union_label(x))
         if unknown:
             raise HTTPProblem(400, f"unsupported parameter {loc}: astrai does not implement it", param=loc) from None
         more = f" (and {e.error_count() - 1} more errors)" if e.error_count() > 1 else ""
@@ -123,6 +123,14 @@ def _error(builder: ResponseBuilder, exc: BaseException) -> JSONResponse:
     if status >= 500 and not isinstance(exc, EngineNotReady):
         logger.error("%s request failed", builder.name, exc_info=exc)
     return JSONResponse(builder.format_error(status, public_message(exc), getattr(exc, "param", None)), status_code=status)
+
+
+_PLAIN_TYPES = frozenset({"str", "int", "float", "bool", "bytes", "dict", "list", "none"})
+
+
+def _union_label(part: object) -> bool:
+    """Whether a pydantic error location part names a union member (``str``, ``list[TextPart]``), not a field."""
+    return isinstance(part, str) and ("[" in part or part in _PLAIN_TYPES)
 
 
 def _protocol_endpoint(builder: ResponseBuilder) -> Any:

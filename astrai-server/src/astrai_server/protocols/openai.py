@@ -2,25 +2,32 @@
 
 Registered as entry point ``openai`` in ``astrai.protocols``. Parameters,
 defaults and ranges are the fields of ``ChatCompletionRequest``, as documented in
-docs/http-api.md; ``n``, ``seed``, ``presence_penalty`` and ``logit_bias`` are
-implemented; ``ignore_eos`` is the vLLM / llama.cpp extension. Streams end with a
-usage chunk (``"choices": []``, unless ``stream_options.include_usage`` is false)
-and ``data: [DONE]``.
+docs/http-api.md; ``n``, ``seed``, ``presence_penalty``, ``logit_bias`` and log-probs
+are implemented; ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids`` and ``ignore_eos`` are the vLLM extensions. Every field the ``openai``
+SDK can send is implemented, accepted as metadata (``IGNORED``) or refused with a 400
+naming it (``REFUSED``). Streams end with a usage chunk (``"choices": []``, unless
+``stream_options.include_usage`` is false) and ``data: [DONE]``. The builder also serves
+``GET /v1/models[/{model}]`` and vLLM's ``POST /tokenize`` and ``POST /detokenize``.
+
+Over 300 lines because a builder is one file: its request models (every field the SDK can
+send, each handled on purpose), log-probs, and the routes the protocol adds (the tokenizer
+endpoints, at the end, are the first candidate for a module of their own).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from astrai.errors import RequestRejected
+from astrai.errors import ModelNotFound, RequestRejected
 from astrai.protocol import (
     ChatResult,
+    Choice,
     Prepared,
     ResponseBuilder,
     chat_prompt_ids,
@@ -32,65 +39,123 @@ from astrai.protocol import (
 )
 from astrai.sampling import SamplingParams
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from astrai.logprobs import TokenLogprob
 
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
 
+#: Request fields of OpenAI's API that astrai refuses (400, ``param`` naming the field), and when.
+#: Fields none of whose values can be served stay undeclared (the handler refuses undeclared
+#: fields); JSON null for them means "not sent", as for any OpenAI field. docs/http-api.md shows it.
+REFUSED = {
+    "audio": "any value: astrai generates text only",
+    "function_call": "any value: deprecated by OpenAI; use tool_choice",
+    "functions": "any value: deprecated by OpenAI; use tools",
+    "modalities": 'a list with "audio": astrai generates text only',
+    "moderation": "any value: astrai moderates nothing",
+    "prediction": "any value: predicted outputs are not implemented",
+    "reasoning_effort": "any value: astrai has no reasoning controls",
+    "response_format": 'anything but {"type": "text"}: no structured output yet',
+    "store": "true: astrai stores no completions",
+    "verbosity": "any value: astrai has no verbosity control",
+    "web_search_options": "any value: astrai does not search the web",
+    "messages[].audio": "any value: an earlier audio answer cannot be resolved",
+    "messages[].function_call": "any value: deprecated by OpenAI; use tool_calls",
+    "tools[].function.strict": "true: no constrained decoding, arguments may not follow the schema",
+}
 
-class TextPart(BaseModel):
+#: Fields accepted and ignored: metadata that changes nothing a client can observe.
+IGNORED = {
+    "metadata": "Tags for OpenAI's dashboard; nothing is stored.",
+    "prompt_cache_key": "A cache-routing hint; astrai's prefix cache needs none.",
+    "prompt_cache_options": "Cache lifetime hints; the prefix cache keeps pages while there is room.",
+    "prompt_cache_retention": "As prompt_cache_options.",
+    "safety_identifier": "An end-user id for OpenAI's abuse detection.",
+    "service_tier": "A billing and latency tier; astrai has one.",
+    "store": "false: nothing is stored anyway.",
+    "user": "An end-user id, replaced by safety_identifier and prompt_cache_key.",
+    "messages[].annotations": "Citations of an earlier answer (sent back when replaying one).",
+    "messages[].content[].prompt_cache_breakpoint": "A cache hint.",
+    "stream_options.include_obfuscation": "Padding against side channels; chunks carry none.",
+}
+
+
+class Strict(BaseModel):
+    """A nested object of the request: a key the SDK never sends is refused (400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(Strict):
     name: str
     arguments: str = "{}"
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(Strict):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # one clear 422 for an image or audio part, rather than every way it fails to be a TextPart
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
+        return content
 
     @model_validator(mode="after")
     def _content_present(self) -> Message:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        answered = self.role == "assistant" and (self.tool_calls or self.refusal is not None)
+        if self.content is None and not answered:
             raise ValueError(f"a {self.role} message needs content")
         return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
-        return self.content or ""
+        return self.content if self.content is not None else self.refusal or ""
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(Strict):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
-class ToolDef(BaseModel):
+class ToolDef(Strict):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = True
+    include_obfuscation: bool | None = None
 
 
 class ChatCompletionRequest(BaseModel):
-    """The request body of ``POST /v1/chat/completions``; undeclared fields are kept for sampling plugins."""
+    """The request body of ``POST /v1/chat/completions``; undeclared fields are kept for sampling plugins
+    (the handler refuses those no plugin claims)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -108,21 +173,49 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    user: str | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     seed: int | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "auto"
+    parallel_tool_calls: bool | None = True
+    response_format: dict[str, Any] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    store: bool | None = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    min_p: float | None = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_sent(cls, data: Any) -> Any:
+        # JSON null is OpenAI's "not set": a refused field that is null is no request for it
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields or k not in REFUSED}
+        return data
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters for this request: null is the field's default (for ``top_k``: off).
 
         ``max_completion_tokens`` wins over ``max_tokens``; empty stop strings are dropped;
-        undeclared fields go to ``extra`` (sampling plugins). Raises RequestRejected for a
-        value the engine refuses although the schema takes it (``top_p`` 0).
+        undeclared fields go to ``extra`` (sampling plugins); ``logprobs`` true asks for
+        ``top_logprobs`` (default 0) alternatives. Raises RequestRejected for a value the engine
+        refuses although the schema takes it (``top_p`` 0), for ``top_logprobs`` without
+        ``logprobs`` and for ``min_tokens`` above ``max_tokens``.
         """
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestRejected("top_logprobs requires logprobs: true", param="top_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=self.max_completion_tokens or value_or_default(self, "max_tokens"),
             temperature=value_or_default(self, "temperature"),
             top_p=value_or_default(self, "top_p"),
@@ -132,9 +225,19 @@ class ChatCompletionRequest(BaseModel):
             frequency_penalty=value_or_default(self, "frequency_penalty"),
             presence_penalty=value_or_default(self, "presence_penalty"),
             logit_bias=dict(self.logit_bias or {}),
+            min_p=value_or_default(self, "min_p"),
+            repetition_penalty=value_or_default(self, "repetition_penalty"),
+            min_tokens=value_or_default(self, "min_tokens"),
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             extra=plugin_sampling(self),
         )
+        if params.min_tokens > params.max_tokens:
+            raise RequestRejected(
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})", param="min_tokens"
+            )
+        return params
 
     @property
     def max_tokens_explicit(self) -> bool:
@@ -149,15 +252,51 @@ def _template_message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": m.text()}
     if m.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": decode_arguments(c.function.arguments)}}
             for c in m.tool_calls
         ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name  # the template's to render or not (vLLM passes it on too)
     return out
 
 
-def _loads(arguments: str) -> Any:
+def _refused(entry: str, param: str) -> RequestRejected:
+    return RequestRejected(f"unsupported value for {param} (refused for {REFUSED[entry]})", param=param)
+
+
+def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """``messages`` for the chat template; RequestRejected for parts of a turn that cannot be shown to it."""
+    for i, m in enumerate(messages):
+        for name in ("audio", "function_call"):
+            if getattr(m, name) is not None:
+                raise _refused(f"messages[].{name}", f"messages.{i}.{name}")
+    return [_template_message(m) for m in messages]
+
+
+def _tool_dicts(tools: list[ToolDef]) -> list[dict[str, Any]]:
+    """The tools as the chat template sees them; RequestRejected for ``strict`` true."""
+    for i, t in enumerate(tools):
+        if t.function.strict:
+            raise _refused("tools[].function.strict", f"tools.{i}.function.strict")
+    return [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in tools]
+
+
+def _refuse_unserved(req: ChatCompletionRequest) -> None:
+    """RequestRejected (param: the field) for a declared field whose value astrai cannot honour."""
+    unserved = {
+        "store": bool(req.store),
+        "response_format": req.response_format is not None and req.response_format.get("type") != "text",
+        "modalities": "audio" in (req.modalities or ()),
+    }
+    for name, refused in unserved.items():
+        if refused:
+            raise _refused(name, name)
+
+
+def decode_arguments(arguments: str) -> Any:
+    """A call's JSON arguments decoded for a chat template (the text itself when it is not JSON)."""
     try:
         return json.loads(arguments)
     except ValueError:
@@ -169,8 +308,11 @@ def _select_tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         raise RequestRejected("tool_choice requires tools")
     if not req.tools or req.tool_choice == "none":
         return []
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    tools = _tool_dicts(req.tools)
     if isinstance(req.tool_choice, dict):
+        if req.tool_choice.get("type", "function") != "function":
+            kind = req.tool_choice.get("type")
+            raise RequestRejected(f"tool_choice of type {kind!r} is not supported", param="tool_choice")
         name = (req.tool_choice.get("function") or {}).get("name")
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
@@ -186,36 +328,51 @@ class OpenAIResponseBuilder(ResponseBuilder):
     request_model = ChatCompletionRequest
 
     def prepare(self, request: ChatCompletionRequest, engine: Any) -> Prepared:
-        for field_name in ("user",):
-            if getattr(request, field_name) is not None:
-                logger.warning("%s is accepted for compatibility and ignored", field_name)
+        """``state``: ``include_usage``, ``one_call`` (``parallel_tool_calls`` false: only the first
+        call is returned) and, when log-probs were asked, ``tokenizer`` (to render their tokens)."""
+        _refuse_unserved(request)
         tools = _select_tools(request)
-        messages = [_template_message(m) for m in request.messages]
-        prompt_ids = chat_prompt_ids(engine.tokenizer, messages, tools)
+        prompt_ids = chat_prompt_ids(engine.tokenizer, _template_messages(request.messages), tools)
         params = request.sampling_params()
-        include_usage = request.stream_options.include_usage if request.stream_options else True
+        state = {
+            "include_usage": request.stream_options.include_usage if request.stream_options else True,
+            "one_call": request.parallel_tool_calls is False,
+        }
+        if params.logprobs is not None:
+            state["tokenizer"] = engine.tokenizer
         required = bool(tools) and (request.tool_choice == "required" or isinstance(request.tool_choice, dict))
         return Prepared(
             request=request, prompt_ids=list(prompt_ids), params=params, stream=bool(request.stream),
             n=value_or_default(request, "n"), tools=tools, tool_call_required=required,
             max_tokens_explicit=request.max_tokens_explicit,
-            response_id=new_id("chatcmpl-"), model=request.model, state={"include_usage": include_usage},
+            response_id=new_id("chatcmpl-"), model=request.model, state=state,
         )  # fmt: skip
 
     def __init__(self, model_name: str = "astrai") -> None:
         super().__init__(model_name)
         self.created = int(time.time())
 
-    def get_routes(self) -> dict[str, Callable[[Any], dict[str, Any]]]:
-        return {"/v1/models": self._models}
+    def get_routes(self) -> dict[str, Callable[..., dict[str, Any]]]:
+        # {model:path}: served names such as "HuggingFaceTB/SmolLM2-135M" hold a slash
+        return {"/v1/models": self._models, "/v1/models/{model:path}": self._model}
 
-    def _models(self, engine: Any) -> dict[str, Any]:
+    def post_routes(self) -> dict[str, tuple[type[BaseModel], Callable[[Any, Any], dict[str, Any]]]]:
+        return {"/tokenize": (TokenizeRequest, _tokenize), "/detokenize": (DetokenizeRequest, _detokenize)}
+
+    def _card(self, engine: Any) -> dict[str, Any]:
         limit = engine.context_limit
-        model = {
+        return {
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "astrai",
             "context_length": limit, "max_model_len": limit,
         }  # fmt: skip
-        return {"object": "list", "data": [model]}
+
+    def _models(self, engine: Any) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card(engine)]}
+
+    def _model(self, engine: Any, model: str) -> dict[str, Any]:
+        if model != self.model_name:  # OpenAI's words
+            raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it.")
+        return self._card(engine)
 
     def _chunk(self, p: Prepared, choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {"id": p.response_id, "object": "chat.completion.chunk", "created": p.created, "model": p.model}
@@ -227,19 +384,23 @@ class OpenAIResponseBuilder(ResponseBuilder):
             for i in range(prepared.n)
         ]
 
-    def format_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
-        return [self._chunk(prepared, [{"index": index, "delta": {"content": text}, "finish_reason": None}])]
+    def format_chunk(self, prepared: Prepared, index: int, text: str, **logprobs: Any) -> list[str]:
+        choice: dict[str, Any] = {"index": index, "delta": {"content": text}}
+        if (entries := _logprobs(prepared, logprobs.get("logprobs"))) is not None:
+            choice["logprobs"] = entries
+        return [self._chunk(prepared, [{**choice, "finish_reason": None}])]
 
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         frames = []
         for c in result.choices:
-            if c.tool_calls:
-                calls = [
-                    {"index": k, "id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-                    for k, t in enumerate(c.tool_calls)
-                ]
-                frames.append(self._chunk(prepared, [{"index": c.index, "delta": {"tool_calls": calls}, "finish_reason": None}]))
-            frames.append(self._chunk(prepared, [{"index": c.index, "delta": {}, "finish_reason": FINISH[c.finish_reason]}]))
+            if calls := _calls(prepared, c):
+                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+                frames.append(self._chunk(prepared, [{"index": c.index, "delta": delta, "finish_reason": None}]))
+            end: dict[str, Any] = {"index": c.index, "delta": {}}
+            rest = None if c.logprobs is None else c.logprobs[c.logprobs_streamed :]  # tokens that brought no text
+            if (entries := _logprobs(prepared, rest)) is not None:
+                end["logprobs"] = entries
+            frames.append(self._chunk(prepared, [{**end, "finish_reason": FINISH[c.finish_reason]}]))
         if prepared.state.get("include_usage", True):
             frames.append(self._chunk(prepared, [], usage=_usage(result)))
         frames.append(sse("[DONE]"))
@@ -249,20 +410,19 @@ class OpenAIResponseBuilder(ResponseBuilder):
         choices = []
         for c in result.choices:
             message: dict[str, Any] = {"role": "assistant", "content": c.text if (c.text or not c.tool_calls) else None}
-            if c.tool_calls:
-                message["tool_calls"] = [
-                    {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-                    for t in c.tool_calls
-                ]
-            choices.append({"index": c.index, "message": message, "logprobs": None, "finish_reason": FINISH[c.finish_reason]})
+            if calls := _calls(prepared, c):
+                message["tool_calls"] = calls
+            logprobs = _logprobs(prepared, c.logprobs)
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": FINISH[c.finish_reason]})
         return {
             "id": prepared.response_id, "object": "chat.completion", "created": prepared.created,
             "model": prepared.model, "choices": choices, "usage": _usage(result),
         }  # fmt: skip
 
     def format_error(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
-        code = "invalid_api_key" if status == 401 else None
-        kind = "server_error" if status >= 500 else error_type_for(status)
+        """OpenAI's error body; a 404 (an unknown model) is OpenAI's invalid_request_error, model_not_found."""
+        code = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
+        kind = "server_error" if status >= 500 else "invalid_request_error" if status == 404 else error_type_for(status)
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
     def format_stream_error(self, prepared: Prepared, status: int, message: str) -> list[str]:
@@ -275,3 +435,80 @@ def _usage(result: ChatResult) -> dict[str, int]:
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.total_tokens,
     }
+
+
+def _calls(p: Prepared, c: Choice) -> list[dict[str, Any]]:
+    """The choice's tool calls in OpenAI's shape; only the first with ``parallel_tool_calls`` false."""
+    calls = c.tool_calls[:1] if p.state.get("one_call") else c.tool_calls
+    return [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}} for t in calls]
+
+
+def _logprobs(p: Prepared, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's (or a chunk's) ``logprobs`` object, one entry per token with its ``top`` alternatives;
+    None when the request asked for none."""
+    tokenizer = p.state.get("tokenizer")
+    if tokenizer is None or entries is None:
+        return None
+
+    texts: dict[int, tuple[str, list[int]]] = {}  # alternatives repeat: look each token up once
+
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        if token_id not in texts:
+            texts[token_id] = (tokenizer.token_text(token_id), list(tokenizer.token_bytes(token_id)))
+        text, raw = texts[token_id]
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": raw}  # -inf is no JSON number (vLLM clamps too)
+
+    content = [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]
+    return {"content": content, "refusal": None}
+
+
+# ---------------------------------------------------------------- vLLM's tokenizer endpoints
+class TokenizeRequest(Strict):
+    """``POST /tokenize``: vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest`` (``messages``)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    """``POST /detokenize``: vLLM's ``DetokenizeRequest``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _tokenize(req: TokenizeRequest, engine: Any) -> dict[str, Any]:
+    """vLLM's ``TokenizeResponse``; messages go through the chat template as in a chat completion."""
+    tokenizer = engine.tokenizer
+    if req.messages is None:
+        if req.tools:
+            raise RequestRejected("tools need messages", param="tools")
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    else:
+        if req.add_special_tokens:
+            raise RequestRejected("add_special_tokens with messages is not supported: the chat template "
+                                  "writes the special tokens", param="add_special_tokens")  # fmt: skip
+        if not req.add_generation_prompt:
+            raise RequestRejected("add_generation_prompt false is not supported yet", param="add_generation_prompt")
+        ids = chat_prompt_ids(tokenizer, _template_messages(req.messages), _tool_dicts(req.tools or []))
+    strs = [tokenizer.token_text(i) for i in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": engine.context_limit, "tokens": list(ids), "token_strs": strs}
+
+
+def _detokenize(req: DetokenizeRequest, engine: Any) -> dict[str, Any]:
+    """vLLM's ``DetokenizeResponse``: the text of ``tokens``, special tokens included."""
+    vocab = engine.tokenizer.vocab_size
+    if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+        raise RequestRejected(f"token ids must be in [0, {vocab}), got {bad[:8]}", param="tokens")
+    return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
