@@ -1,0 +1,442 @@
+"""OpenAI Responses (``POST /v1/responses``), stateless, as the ``openai`` SDK and the OpenAI Agents SDK use it.
+
+Registered as entry point ``responses`` in ``astrai.protocols``. Stateless, as Ollama and
+llama-server serve it: nothing is stored, so every request carries its whole conversation in
+``input`` and what needs stored state (``store: true``, ``previous_response_id``,
+``background``, ``conversation``) is refused. Input items become Hugging Face chat messages
+(``function_call`` -> an assistant turn's ``tool_calls``, ``function_call_output`` -> a
+``tool`` message) and go through the chat template as chat completions do, tool calls
+included. Every field the ``openai`` SDK can send is implemented, accepted as metadata
+(``IGNORED``) or refused with a 400 naming it (``REFUSED``). Streams are named events with a
+``sequence_number``, ``response.created`` to ``response.completed`` (or ``.incomplete``).
+
+Over 300 lines because a builder is one file: its request models (every field the SDK can
+send, each handled on purpose), the response object and the stream's event sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from astrai.errors import RequestRejected
+from astrai.protocol import (
+    ChatResult,
+    Choice,
+    Prepared,
+    ResponseBuilder,
+    chat_prompt_ids,
+    new_id,
+    plugin_sampling,
+    sse,
+    value_or_default,
+)
+from astrai.sampling import SamplingParams
+from astrai_server.protocols.openai import OpenAIResponseBuilder, Strict, decode_arguments
+
+if TYPE_CHECKING:
+    from astrai.logprobs import TokenLogprob
+    from astrai.protocol import ToolCall
+
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value there is something to include for
+
+#: Request fields of the Responses API that astrai refuses (400, ``param`` naming the field), and when.
+#: Those no value of which is served are not declared (the handler refuses undeclared fields);
+#: JSON null for them means "not sent". docs/http-api.md shows this table.
+REFUSED = {
+    "access_programs": "any value: astrai has no access programs",
+    "background": "true: responses are not stored, so they cannot be polled",
+    "background_options": "any value: as background",
+    "context_management": "any value: astrai never compacts a conversation",
+    "conversation": "any value: astrai keeps no conversations; send the whole conversation in input",
+    "image": "any value: astrai generates no images",
+    "include": f"anything but {LOGPROBS!r}",
+    "moderation": "any value: astrai moderates nothing",
+    "previous_response_id": "any value: astrai keeps no responses; send the whole conversation in input",
+    "prompt": "any value: astrai stores no prompt templates",
+    "reasoning": "any option but null: astrai has no reasoning controls",
+    "store": "true: astrai stores no responses",
+    "truncation": '"auto": astrai never truncates a prompt',
+    "text.format": 'anything but {"type": "text"}: no structured output yet',
+    "text.verbosity": "any value: astrai has no verbosity control",
+    "tools[].type": '"function" only: astrai runs no hosted tools',
+    "tool_choice": 'an object other than {"type": "function", "name": ...}: only function tools are served',
+}
+
+#: Fields accepted and ignored: metadata that changes nothing a client can observe.
+IGNORED = {
+    "max_tool_calls": "Limits calls to hosted tools; astrai runs none.",
+    "metadata": "Tags for OpenAI's dashboard; echoed in the response, nothing is stored.",
+    "prompt_cache_key": "A cache-routing hint; astrai's prefix cache needs none.",
+    "prompt_cache_options": "Cache lifetime hints; the prefix cache keeps pages while there is room.",
+    "prompt_cache_retention": "As prompt_cache_options.",
+    "safety_identifier": "An end-user id for OpenAI's abuse detection.",
+    "service_tier": "A billing and latency tier; astrai has one.",
+    "store": "false: nothing is stored anyway.",
+    "user": "An end-user id, replaced by safety_identifier and prompt_cache_key.",
+    "input[].phase": "Marks an earlier answer as commentary or final (sent back when replaying one).",
+    "input[].content[].annotations": "Citations of an earlier answer.",
+    "input[].content[].logprobs": "Log-probs of an earlier answer.",
+    "input[].content[].prompt_cache_breakpoint": "A cache hint.",
+    "stream_options.include_obfuscation": "Padding against side channels; events carry none.",
+}
+
+
+class InputText(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None
+
+
+def _text(content: str | list[InputText]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+#: What each input item type needs, and the keys only that type takes.
+ITEM_FIELDS = {
+    "message": (("role", "content"), {"role", "content", "phase"}),
+    "function_call": (("call_id", "name", "arguments"), {"call_id", "name", "arguments"}),
+    "function_call_output": (("call_id", "output"), {"call_id", "output", "name"}),
+}
+
+
+class InputItem(Strict):
+    """One input item: a message (``type`` may be left out), a function call or its output.
+
+    One model rather than a union of three, so that a bad key's path is the item's (``input.0.foo``)."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputText] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputText] | None = None
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: str | None = None
+
+    @field_validator("content", "output", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # one clear 422 for an image or file part, rather than every way it fails to be InputText
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text"):
+                raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
+        return content
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> InputItem:
+        needs, takes = ITEM_FIELDS[self.type]
+        if missing := [f for f in needs if getattr(self, f) is None]:
+            raise ValueError(f"a {self.type} item needs {', '.join(missing)}")
+        specific = {f for _, own in ITEM_FIELDS.values() for f in own}
+        if foreign := sorted(self.model_fields_set & specific - takes):
+            raise ValueError(f"a {self.type} item does not take {', '.join(foreign)}")
+        return self
+
+
+class FunctionTool(Strict):
+    """A function tool. Another type (web_search, mcp, ...) keeps only its ``type``, to be refused naming it."""
+
+    type: str
+    name: str | None = Field(None, min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hosted_tool(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "function":
+            return {"type": data.get("type")}  # refused in prepare as tools.<i>.type, not for its other keys
+        return data
+
+    @model_validator(mode="after")
+    def _named(self) -> FunctionTool:
+        if self.type == "function" and self.name is None:
+            raise ValueError("a function tool needs a name")
+        return self
+
+
+class TextConfig(Strict):
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+
+class StreamOptions(Strict):
+    include_obfuscation: bool | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """The request body of ``POST /v1/responses``; undeclared fields are kept for sampling plugins
+    (the handler refuses those no plugin claims)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = "astrai"
+    input: list[InputItem] = Field(min_length=1)  # a string: one user message
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, gt=0)
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, ge=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "auto"
+    parallel_tool_calls: bool | None = True
+    max_tool_calls: int | None = None
+    text: TextConfig | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    store: bool | None = False
+    previous_response_id: str | None = None
+    background: bool | None = False
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        # JSON null is OpenAI's "not set": a refused field that is null is no request for it;
+        # a string input is one user message
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None or k in cls.model_fields or k not in REFUSED}
+            if isinstance(data.get("input"), str):  # so that the errors of a list name its items only
+                data["input"] = [{"role": "user", "content": data["input"]}]
+        return data
+
+    def refuse_unserved(self) -> None:
+        """RequestRejected (param: the field) for a declared field whose value astrai cannot honour."""
+        text = self.text or TextConfig()
+        unserved = {
+            "store": ("store", bool(self.store)),
+            "previous_response_id": ("previous_response_id", self.previous_response_id is not None),
+            "background": ("background", bool(self.background)),
+            "reasoning": ("reasoning", any(v is not None for v in (self.reasoning or {}).values())),
+            "include": ("include", any(i != LOGPROBS for i in self.include or ())),
+            "truncation": ("truncation", self.truncation == "auto"),
+            "text.format": ("text.format", (text.format or {}).get("type", "text") != "text"),
+            "text.verbosity": ("text.verbosity", text.verbosity is not None),
+        }
+        for i, tool in enumerate(self.tools or ()):
+            unserved[f"tools.{i}.type"] = ("tools[].type", tool.type != "function")
+        choice = self.tool_choice
+        named = isinstance(choice, dict) and (choice.get("type"), set(choice)) == ("function", {"type", "name"})
+        unserved["tool_choice"] = ("tool_choice", isinstance(choice, dict) and not named)
+        for param, (entry, refused) in unserved.items():
+            if refused:
+                raise RequestRejected(f"unsupported value for {param} (refused for {REFUSED[entry]})", param=param)
+
+    def sampling_params(self, context_limit: int) -> SamplingParams:
+        """The engine's parameters: without ``max_output_tokens``, all the context has room for (the
+        handler fits it); log-probs with ``top_logprobs`` (default 0) alternatives when ``include``
+        asks for them or ``top_logprobs`` is set."""
+        asked = LOGPROBS in (self.include or ()) or self.top_logprobs is not None
+        return SamplingParams(
+            max_tokens=self.max_output_tokens or context_limit,
+            temperature=value_or_default(self, "temperature"),
+            top_p=value_or_default(self, "top_p"),
+            logprobs=(self.top_logprobs or 0) if asked else None,
+            extra=plugin_sampling(self),
+        )
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The input in the Hugging Face chat convention; function calls join the assistant turn before them."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    for item in req.input:
+        if item.type == "message":
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": _text(item.content)})
+        elif item.type == "function_call_output":
+            named = {"name": item.name} if item.name is not None else {}  # the template's to render or not
+            out.append({"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id, **named})
+        else:
+            if not (out and out[-1]["role"] == "assistant"):
+                out.append({"role": "assistant", "content": ""})
+            function = {"name": item.name, "arguments": decode_arguments(item.arguments)}
+            out[-1].setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": function})
+    return out
+
+
+def _select_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The function tools to show the model, in the chat form ``chat_prompt_ids`` takes."""
+    if not req.tools and req.tool_choice not in ("none", "auto", None):
+        raise RequestRejected("tool_choice requires tools", param="tool_choice")
+    if not req.tools or req.tool_choice == "none":
+        return []
+    tools = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)} for t in req.tools]
+    if isinstance(req.tool_choice, dict):
+        name = req.tool_choice["name"]
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise RequestRejected(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+    return tools
+
+
+class ResponsesBuilder(ResponseBuilder):
+    """OpenAI Responses over JSON and SSE (named events with sequence numbers)."""
+
+    name = "responses"
+    route = "/v1/responses"
+    request_model = ResponsesRequest
+    format_error = OpenAIResponseBuilder.format_error  # chat completions' error body
+
+    def prepare(self, request: ResponsesRequest, engine: Any) -> Prepared:
+        """``state``: ``seq`` (the next event's sequence number), ``message_id``, ``opened`` (whether the
+        stream has opened the message item) and, when log-probs were asked, ``tokenizer``."""
+        request.refuse_unserved()
+        tools = _select_tools(request)
+        prompt_ids = chat_prompt_ids(engine.tokenizer, _messages(request), tools)
+        params = request.sampling_params(engine.context_limit)
+        state: dict[str, Any] = {"seq": 0, "message_id": new_id("msg_"), "opened": False}
+        if params.logprobs is not None:
+            state["tokenizer"] = engine.tokenizer
+        return Prepared(
+            request=request, prompt_ids=prompt_ids, params=params, stream=bool(request.stream),
+            tools=tools, tool_call_required=bool(tools) and request.tool_choice not in ("auto", None),
+            max_tokens_explicit=request.max_output_tokens is not None,
+            response_id=new_id("resp_"), model=request.model, state=state,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- the response object
+    def _response(self, p: Prepared, result: ChatResult | None = None) -> dict[str, Any]:
+        """The response: in progress (no result yet), completed, or incomplete (``max_output_tokens``)."""
+        req: ResponsesRequest = p.request  # type: ignore[assignment]
+        c = result.choices[0] if result else None
+        status = "in_progress" if c is None else "incomplete" if c.finish_reason == "length" else "completed"
+        return {
+            "id": p.response_id, "object": "response", "created_at": p.created, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": p.model,
+            "output": self._output(p, c) if c else [], "parallel_tool_calls": value_or_default(req, "parallel_tool_calls"),
+            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": p.params.temperature, "text": {"format": {"type": "text"}},
+            "tool_choice": value_or_default(req, "tool_choice"), "tools": [t.model_dump() for t in req.tools or ()],
+            "top_logprobs": req.top_logprobs, "top_p": p.params.top_p, "truncation": "disabled",
+            "usage": _usage(result) if result else None, "user": req.user, "metadata": req.metadata or {},
+        }  # fmt: skip
+
+    def _output(self, p: Prepared, c: Choice) -> list[dict[str, Any]]:
+        """A message when there is text or no call (an empty answer is an empty message) or the stream
+        opened one, then the calls."""
+        message = [self._message(p, c)] if c.text or not c.tool_calls or p.state["opened"] else []
+        return message + [_function_call(call, "completed") for call in _calls(p, c)]
+
+    def _message(self, p: Prepared, c: Choice | None) -> dict[str, Any]:
+        """The assistant message item: in progress and empty (``c`` None), or finished."""
+        status = "in_progress" if c is None else "incomplete" if c.finish_reason == "length" else "completed"
+        content = [] if c is None else [self._part(p, c.text, c.logprobs)]
+        return {"type": "message", "id": p.state["message_id"], "status": status, "role": "assistant", "content": content}
+
+    def _part(self, p: Prepared, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": _logprobs(p, logprobs, True)}
+
+    def format_response(self, prepared: Prepared, result: ChatResult) -> dict[str, Any]:
+        return self._response(prepared, result)
+
+    # ---------------------------------------------------------------- the stream
+    def _event(self, p: Prepared, kind: str, **fields: Any) -> str:
+        seq, p.state["seq"] = p.state["seq"], p.state["seq"] + 1
+        return sse({"type": kind, "sequence_number": seq, **fields}, event=kind)
+
+    def _open_message(self, p: Prepared) -> list[str]:
+        """The message item and its text part, before the first text (an answer that is only calls has none)."""
+        if p.state["opened"]:
+            return []
+        p.state["opened"] = True
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self._event(p, "response.output_item.added", output_index=0, item=self._message(p, None)),
+            self._event(p, "response.content_part.added", **_in_message(p), part=part),
+        ]
+
+    def format_stream_start(self, prepared: Prepared) -> list[str]:
+        response = self._response(prepared)
+        return [
+            self._event(prepared, "response.created", response=response),
+            self._event(prepared, "response.in_progress", response=response),
+        ]
+
+    def format_chunk(self, prepared: Prepared, index: int, text: str, **logprobs: Any) -> list[str]:
+        frames = self._open_message(prepared)  # first: sequence numbers follow the frames' order
+        entries = _logprobs(prepared, logprobs.get("logprobs"), False)
+        where = _in_message(prepared)
+        return [*frames, self._event(prepared, "response.output_text.delta", **where, delta=text, logprobs=entries)]
+
+    def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
+        p, c = prepared, result.choices[0]
+        frames = []
+        if p.state["opened"] or not c.tool_calls:
+            entries = _logprobs(p, c.logprobs, False)  # every token's, those that brought no text included
+            frames += self._open_message(p) + [
+                self._event(p, "response.output_text.done", **_in_message(p), text=c.text, logprobs=entries),
+                self._event(p, "response.content_part.done", **_in_message(p), part=self._part(p, c.text, c.logprobs)),
+                self._event(p, "response.output_item.done", output_index=0, item=self._message(p, c)),
+            ]
+        for k, call in enumerate(_calls(p, c), start=1 if frames else 0):  # after the message, if any
+            item = _function_call(call, "in_progress")
+            where = {"item_id": item["id"], "output_index": k}
+            frames += [
+                self._event(p, "response.output_item.added", output_index=k, item={**item, "arguments": ""}),
+                self._event(p, "response.function_call_arguments.delta", **where, delta=call.arguments),
+                self._event(p, "response.function_call_arguments.done", **where, arguments=call.arguments),
+                self._event(p, "response.output_item.done", output_index=k, item=_function_call(call, "completed")),
+            ]
+        response = self._response(p, result)
+        return [*frames, self._event(p, f"response.{response['status']}", response=response)]
+
+    def format_stream_error(self, prepared: Prepared, status: int, message: str) -> list[str]:
+        error = self.format_error(status, message)["error"]
+        return [self._event(prepared, "error", code=error["code"] or error["type"], message=message, param=None)]
+
+
+def _in_message(p: Prepared) -> dict[str, Any]:
+    return {"item_id": p.state["message_id"], "output_index": 0, "content_index": 0}
+
+
+def _calls(p: Prepared, c: Choice) -> list[ToolCall]:
+    """The choice's tool calls; only the first when the request set ``parallel_tool_calls`` false."""
+    return c.tool_calls if value_or_default(p.request, "parallel_tool_calls") else c.tool_calls[:1]
+
+
+def _function_call(call: ToolCall, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+        "name": call.name, "arguments": call.arguments, "status": status,
+    }  # fmt: skip
+
+
+def _usage(result: ChatResult) -> dict[str, Any]:
+    return {
+        "input_tokens": result.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": result.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": result.total_tokens,
+    }
+
+
+def _logprobs(p: Prepared, entries: list[TokenLogprob] | None, with_bytes: bool) -> list[dict[str, Any]]:
+    """OpenAI log-prob entries (a content part's carry ``bytes``, a stream event's do not); [] when not asked."""
+    tokenizer = p.state.get("tokenizer")
+    if tokenizer is None or not entries:
+        return []
+
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        out = {"token": tokenizer.token_text(token_id), "logprob": max(logprob, -9999.0)}  # -inf is no JSON number
+        return {**out, "bytes": list(tokenizer.token_bytes(token_id))} if with_bytes else out
+
+    return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]
