@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata as md
 import json
 import logging
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -274,8 +276,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_and_run(system: System, loads: list[Workload], p: Prompts, log_dir: Path) -> dict:
-    """Start ``system``, wait for /health, run the workloads, stop it (its own process group only)."""
+@contextlib.contextmanager
+def serving(system: System, log_dir: Path) -> Iterator[dict]:
+    """Start ``system``, wait for /health, yield its startup time and command; stop it on exit
+    (its own process group only)."""
     log_path = log_dir / f"{system.name}.log"
     with open(log_path, "wb") as log:
         env = {**os.environ, **OFFLINE}
@@ -295,10 +299,15 @@ def serve_and_run(system: System, loads: list[Workload], p: Prompts, log_dir: Pa
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
-        head = {"startup_s": time.perf_counter() - t0, "command": " ".join(system.command)}
-        return {**head, **asyncio.run(run_workloads(system, loads, p))}
+        yield {"startup_s": time.perf_counter() - t0, "command": " ".join(system.command)}
     finally:
         stop(proc)
+
+
+def serve_and_run(system: System, loads: list[Workload], p: Prompts, log_dir: Path) -> dict:
+    """Start ``system``, run the workloads, stop it."""
+    with serving(system, log_dir) as head:
+        return {**head, **asyncio.run(run_workloads(system, loads, p))}
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -374,13 +383,15 @@ def make_systems(dtype: str, folder: Path) -> dict:
     }  # fmt: skip
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_common_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options this script shares with the scripts that reuse it (logprobs_bench.py)."""
     ap.add_argument("--quick", action="store_true", help="tiny workloads (smoke run)")
-    ap.add_argument("--only", choices=["astrai", "transformers"], help="run one system")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "astrai-bench")
-    args = ap.parse_args()
+
+
+def prepare(args: argparse.Namespace) -> tuple[Path, Path, Prompts]:
+    """Logging to stderr, offline, then the default GGUF, its dequantized copy and the prompt maker."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     os.environ.update(OFFLINE)
@@ -391,7 +402,15 @@ def main() -> int:
 
     _, gguf = resolve_model(None)
     folder = dequantized_copy(gguf, args.dtype, args.cache_dir.expanduser())
-    prompts = Prompts(Tokenizer.from_file(str(folder / "tokenizer.json")))
+    return gguf, folder, Prompts(Tokenizer.from_file(str(folder / "tokenizer.json")))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(ap)
+    ap.add_argument("--only", choices=["astrai", "transformers"], help="run one system")
+    args = ap.parse_args()
+    gguf, folder, prompts = prepare(args)
     loads = workloads(prompts, args.quick)
     systems = make_systems(args.dtype, folder)
     log_dir = Path(tempfile.mkdtemp(prefix="serve-bench-"))
