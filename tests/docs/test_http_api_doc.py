@@ -12,9 +12,11 @@ from model_fields import default_text, nested_models, range_text, type_text
 from pydantic import BaseModel
 
 from astrai_server.protocols.anthropic import AnthropicResponseBuilder
+from astrai_server.protocols.completions import CompletionsResponseBuilder
 from astrai_server.protocols.openai import OpenAIResponseBuilder
+from astrai_server.protocols.responses import ResponsesBuilder
 
-BUILDERS = [OpenAIResponseBuilder, AnthropicResponseBuilder]
+BUILDERS = [OpenAIResponseBuilder, AnthropicResponseBuilder, CompletionsResponseBuilder, ResponsesBuilder]
 REQUEST_MODELS = [b.request_model for b in BUILDERS]
 
 
