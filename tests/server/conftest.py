@@ -157,6 +157,8 @@ class FakeEngine:
         self.submitted: list[tuple[list[int], Any]] = []
         self.results: list[FakeResult] = []
         self.healthy = True
+        self.compiled: list[Any] = []  # grammars the server compiled before submitting (the real cache's API)
+        self.grammars = SimpleNamespace(compile=self.compiled.append)
 
     def submit(self, prompt_ids: list[int], params: Any, on_piece: Any = None, on_done: Any = None) -> FakeResult:
         vocab = self.model.config.vocab_size  # the model-dependent check the engine makes at submit

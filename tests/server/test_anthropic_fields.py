@@ -144,7 +144,7 @@ CITATION = {"type": "char_location", "cited_text": "x", "document_index": 0, "st
 REFUSALS = {
     "thinking": ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
     "thinking-adaptive": ({"thinking": {"type": "adaptive"}}, "thinking"),
-    "output_config-format": ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    "output_config-format-type": ({"output_config": {"format": {"type": "regex", "schema": {}}}}, "output_config.format.type"),
     "output_config-effort": ({"output_config": {"effort": "low"}}, "output_config.effort"),
     "container": ({"container": "cntr_1"}, "container"),
     "mcp_servers": ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "m"}]}, "mcp_servers"),
@@ -219,8 +219,8 @@ def test_the_sdk_raises_bad_request_naming_the_field(served: tuple[str, Any]) ->
         client.messages.create(**kw, tools=[{"type": "web_search_20250305", "name": "web_search"}])
     with pytest.raises(anthropic.BadRequestError, match="'container'"):
         client.messages.create(**kw, container="cntr_1")
-    with pytest.raises(anthropic.BadRequestError, match=r"output_config\.format"):
-        client.messages.count_tokens(model="astrai", messages=HI, output_config={"format": {"type": "json_schema", "schema": {}}})
+    with pytest.raises(anthropic.BadRequestError, match=r"output_config\.effort"):
+        client.messages.count_tokens(model="astrai", messages=HI, output_config={"effort": "low"})
 
 
 HISTORY = [

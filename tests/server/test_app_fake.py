@@ -70,8 +70,11 @@ def test_streamed_tool_call_is_never_sent_as_text(fakes: Any) -> None:
 
 
 def test_required_tool_call_is_opened_in_the_prompt_and_ends_at_the_closing_tag(fakes: Any) -> None:
-    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
-    call = fakes.Script(['{"city": ', '"Rome"}}'], finish="stop_sequence", stop_sequence="</tool_call>")
+    """The prompt ends with the opening, the rest is constrained to a call of an offered tool (a grammar the
+    server compiles before submitting), and the closing tag stops it."""
+    opening = "<tool_call>\n"
+    call = fakes.Script(['{"name": "get_weather", ', '"arguments": {"city": "Rome"}}'], finish="stop_sequence",
+                        stop_sequence="</tool_call>")  # fmt: skip
     junk = fakes.Script(["I think", " not"], finish="stop_sequence", stop_sequence="</tool_call>")
     engine = fakes.FakeEngine([call, junk, call, junk], ctx=512)
     msg = [{"role": "user", "content": "x"}]
@@ -87,6 +90,10 @@ def test_required_tool_call_is_opened_in_the_prompt_and_ends_at_the_closing_tag(
     for prompt, params in engine.submitted:
         assert prompt[-len(engine.tokenizer.encode(opening)):] == engine.tokenizer.encode(opening) and len(prompt) > len(plain)
         assert params.stop == ["</tool_call>"]
+        schema = json.loads(params.grammar.value)
+        assert params.grammar.kind == "json_schema" and schema["properties"]["name"] == {"const": "get_weather"}
+        assert schema["required"] == ["name", "arguments"]
+    assert engine.compiled == [params.grammar for _, params in engine.submitted]
     (choice,) = ok["choices"]
     assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None)
     fn = choice["message"]["tool_calls"][0]["function"]

@@ -110,7 +110,6 @@ REFUSED_EXAMPLES: dict[str, tuple[dict, str]] = {
     "moderation": ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
     "prediction": ({"prediction": {"type": "content", "content": "Paris"}}, "prediction"),
     "reasoning_effort": ({"reasoning_effort": "low"}, "reasoning_effort"),
-    "response_format": ({"response_format": {"type": "json_object"}}, "response_format"),
     "store": ({"store": True}, "store"),
     "verbosity": ({"verbosity": "low"}, "verbosity"),
     "web_search_options": ({"web_search_options": {}}, "web_search_options"),
@@ -139,14 +138,14 @@ def test_refused_field_is_a_400_naming_it(base_url: str, field: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
-    [{"store": True}, {"response_format": {"type": "json_object"}}, {"reasoning_effort": "low"},
+    [{"store": True}, {"response_format": {"type": "yaml"}}, {"reasoning_effort": "low"},
      {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}],
-    ids=["store", "response_format", "reasoning_effort", "audio"],
+    ids=["store", "response_format-type", "reasoning_effort", "audio"],
 )  # fmt: skip
 def test_refused_fields_raise_bad_request_in_the_sdk(openai_client: Any, kw: dict) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(model="astrai", messages=FRANCE, max_tokens=1, **kw)
-    assert info.value.body["param"] in kw
+    assert info.value.body["param"].split(".")[0] in kw
 
 
 IGNORED_EXAMPLES: dict[str, tuple[dict, dict]] = {  # (request with the field, the same without it)

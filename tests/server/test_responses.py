@@ -208,7 +208,6 @@ REFUSED_EXAMPLES: dict[str, tuple[dict, str]] = {
     "reasoning": ({"reasoning": {"effort": "low"}}, "reasoning"),
     "store": ({"store": True}, "store"),
     "truncation": ({"truncation": "auto"}, "truncation"),
-    "text.format": ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
     "text.verbosity": ({"text": {"verbosity": "low"}}, "text.verbosity"),
     "tools[].type": ({"tools": [WEATHER, {"type": "web_search"}]}, "tools.1.type"),
     "tool_choice": ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
@@ -233,9 +232,9 @@ def test_refused_field_is_a_400_naming_it(base_url: str, field: str) -> None:
 @pytest.mark.parametrize(
     "kw",
     [{"store": True}, {"previous_response_id": "resp_1"}, {"background": True},
-     {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
+     {"text": {"format": {"type": "json_schema", "name": "x"}}},
      {"tools": [{"type": "web_search"}]}],
-    ids=["store", "previous_response_id", "background", "json_schema", "web_search"],
+    ids=["store", "previous_response_id", "background", "json_schema-without-schema", "web_search"],
 )  # fmt: skip
 def test_refused_fields_raise_bad_request_in_the_sdk(openai_client: Any, kw: dict) -> None:
     with pytest.raises(openai.BadRequestError) as info:

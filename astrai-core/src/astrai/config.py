@@ -43,6 +43,7 @@ class EngineConfig:
     # strict selection for every request that made none in an attn_backend() context (beats ASTR_BACKEND)
     attention_backend: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    grammar_backend: str | None = None  # astrai.grammars entry point for constrained decoding; None: xgrammar
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def kv_config(self, model_config: ModelConfig, dtype: torch.dtype) -> KVConfig:

@@ -20,6 +20,7 @@ import torch
 from astrai.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from astrai.cpu_tuning import run_off_thread, tune_malloc
 from astrai.extension.backend.policy import load_backends
+from astrai.grammar import GrammarCache
 from astrai.kvcache import PagePool
 from astrai.model import IncrementalDecoder
 from astrai.plugins import HookThread, PluginManager
@@ -85,6 +86,8 @@ class InferenceEngine:
         # fused kernels (astrai.extension.fused) are installed for the first step.
         load_backends()
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
+        # compiled grammars of constrained requests, compiled on the submitting thread (never the scheduler's)
+        self.grammars = GrammarCache(tokenizer, mc.vocab_size, sorted(eos), self.config.grammar_backend)
         # Built only when someone listens: the scheduler then just queues a small record per request.
         self._hooks = HookThread(self.plugins) if self.plugins.has_impls("astrai_request_finished") else None
         self.scheduler = InferenceScheduler(
@@ -128,6 +131,8 @@ class InferenceEngine:
         stopper = StopChecker(IncrementalDecoder(self.tokenizer), params.stop)
         # submitted on this thread: the scheduler keeps the attn_backend() choice in force here
         req = Request(rid, list(prompt_ids), params, result, stopper)
+        if params.grammar is not None:  # compiled here unless cached (RequestRejected for a bad one)
+            req.matcher = self.grammars.matcher(params.grammar)
         result.bind(req)
         self.scheduler.submit(req)
         return result

@@ -7,6 +7,7 @@ above all of them (nothing in core but the command line imports it).
 from __future__ import annotations
 
 from astrai.extension.backend.base import ATTENTION_BACKENDS, check_backend_class
+from astrai.grammar.base import GRAMMARS, check_grammar_backend
 from astrai.model.architecture import MODELS, check_architecture
 from astrai.plugins import HOOKS, Validator, check_hook_plugin
 from astrai.protocol import PROTOCOLS, check_builder_class
@@ -17,9 +18,10 @@ VALIDATORS: dict[str, Validator] = {
     ATTENTION_BACKENDS: check_backend_class,
     PROTOCOLS: check_builder_class,
     SAMPLING: check_strategy_class,
+    GRAMMARS: check_grammar_backend,
     MODELS: check_architecture,
     HOOKS: check_hook_plugin,
 }
 GROUPS = tuple(VALIDATORS)
 
-__all__ = ["ATTENTION_BACKENDS", "GROUPS", "HOOKS", "MODELS", "PROTOCOLS", "SAMPLING", "VALIDATORS"]
+__all__ = ["ATTENTION_BACKENDS", "GRAMMARS", "GROUPS", "HOOKS", "MODELS", "PROTOCOLS", "SAMPLING", "VALIDATORS"]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from astrai.extension.backend.policy import BackendChoice
+    from astrai.grammar import GrammarMatcher
     from astrai.logprobs import TokenLogprob
     from astrai.sampling import SamplingParams
     from astrai.stopping import StopChecker
@@ -76,6 +77,7 @@ class Request:
     # prompt token from the second on, appended by the runner as the prompt is computed.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    matcher: GrammarMatcher | None = None  # constrained decoding: where the output is in its grammar
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -112,6 +114,11 @@ class Request:
         self.output_ids.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if self.matcher is not None and not self.matcher.accept(token):  # the mask allowed it: a backend bug
+            raise RuntimeError(f"the grammar refused token {token}, which its own bitmask allowed")
+        if self.matcher is not None and self.matcher.is_terminated():
+            self._end(FinishReason.STOP)  # the grammar is complete and took its stop token
+            return
         if (token in eos_token_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
             self._end(FinishReason.STOP)
             return

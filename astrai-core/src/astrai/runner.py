@@ -109,6 +109,7 @@ class ModelRunner:
         if not sampled:
             return [], []
         params = [r.params for r in sampled]
+        raw, logits = logits, self._constrain(logits, sampled, any(p.logprobs is not None for p in params))
         if all(p.plain_greedy for p in params):  # argmax, whatever the pipeline holds
             ids = logits.argmax(dim=-1)
         else:
@@ -126,11 +127,26 @@ class ModelRunner:
         if not asked:
             return ids.tolist(), []
         rows = torch.tensor(asked, device=logits.device)
-        entries = token_logprobs(logits.index_select(0, rows), ids.index_select(0, rows), [params[i].logprobs for i in asked])
+        entries = token_logprobs(raw.index_select(0, rows), ids.index_select(0, rows), [params[i].logprobs for i in asked])
         out: list[TokenLogprob | None] = [None] * len(sampled)
         for i, entry in zip(asked, entries, strict=True):
             out[i] = entry
         return ids.tolist(), out
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, sampled: Sequence[Request], keep: bool) -> torch.Tensor:
+        """``logits`` with each constrained row's disallowed tokens at -inf: every matcher fills its row of
+        one bitmask, applied at once (in place, on a copy when ``keep``: log-probs read the raw logits)."""
+        rows = [i for i, r in enumerate(sampled) if r.matcher is not None]
+        if not rows:
+            return logits
+        backend = sampled[rows[0]].matcher.backend
+        bitmask = backend.allocate_bitmask(len(sampled))
+        for i in rows:
+            sampled[i].matcher.fill_bitmask(bitmask, i)
+        out = logits.clone() if keep else logits
+        backend.apply_bitmask(out, bitmask, rows)
+        return out
 
     def _banned(self, req: Request) -> tuple[int, ...]:
         """Tokens ``req`` may not sample yet: EOS (unless ignored) and its stop ids, before ``min_tokens``."""

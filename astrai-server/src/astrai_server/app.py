@@ -142,7 +142,7 @@ def _protocol_endpoint(builder: ResponseBuilder) -> Any:
                 raise HTTPProblem(401, "invalid or missing API key (Authorization: Bearer or x-api-key)")
             parsed = _parse(builder, await request.body())
             handler = ProtocolHandler(builder, _ready_engine(request))
-            run = handler.start(parsed)
+            run = await handler.start(parsed)
         except Exception as exc:  # nothing a client sends may become a bare 500 or a traceback
             return error(exc)
         disconnected = lambda: _wait_disconnect(request)  # noqa: E731

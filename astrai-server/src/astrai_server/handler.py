@@ -45,12 +45,18 @@ class ProtocolHandler:
             raise EngineNotReady()
         self.builder, self.engine = builder, engine
 
-    def start(self, request: BaseModel) -> _Run:
+    async def start(self, request: BaseModel) -> _Run:
         """Prepare and submit every choice. Raises RequestRejected (400: an unknown field, the
-        builder's, or the engine's at submit) or EngineNotReady (503)."""
+        builder's, an invalid grammar, or the engine's at submit) or EngineNotReady (503).
+
+        A constrained request's grammar is compiled on a worker thread first (cached by spec), so
+        neither the event loop nor the scheduler waits for it."""
         refuse_unknown(request, self.engine)
         prepared = self.builder.prepare(request, self.engine)
-        opening = open_tool_call(prepared, self.engine.tokenizer)
+        opening = open_tool_call(prepared, self.engine.tokenizer)  # a required call is a grammar too
+        grammar = prepared.params.grammar
+        if grammar is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.compile, grammar)
         self._check_limits(prepared)
         run = _Run(self.engine, prepared, asyncio.get_running_loop(), opening)
         run.submit()

@@ -11,9 +11,8 @@ A call whose name is not one of the request's tools is not a tool call: the
 text stays text. Protocol-neutral: builders receive ``astrai.protocol.ToolCall``.
 
 A request that must call a tool gets the opening of a ``<tool_call>`` appended to
-its prompt (``call_opening``) and stops at the closing tag: the model can only
-continue a call (there is no grammar-constrained decoding, so a model can still
-write one that does not parse; that answer then comes back as text).
+its prompt (``call_opening``), a grammar that makes the rest a valid call of one of its
+tools (``open_tool_call``), and stops at the closing tag: the answer always parses.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ import dataclasses
 import json
 from typing import Any
 
+from astrai.errors import RequestRejected
+from astrai.grammar import GrammarSpec
 from astrai.protocol import Prepared, ToolCall, new_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -43,16 +44,37 @@ def call_opening(tokenizer: Any, name: str | None) -> str:
 
 
 def open_tool_call(p: Prepared, tokenizer: Any) -> str:
-    """A request that must call a tool: end its prompt with the opening of a call and stop at the
-    closing tag; returns the opening ("" when not required, for several prompts, or when the
-    template teaches another format). Modifies ``p.prompt_ids`` and ``p.params``."""
+    """A request that must call a tool: end its prompt with the opening of a call, constrain what
+    follows to a call of one of ``p.tools`` with arguments valid against its ``parameters``
+    (a JSON-schema grammar, so the answer always parses), and stop at the closing tag. Returns
+    the opening ("" when not required, for several prompts, or when the template teaches another
+    format, where nothing is enforced). Modifies ``p.prompt_ids`` and ``p.params``."""
     if not (p.tool_call_required and p.tools) or p.prompts is not None:
         return ""
-    opening = call_opening(tokenizer, p.tools[0]["function"]["name"] if len(p.tools) == 1 else None)
-    if opening:
-        p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
-        p.params = dataclasses.replace(p.params, stop=[*p.params.stop, CLOSE])
+    opening = call_opening(tokenizer, None)
+    if not opening:
+        return ""
+    if p.params.grammar is not None:
+        raise RequestRejected("a required tool call and a response format cannot both constrain the answer",
+                              param="tool_choice")  # fmt: skip
+    p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
+    grammar = GrammarSpec.of("json_schema", call_schema(p.tools))
+    p.params = dataclasses.replace(p.params, stop=[*p.params.stop, CLOSE], grammar=grammar)
     return opening
+
+
+def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call ``{"name": ..., "arguments": {...}}`` of any of ``tools``."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]},
+                           "arguments": t["function"].get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"], "additionalProperties": False,
+        }  # fmt: skip
+        for t in tools
+    ]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def _calls_from_json(obj: Any, names: set[str]) -> list[ToolCall] | None:

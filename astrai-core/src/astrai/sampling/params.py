@@ -8,6 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from astrai.errors import RequestRejected
+from astrai.grammar.base import GrammarSpec
 from astrai.logprobs import MAX_LOGPROBS
 
 __all__ = ["SamplingParams", "SamplingBatch"]  # SamplingBatch lives in astrai.sampling.batch
@@ -66,6 +67,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     ignore_eos: bool = False
+    grammar: GrammarSpec | None = None  # constrained decoding: the output must match it (astrai.grammar)
     logprobs: int | None = None  # None: off; k: each generated token's log-prob and the k best (k <= 20)
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
     strategy: str | None = None  # extra SamplingStrategy entry-point name (plugins, e.g. "min_p")
@@ -90,6 +92,11 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise RequestRejected(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}", param="stop_token_ids")
         self.stop_token_ids = [_integer("stop_token_ids[]", t, 0) for t in self.stop_token_ids]
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise RequestRejected(f"grammar must be a GrammarSpec, got {self.grammar!r}", param="grammar")
+        if self.grammar is not None and self.min_tokens:
+            raise RequestRejected("min_tokens cannot be combined with a grammar (it decides where the output ends)",
+                                  param="min_tokens")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, _integer(name, getattr(self, name), 0))
@@ -139,6 +146,7 @@ class SamplingParams:
             self.temperature == 0.0
             and not (self.penalised or self.logit_bias or self.min_tokens)
             and self.strategy is None
+            and self.grammar is None
         )
 
 

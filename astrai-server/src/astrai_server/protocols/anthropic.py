@@ -39,6 +39,7 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
+from astrai_server.structured import anthropic_format
 from astrai_server.tools import open_tool_call
 
 STOP_REASON = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -52,7 +53,7 @@ REFUSED = {
     "context_management": "context editing is not supported",
     "diagnostics": "prompt-cache diagnostics are not supported",
     "mcp_servers": "MCP servers are not supported",
-    "output_config": "effort and structured output (format) are not supported; {} is accepted",
+    "output_config": "effort is not supported (format is: structured output); {} is accepted",
     "thinking": 'extended thinking is not supported; {"type": "disabled"} is accepted',
     "messages[].role": '"system" is not supported; the system prompt goes in system',
     "messages[].content[].type": "blocks other than text, tool_use and tool_result (image, document, thinking, ...)",
@@ -60,7 +61,7 @@ REFUSED = {
     "messages[].content[].caller": 'callers other than {"type": "direct"} (no programmatic tool calling)',
     "messages[].content[].toolset_name": "MCP toolsets are not supported",
     "tools[].type": 'server tools (web search, code execution, ...) are not supported; "custom" is accepted',
-    "tools[].strict": "true: no constrained decoding, so the input may not follow the schema",
+    "tools[].strict": "true: only a required tool_choice (any, tool) constrains the input; a call under auto is not",
     "tools[].defer_loading": "true: there is no tool search",
     "tools[].allowed_callers": 'anything but ["direct"] (no programmatic tool calling)',
     "tools[].input_examples": "examples are not shown to the model; null or [] is accepted",
@@ -264,6 +265,7 @@ class MessagesRequest(MessagesInput):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             stop=[s for s in self.stop_sequences or [] if s],
+            grammar=anthropic_format(self.output_config.format if self.output_config is not None else None),
             extra=plugin_sampling(self),
         )
 
@@ -272,9 +274,10 @@ def _refuse_unimplemented(req: MessagesInput) -> None:
     """RequestRejected (param set) for a declared top-level field whose value astrai does not serve."""
     if req.thinking is not None and req.thinking.type != "disabled":
         raise RequestRejected(f"thinking: {REFUSED['thinking']}", param="thinking")
-    for name in ("effort", "format"):
-        if req.output_config is not None and getattr(req.output_config, name) is not None:
-            raise RequestRejected(f"output_config.{name}: {REFUSED['output_config']}", param=f"output_config.{name}")
+    if req.output_config is not None and req.output_config.effort is not None:
+        raise RequestRejected(f"output_config.effort: {REFUSED['output_config']}", param="output_config.effort")
+    if req.output_config is not None:
+        anthropic_format(req.output_config.format)  # a malformed format is refused before templating
 
 
 def _template_messages(req: MessagesInput) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ from astrai.protocol import (
 from astrai.sampling import SamplingParams
 from astrai_server.protocols.openai import FINISH, OpenAIResponseBuilder, StreamOptions
 from astrai_server.protocols.openai import _usage as usage
+from astrai_server.structured import one_of, openai_response_format, vllm_structured_outputs
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
@@ -85,6 +86,8 @@ class CompletionRequest(BaseModel):
     min_tokens: int | None = Field(0, ge=0)
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None  # vLLM accepts it on completions too
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
     user: str | None = None
 
     def sampling_params(self) -> SamplingParams:
@@ -109,6 +112,10 @@ class CompletionRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo else None,
+            grammar=one_of(
+                ("response_format", openai_response_format(self.response_format)),
+                ("structured_outputs", vllm_structured_outputs(self.structured_outputs)),
+            ),
             extra=plugin_sampling(self),
         )
         if params.min_tokens > params.max_tokens:

@@ -38,6 +38,7 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
+from astrai_server.structured import one_of, openai_response_format, vllm_structured_outputs
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
@@ -55,13 +56,12 @@ REFUSED = {
     "moderation": "any value: astrai moderates nothing",
     "prediction": "any value: predicted outputs are not implemented",
     "reasoning_effort": "any value: astrai has no reasoning controls",
-    "response_format": 'anything but {"type": "text"}: no structured output yet',
     "store": "true: astrai stores no completions",
     "verbosity": "any value: astrai has no verbosity control",
     "web_search_options": "any value: astrai does not search the web",
     "messages[].audio": "any value: an earlier audio answer cannot be resolved",
     "messages[].function_call": "any value: deprecated by OpenAI; use tool_calls",
-    "tools[].function.strict": "true: no constrained decoding, arguments may not follow the schema",
+    "tools[].function.strict": "true: only a required or named tool_choice constrains the arguments; a call under auto is not",
 }
 
 #: Fields accepted and ignored: metadata that changes nothing a client can observe.
@@ -180,6 +180,7 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "auto"
     parallel_tool_calls: bool | None = True
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
     modalities: list[Literal["text", "audio"]] | None = None
     store: bool | None = False
     metadata: dict[str, str] | None = None
@@ -231,6 +232,10 @@ class ChatCompletionRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            grammar=one_of(
+                ("response_format", openai_response_format(self.response_format)),
+                ("structured_outputs", vllm_structured_outputs(self.structured_outputs)),
+            ),
             extra=plugin_sampling(self),
         )
         if params.min_tokens > params.max_tokens:
@@ -287,7 +292,6 @@ def _refuse_unserved(req: ChatCompletionRequest) -> None:
     """RequestRejected (param: the field) for a declared field whose value astrai cannot honour."""
     unserved = {
         "store": bool(req.store),
-        "response_format": req.response_format is not None and req.response_format.get("type") != "text",
         "modalities": "audio" in (req.modalities or ()),
     }
     for name, refused in unserved.items():

@@ -35,6 +35,7 @@ from astrai.protocol import (
 )
 from astrai.sampling import SamplingParams
 from astrai_server.protocols.openai import OpenAIResponseBuilder, Strict, decode_arguments
+from astrai_server.structured import responses_text_format
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
@@ -59,7 +60,6 @@ REFUSED = {
     "reasoning": "any option but null: astrai has no reasoning controls",
     "store": "true: astrai stores no responses",
     "truncation": '"auto": astrai never truncates a prompt',
-    "text.format": 'anything but {"type": "text"}: no structured output yet',
     "text.verbosity": "any value: astrai has no verbosity control",
     "tools[].type": '"function" only: astrai runs no hosted tools',
     "tool_choice": 'an object other than {"type": "function", "name": ...}: only function tools are served',
@@ -227,7 +227,6 @@ class ResponsesRequest(BaseModel):
             "reasoning": ("reasoning", any(v is not None for v in (self.reasoning or {}).values())),
             "include": ("include", any(i != LOGPROBS for i in self.include or ())),
             "truncation": ("truncation", self.truncation == "auto"),
-            "text.format": ("text.format", (text.format or {}).get("type", "text") != "text"),
             "text.verbosity": ("text.verbosity", text.verbosity is not None),
         }
         for i, tool in enumerate(self.tools or ()):
@@ -249,6 +248,7 @@ class ResponsesRequest(BaseModel):
             temperature=value_or_default(self, "temperature"),
             top_p=value_or_default(self, "top_p"),
             logprobs=(self.top_logprobs or 0) if asked else None,
+            grammar=responses_text_format((self.text or TextConfig()).format),
             extra=plugin_sampling(self),
         )
 

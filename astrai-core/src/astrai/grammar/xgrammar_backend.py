@@ -1,0 +1,84 @@
+"""The ``xgrammar`` grammar backend (entry point ``xgrammar`` in ``astrai.grammars``): JSON schema,
+JSON object, regex, choice, EBNF grammars and structural tags, with xgrammar's token bitmasks."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from astrai.errors import RequestRejected
+from astrai.grammar.base import GrammarBackend, GrammarMatcher, GrammarSpec
+
+if TYPE_CHECKING:
+    from astrai.model import Tokenizer
+
+__all__ = ["XGrammarBackend"]
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._m.accept_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
+class XGrammarBackend(GrammarBackend):
+    """xgrammar's compiler (its own cache and threads) over the engine's tokenizer."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        c = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                return c.compile_json_schema(spec.value, any_whitespace=False)
+            if spec.kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return c.compile_regex(spec.value)
+            if spec.kind == "choice":
+                choices = json.loads(spec.value)
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in choices))
+            if spec.kind == "grammar":
+                return c.compile_grammar(spec.value)
+            return c.compile_structural_tag(spec.value)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports every bad input this way
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
+            raise RequestRejected(f"cannot compile the {spec.kind}: {reason}", param="grammar") from None
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=list(rows))
