@@ -1,5 +1,7 @@
 """The ``xgrammar`` grammar backend (entry point ``xgrammar`` in ``astrai.grammars``): JSON schema,
-JSON object, regex, choice, EBNF grammars and structural tags, with xgrammar's token bitmasks."""
+JSON object, regex, choice, EBNF (GBNF) and Lark grammars and structural tags, with xgrammar's token
+bitmasks. JSON schemas are strict (properties not in the schema are refused, as xgrammar's
+``strict_mode``) with xgrammar's default separators (``", "``, ``": "``) and no other whitespace."""
 
 from __future__ import annotations
 
@@ -43,7 +45,18 @@ class XGrammarBackend(GrammarBackend):
         import xgrammar as xgr
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        stops = list(stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size, stop_token_ids=stops)
+        # from_huggingface lets added special tokens (<|im_start|>, ...) appear as text inside a JSON string:
+        # blank them, so that only the stop tokens among them are ever allowed (as stops)
+        special = {i for i in tokenizer.hf.added_tokens_decoder if i not in stops}
+        if special:
+            encoded = list(info.decoded_vocab)
+            for i in special:
+                if i < len(encoded):
+                    encoded[i] = b""
+            info = xgr.TokenizerInfo(encoded, info.vocab_type, vocab_size=vocab_size, stop_token_ids=stops,
+                                     add_prefix_space=info.add_prefix_space)  # fmt: skip
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
 
     @classmethod
@@ -66,8 +79,8 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "choice":
                 choices = json.loads(spec.value)
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in choices))
-            if spec.kind == "grammar":
-                return c.compile_grammar(spec.value)
+            if spec.kind == "grammar":  # GBNF/EBNF ("root ::= ...") or Lark ("start: ...")
+                return c.compile_grammar(spec.value) if "::=" in spec.value else c.compile_lark(spec.value)
             return c.compile_structural_tag(spec.value)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports every bad input this way
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
