@@ -148,3 +148,25 @@ def test_xgrammar_is_the_default_backend_and_reports_the_reason(real_model):
         cache.compile(GrammarSpec.of("json_schema", {"type": "objectx"}))
     assert err.value.param == "grammar"
     assert cache.compile(GrammarSpec.of("regex", "[a-z]+")) is cache.compile(GrammarSpec.of("regex", "[a-z]+"))
+
+
+def test_constrained_requests_survive_preemption_and_aborts(constrained_engine, tiny_tokenizer):
+    """A pool too small for all: preempted constrained requests recompute their KV, keep their matcher
+    (it never rewinds: their tokens stay accepted) and still end exactly on their grammar."""
+    engine = constrained_engine(n_tokens=40, page_size=4, max_batch_size=4, max_prefill_tokens=16)
+    answers = ["the tall tree is here and there it is", "a short one in the rain on the hill",
+               "another tall one that is on the rise", "ok then this is it and that is all"]  # fmt: skip
+    prompts = [tiny_tokenizer.encode(f"q{i}", add_special_tokens=True) for i in range(4)]
+    for a in answers:  # compiled first, so that the four arrive together
+        engine.grammars.compile(GrammarSpec.of("regex", a))
+    results = [engine.submit(p, SamplingParams(temperature=1.0, seed=i, max_tokens=34, grammar=GrammarSpec.of("regex", a)))
+               for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]  # fmt: skip
+    aborted = engine.submit(prompts[0], SamplingParams(max_tokens=34, grammar=GrammarSpec.of("regex", answers[2])))
+    engine.abort(aborted.request_id)
+    for r, a in zip(results, answers, strict=True):
+        r.wait_completion()
+        r.raise_for_error()
+        assert (r.text, r.finish_reason) == (a, FinishReason.STOP)
+    aborted.wait_completion()
+    assert aborted.finish_reason in (FinishReason.ABORT, FinishReason.STOP)
+    assert engine.get_stats()["preemptions"] > 0
