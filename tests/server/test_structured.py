@@ -213,3 +213,20 @@ def test_anthropic_forced_tool_use_validates(anthropic_client: Any) -> None:
         (use,) = [b for b in msg.content if b.type == "tool_use"]
         assert msg.stop_reason == "tool_use" and use.name == "get_weather"
         jsonschema.validate(use.input, WEATHER["function"]["parameters"])
+
+
+def test_auto_stays_free_text_but_a_call_the_model_opens_is_valid(openai_client: Any, engine: Any) -> None:
+    """``auto``: a plain answer stays text; a model pushed (by logit_bias) to write ``<tool_call>`` over and
+    over can only complete a valid call of an offered tool once it has opened one."""
+    ask = [{"role": "user", "content": "Say hello."}]
+    plain = openai_client.chat.completions.create(model="astrai", messages=ask, max_tokens=20, temperature=0,
+                                                  tools=[WEATHER])  # fmt: skip
+    assert plain.choices[0].finish_reason in ("stop", "length") and plain.choices[0].message.content
+    bias = dict.fromkeys(engine.tokenizer.encode("<tool_call>"), 100)
+    r = openai_client.chat.completions.create(model="astrai", messages=ask, max_tokens=80, temperature=0, tools=[WEATHER],
+                                              logit_bias=bias, stop=["</tool_call>"])  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -46,13 +46,19 @@ def call_opening(tokenizer: Any, name: str | None) -> str:
 def open_tool_call(p: Prepared, tokenizer: Any) -> str:
     """A request that must call a tool: end its prompt with the opening of a call, constrain what
     follows to a call of one of ``p.tools`` with arguments valid against its ``parameters``
-    (a JSON-schema grammar, so the answer always parses), and stop at the closing tag. Returns
-    the opening ("" when not required, for several prompts, or when the template teaches another
-    format, where nothing is enforced). Modifies ``p.prompt_ids`` and ``p.params``."""
-    if not (p.tool_call_required and p.tools) or p.prompts is not None:
+    (a JSON-schema grammar, so the answer always parses), and stop at the closing tag. A request
+    that may call one (``auto``, no other constraint) gets a structural tag instead: free text,
+    and any call it opens is a valid one (``calls_tag``). Returns the opening ("" when not
+    required, for several prompts, or when the template teaches another format, where nothing is
+    enforced). Modifies ``p.prompt_ids`` and ``p.params``."""
+    if not p.tools or p.prompts is not None:
         return ""
     opening = call_opening(tokenizer, None)
     if not opening:
+        return ""
+    if not p.tool_call_required:
+        if p.params.grammar is None:  # free text, but a call the model opens is a valid call
+            p.params = dataclasses.replace(p.params, grammar=GrammarSpec.of("structural_tag", calls_tag(p.tools)))
         return ""
     if p.params.grammar is not None:
         raise RequestRejected("a required tool call and a response format cannot both constrain the answer",
@@ -61,6 +67,20 @@ def open_tool_call(p: Prepared, tokenizer: Any) -> str:
     grammar = GrammarSpec.of("json_schema", call_schema(p.tools))
     p.params = dataclasses.replace(p.params, stop=[*p.params.stop, CLOSE], grammar=grammar)
     return opening
+
+
+def calls_tag(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """An xgrammar structural tag: free text, except that once the model writes ``<tool_call>`` what
+    follows is a call ``{"name": ..., "arguments": {...}}`` of one of ``tools``, closed by the tag."""
+    tags = [
+        {
+            "begin": OPEN + "\n" + '{"name": ' + json.dumps(t["function"]["name"], ensure_ascii=False) + ', "arguments": ',
+            "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {"type": "object"}},
+            "end": "}\n" + CLOSE,
+        }
+        for t in tools
+    ]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
 
 
 def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:

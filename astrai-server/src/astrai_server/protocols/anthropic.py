@@ -61,7 +61,7 @@ REFUSED = {
     "messages[].content[].caller": 'callers other than {"type": "direct"} (no programmatic tool calling)',
     "messages[].content[].toolset_name": "MCP toolsets are not supported",
     "tools[].type": 'server tools (web search, code execution, ...) are not supported; "custom" is accepted',
-    "tools[].strict": "true: only a required tool_choice (any, tool) constrains the input; a call under auto is not",
+    "tools[].strict": "true: calls are constrained where the chat template uses <tool_call> (the default model's), which strict cannot promise for every template",
     "tools[].defer_loading": "true: there is no tool search",
     "tools[].allowed_callers": 'anything but ["direct"] (no programmatic tool calling)',
     "tools[].input_examples": "examples are not shown to the model; null or [] is accepted",

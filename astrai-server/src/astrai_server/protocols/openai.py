@@ -61,7 +61,7 @@ REFUSED = {
     "web_search_options": "any value: astrai does not search the web",
     "messages[].audio": "any value: an earlier audio answer cannot be resolved",
     "messages[].function_call": "any value: deprecated by OpenAI; use tool_calls",
-    "tools[].function.strict": "true: only a required or named tool_choice constrains the arguments; a call under auto is not",
+    "tools[].function.strict": "true: calls are constrained where the chat template uses <tool_call> (the default model's), which strict cannot promise for every template",
 }
 
 #: Fields accepted and ignored: metadata that changes nothing a client can observe.
