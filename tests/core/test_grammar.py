@@ -170,3 +170,20 @@ def test_constrained_requests_survive_preemption_and_aborts(constrained_engine, 
     aborted.wait_completion()
     assert aborted.finish_reason in (FinishReason.ABORT, FinishReason.STOP)
     assert engine.get_stats()["preemptions"] > 0
+
+
+def test_xgrammar_sees_every_token_as_the_tokenizer_spells_it_but_special_ones(real_model):
+    """The vocabulary xgrammar masks over is the tokenizer's (an earlier rebuild re-decoded decoded bytes and
+    garbled 110 tokens, so a few constrained answers broke their schema); added special tokens are empty."""
+    import xgrammar as xgr
+
+    from astrai.grammar.xgrammar_backend import XGrammarBackend
+
+    model, tokenizer = real_model
+    stops = tokenizer.eos_token_ids
+    backend = XGrammarBackend(tokenizer, model.config.vocab_size, stops)
+    reference = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=model.config.vocab_size, stop_token_ids=stops)
+    special = {i for i in tokenizer.hf.added_tokens_decoder if i not in stops}
+    got, want = backend.tokenizer_info.decoded_vocab, reference.decoded_vocab
+    assert special and all(got[i] == b"" for i in special)
+    assert [i for i in range(len(want)) if got[i] != want[i] and i not in special] == []

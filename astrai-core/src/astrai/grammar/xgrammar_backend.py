@@ -50,13 +50,14 @@ class XGrammarBackend(GrammarBackend):
         # from_huggingface lets added special tokens (<|im_start|>, ...) appear as text inside a JSON string:
         # blank them, so that only the stop tokens among them are ever allowed (as stops)
         special = {i for i in tokenizer.hf.added_tokens_decoder if i not in stops}
-        if special:
-            encoded = list(info.decoded_vocab)
-            for i in special:
-                if i < len(encoded):
-                    encoded[i] = b""
+        if special:  # the tokenizer's own (encoded) vocabulary, as from_huggingface reads it, specials emptied
+            encoded = [""] * vocab_size
+            for token, i in tokenizer.hf.get_vocab().items():
+                if i < vocab_size:
+                    encoded[i] = "" if i in special else token
             info = xgr.TokenizerInfo(encoded, info.vocab_type, vocab_size=vocab_size, stop_token_ids=stops,
                                      add_prefix_space=info.add_prefix_space)  # fmt: skip
+        self.tokenizer_info = info
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
 
     @classmethod
