@@ -187,3 +187,27 @@ def test_xgrammar_sees_every_token_as_the_tokenizer_spells_it_but_special_ones(r
     got, want = backend.tokenizer_info.decoded_vocab, reference.decoded_vocab
     assert special and all(got[i] == b"" for i in special)
     assert [i for i in range(len(want)) if got[i] != want[i] and i not in special] == []
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [1, 3], [4]])
+@pytest.mark.parametrize(("vocab", "width"), [(49152, 49152), (1000, 1000), (1000, 1024)])
+def test_the_cpu_bitmask_apply_matches_xgrammars_kernel(rows, vocab, width):
+    """The byte-table apply gives exactly xgrammar's result: allowed logits untouched, the rest -inf, rows
+    outside ``rows`` untouched, and (a padded logits row) columns past the vocabulary disallowed."""
+    import xgrammar as xgr
+
+    from astrai.grammar.xgrammar_backend import apply_bitmask_cpu
+
+    gen = torch.Generator().manual_seed(vocab + len(rows))
+    bitmask = xgr.allocate_token_bitmask(5, vocab)
+    bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=gen, dtype=torch.int32))
+    logits = torch.randn(5, width, generator=gen)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=rows)
+    want[rows, vocab:] = float("-inf")
+    got = logits.clone()
+    apply_bitmask_cpu(got, bitmask, rows, vocab)
+    assert torch.equal(got, want)
+    others = [i for i in range(5) if i not in rows]
+    assert torch.equal(got[others], logits[others])
+    assert torch.isinf(got[rows]).sum() > 0
