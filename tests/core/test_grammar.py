@@ -211,3 +211,19 @@ def test_the_cpu_bitmask_apply_matches_xgrammars_kernel(rows, vocab, width):
     others = [i for i in range(5) if i not in rows]
     assert torch.equal(got[others], logits[others])
     assert torch.isinf(got[rows]).sum() > 0
+
+
+def test_json_object_mode_allows_any_object_and_nothing_else(real_model):
+    """OpenAI's JSON mode is an object: xgrammar's builtin JSON grammar also takes ``[false]`` or ``"x"``."""
+    from astrai.grammar.xgrammar_backend import XGrammarBackend
+
+    model, tokenizer = real_model
+    backend = XGrammarBackend(tokenizer, model.config.vocab_size, tokenizer.eos_token_ids)
+    compiled = backend.compile(GrammarSpec.of("json_object", ""))
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(compiled)
+        return all(matcher.accept(t) for t in tokenizer.encode(text)) and matcher.accept(tokenizer.eos_token_ids[0])
+
+    assert accepts('{"a": 1, "b": [1, {"c": null}]}') and accepts("{}")
+    assert not accepts("[false]") and not accepts('"x"') and not accepts("1")

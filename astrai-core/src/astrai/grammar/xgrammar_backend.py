@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["XGrammarBackend"]
 
+ANY_OBJECT = json.dumps({"type": "object", "additionalProperties": True})
+
 
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: Any) -> None:
@@ -74,8 +76,8 @@ class XGrammarBackend(GrammarBackend):
         try:
             if spec.kind == "json_schema":
                 return c.compile_json_schema(spec.value, any_whitespace=False)
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # an object, as OpenAI's JSON mode (the builtin grammar takes any value)
+                return c.compile_json_schema(ANY_OBJECT, any_whitespace=False)
             if spec.kind == "regex":
                 return c.compile_regex(spec.value)
             if spec.kind == "choice":
