@@ -306,7 +306,9 @@ def test_per_request_sampling_parameters(tiny_engine, tiny_model, reference):
     assert biased.output_ids == [42] * 5
 
 
-def test_a_failing_step_fails_only_its_requests(tiny_model, tiny_tokenizer, reference, pool_guard):
+def test_a_step_failure_that_no_row_repeats_alone_fails_nobody(tiny_model, tiny_tokenizer, reference, pool_guard):
+    # a transient failure (an OOM, say): the rows retried apart succeed, so nobody fails
+    # (tests/core/test_isolation.py: a failure a row repeats alone fails that row only)
     rec = Recorder(tiny_model)
     sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard, max_batch_size=2), eos_token_ids=[EOS])
     r1, r2, r3 = (submit(sched, tiny_tokenizer, prompt(n), max_tokens=6) for n in (4, 5, 6))
@@ -314,8 +316,8 @@ def test_a_failing_step_fails_only_its_requests(tiny_model, tiny_tokenizer, refe
     rec.fail_next = True
     sched.step()
     run_until_done(sched, [r1, r2, r3])
-    for r in (r1, r2):
-        assert r.finish_reason is FinishReason.ERROR and str(r.error) == "injected step failure"
+    for r, n in ((r1, 4), (r2, 5)):
+        assert r.finish_reason is FinishReason.LENGTH and r.output_ids == reference(tiny_model, prompt(n), 6)
     assert r3.finish_reason is FinishReason.LENGTH
     assert r3.output_ids == reference(tiny_model, prompt(6), 6)
     assert_nothing_held(sched.pool)

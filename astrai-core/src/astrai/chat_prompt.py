@@ -19,8 +19,17 @@ _TOOLS_PROMPT = (
 )
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of ``messages`` (Hugging Face chat convention) through the model's chat template.
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, prefill: str = ""
+) -> list[int]:
+    """Token ids of ``messages`` (Hugging Face chat convention) through the model's chat template,
+    then those of ``prefill`` (the start of the assistant's answer, which generation continues).
+
+    Everything that comes from the request (content, tool calls and results, tools, the
+    prefill) is text: a special-token string typed in it (``<|im_end|>``) is encoded as plain
+    text, never as the control token (``Tokenizer.apply_chat_template``, ``encode_plain``),
+    so a message cannot close its turn and open another. The template's own markers are the
+    prompt's only control tokens.
 
     ``tools`` (``[{"type": "function", "function": {...}}]``) go to the template.
     A template that never mentions ``tools`` (SmolLM2's, for one) would drop
@@ -39,7 +48,11 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[
         tools = None
     if "tool_calls" not in template:
         messages = [_inline_tool_calls(m) if m.get("tool_calls") else m for m in messages]
-    return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True))
+    ids = list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True))
+    if prefill:
+        encode_plain = getattr(tokenizer, "encode_plain", None)  # a duck-typed tokenizer may lack it
+        ids += encode_plain(prefill) if encode_plain else tokenizer.encode(prefill, add_special_tokens=False)
+    return ids
 
 
 def _inline_tool_calls(message: dict[str, Any]) -> dict[str, Any]:

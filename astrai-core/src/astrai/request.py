@@ -64,6 +64,7 @@ class Request:
     stop_sequence: str | None = None
     error: BaseException | None = None
     tried_epoch: int = -1  # pool free-epoch of the last failed admission (no retry until pages free)
+    preemptions: int = 0  # times it was sent back to the queue to free KV for others
     backend: BackendChoice | None = None  # attention backend chosen where it was submitted (None: not yet)
     # Timings, time.perf_counter() seconds; 0.0 until it happens. Set on the scheduler thread,
     # except submitted_at (the submitting thread, before the scheduler sees the request).

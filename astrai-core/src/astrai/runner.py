@@ -4,15 +4,20 @@
 ``KVCache`` of ``PagePool.bind_tasks``), resolves the step's attention backend once and lets
 it prepare (``astrai.extension.bind_step``), runs the model and samples the rows that want a
 next token, all at once; the log-probs of the rows that asked come from the same logits
-(``astrai.logprobs``). ``warm_up`` runs two tiny steps on a scratch pool before the first
-request. Runs on the scheduler thread (see ``astrai.cpu_tuning`` for why the model does).
+(``astrai.logprobs``). ``run`` does the same but isolates a failure: when the batched forward
+or the batched sampling raises, the rows are retried in halves until each failure is one
+row's own (``run_apart``), so only that row fails. ``warm_up`` runs two tiny steps on a
+scratch pool before the first request. Runs on the scheduler thread (see
+``astrai.cpu_tuning`` for why the model does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Sequence
+from itertools import accumulate, chain
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -26,6 +31,8 @@ if TYPE_CHECKING:
     from astrai.request import Request
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ModelRunner:
@@ -54,6 +61,75 @@ class ModelRunner:
         ``rows``: the requests of every row, needed when ``plan.scored``: the prompt log-probs of
         the positions a scored row computes are appended to its ``Request.prompt_logprobs``.
         """
+        return self.sample(self.forward(plan, rows), sampled)
+
+    def run(
+        self, plan: StepPlan, rows: Sequence[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, Exception]]:
+        """``execute`` for every row of ``plan`` (``rows[i]`` is row ``i``'s request), with failures isolated.
+
+        Returns the next token and log-probs (``None`` where not asked) of each sampled row that
+        succeeded, in row order, and the error of each row that failed on its own, by row index.
+        When the batched forward raises, the rows run again in halves (``run_apart``; a retried
+        row rewrites the same KV positions with the same values, so a partial write of the failed
+        forward is harmless), each half then in halves while it fails, down to single rows; a
+        row fails only if it fails alone. When the batched sampling raises, the same happens on
+        the computed logits, without running the model again. A failure that does not come back
+        in the halves (a transient one) fails nobody.
+        """
+        sampled = [i for i, s in enumerate(plan.sample) if s]
+        try:
+            logits, failed = self.forward(plan, rows if plan.scored else ()), {}
+        except Exception as exc:
+            logits, failed = self._forward_apart(plan, rows, exc)
+            sampled = [i for i in sampled if i not in failed]
+        reqs = [rows[i] for i in sampled]
+        try:
+            ids, logprobs = self.sample(logits, reqs)
+            return ids, logprobs or [None] * len(ids), failed
+        except Exception as exc:
+            drawn, lost = self._sample_apart(logits, reqs, exc)
+        failed.update((sampled[j], err) for j, err in lost.items())
+        kept = [drawn[j] for j in range(len(reqs)) if j not in lost]
+        return [t for t, _ in kept], [lp for _, lp in kept], failed
+
+    def _forward_apart(
+        self, plan: StepPlan, rows: Sequence[Request], error: Exception
+    ) -> tuple[torch.Tensor | None, dict[int, Exception]]:
+        """The forward of ``plan`` raised ``error``: run its rows apart. The logits of the sampled rows
+        that succeeded (``None``: there are none) and the error of each row that failed alone."""
+        if len(rows) > 1:
+            logger.warning("a step of %d rows raised %r: running its rows apart to find the cause", len(rows), error)
+
+        def compute(part: list[int]) -> dict[int, torch.Tensor | None]:
+            out = self.forward(plan_rows(plan, part), [rows[i] for i in part] if plan.scored else ())
+            got: dict[int, torch.Tensor | None] = dict.fromkeys(part)
+            got.update(zip([i for i in part if plan.sample[i]], out, strict=True))
+            return got
+
+        by_row, failed = run_apart(list(range(len(rows))), compute, error)
+        kept = [by_row[i] for i, s in enumerate(plan.sample) if s and i not in failed]
+        return (torch.stack(kept) if kept else None), failed
+
+    def _sample_apart(
+        self, logits: torch.Tensor, sampled: Sequence[Request], error: Exception
+    ) -> tuple[dict[int, tuple[int, TokenLogprob | None]], dict[int, Exception]]:
+        """Sampling ``logits`` (row i for ``sampled[i]``) raised ``error``: sample the rows apart, from the
+        same logits (the model does not run again). ``(token, log-probs)`` per row that succeeded
+        and the error of each row that failed alone, by row."""
+        if len(sampled) > 1:
+            logger.warning("sampling %d rows raised %r: sampling them apart to find the cause", len(sampled), error)
+
+        def draw(part: list[int]) -> dict[int, tuple[int, TokenLogprob | None]]:
+            picked = logits.index_select(0, torch.tensor(part, device=logits.device))
+            ids, logprobs = self.sample(picked, [sampled[j] for j in part])
+            return dict(zip(part, zip(ids, logprobs or [None] * len(ids), strict=True), strict=True))
+
+        return run_apart(list(range(len(sampled))), draw, error)
+
+    def forward(self, plan: StepPlan, rows: Sequence[Request] = ()) -> torch.Tensor:
+        """Run ``plan``'s rows as one forward: the logits ``[number of sampled rows, vocab]`` of the
+        rows that sample, in row order. ``rows`` as for :meth:`execute` (prompt log-probs)."""
         device = self.pool.device
         if plan.is_decode:  # one token per row: host lists are cheaper than the general layout
             host = torch.tensor([plan.input_ids, plan.starts])
@@ -81,7 +157,7 @@ class ModelRunner:
             for req, n in owners:
                 req.prompt_logprobs.extend(scored[at : at + n])
                 at += n
-        return self.sample(logits, sampled)
+        return logits
 
     @staticmethod
     def _scoring(plan: StepPlan, rows: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, list] | None:
@@ -103,9 +179,12 @@ class ModelRunner:
         """The step's attention backend for ``choice``, resolved once and prepared (``kv.backend``)."""
         bind_step(kv, self._query, choice)
 
-    def sample(self, logits: torch.Tensor, sampled: Sequence[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """One token per row of ``logits`` (``[B, vocab]``, row i for ``sampled[i]``), vectorised, and the
-        log-probs of the rows that asked (of the raw ``logits``: the pipeline does not modify them)."""
+    def sample(
+        self, logits: torch.Tensor | None, sampled: Sequence[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row of ``logits`` (``[B, vocab]``, row i for ``sampled[i]``; ``None`` only when
+        ``sampled`` is empty), vectorised, and the log-probs of the rows that asked (of the raw
+        ``logits``: the pipeline does not modify them)."""
         if not sampled:
             return [], []
         params = [r.params for r in sampled]
@@ -174,3 +253,41 @@ class ModelRunner:
         except Exception:
             logger.warning("warm-up forward failed (requests will report the error)", exc_info=True)
 
+
+def plan_rows(plan: StepPlan, keep: Sequence[int]) -> StepPlan:
+    """The plan of the rows ``keep`` (ascending indices) of ``plan``: the same tokens at the same
+    positions, nothing ``finished``."""
+    ends = [0, *accumulate(plan.q_lens)]
+
+    def pick(values: tuple) -> tuple:
+        return tuple(values[i] for i in keep)
+
+    return dataclasses.replace(
+        plan, request_ids=pick(plan.request_ids), req_indices=pick(plan.req_indices), starts=pick(plan.starts),
+        q_lens=pick(plan.q_lens), sample=pick(plan.sample), scored=pick(plan.scored) if plan.scored else (),
+        input_ids=tuple(chain.from_iterable(plan.input_ids[ends[i] : ends[i + 1]] for i in keep)), finished=(),
+    )  # fmt: skip
+
+
+def run_apart(
+    items: list[int], attempt: Callable[[list[int]], dict[int, T]], error: Exception
+) -> tuple[dict[int, T], dict[int, Exception]]:
+    """Retry ``items``, which failed together with ``error``, in halves until every failure is one item's.
+
+    ``attempt(part)`` returns a result per item of ``part`` or raises. Returns the results of the
+    items that succeeded and the error of each item that failed alone (a lone item's failure is
+    its own: it is not tried again). One culprit among n items costs about ``2 log2 n`` attempts.
+    """
+    if len(items) == 1:
+        return {}, {items[0]: error}
+    done: dict[int, T] = {}
+    failed: dict[int, Exception] = {}
+    mid = len(items) // 2
+    for part in (items[:mid], items[mid:]):
+        try:
+            done.update(attempt(part))
+        except Exception as exc:
+            more, lost = run_apart(part, attempt, exc)
+            done.update(more)
+            failed.update(lost)
+    return done, failed

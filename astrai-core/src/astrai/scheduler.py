@@ -2,9 +2,9 @@
 
 ``InferenceScheduler`` owns the thread, the inbox, the lifecycle, failure isolation and the
 stats. Each step is three calls: the batching policy decides it (``BatchPolicy.schedule`` ->
-a ``StepPlan``), the model runner runs it (``ModelRunner.execute`` -> sampled ids), and the
-policy advances the requests (``BatchPolicy.update``). A failing step fails only its
-requests; a failing loop fails everyone.
+a ``StepPlan``), the model runner runs it (``ModelRunner.run`` -> sampled ids), and the
+policy advances the requests (``BatchPolicy.update``). When a step raises, its rows are
+retried apart and only a row that fails alone fails; a failing loop fails everyone.
 
 Every piece of scheduler state is mutated on the scheduler thread only; other threads talk
 to it through ``submit``/``abort``, which post to an inbox.
@@ -24,7 +24,7 @@ from astrai.batching import BatchPolicy
 from astrai.errors import EngineNotReady, RequestRejected
 from astrai.extension.backend.policy import requested_backend
 from astrai.request import FinishReason, Request
-from astrai.runner import ModelRunner
+from astrai.runner import ModelRunner, plan_rows
 from astrai.sampling import SamplingPipeline
 
 if TYPE_CHECKING:
@@ -42,9 +42,10 @@ class InferenceScheduler:
     """Drives ``model`` over ``pool`` on its thread: ``policy`` decides each step, ``runner`` runs it.
 
     ``model(input_ids [T], positions [T], kv_cache, logits_indices [B]) -> [B, vocab] f32``.
-    A failing step fails only the requests in it; a failing loop fails everyone and leaves
-    ``healthy`` False with ``reason`` set. ``submit`` checks each request once against the
-    model (vocabulary, through ``pipeline.prepare``) and the pool (context), and records its
+    A failing step fails only the requests that fail in it alone (its rows are retried apart);
+    a failing loop fails everyone and leaves ``healthy`` False with ``reason`` set. ``submit``
+    checks each request once against the model (vocabulary: the prompt's ids and, through
+    ``pipeline.prepare``, the sampling ids and ``top_k``) and the pool (context), and records its
     attention-backend choice (``backend``: the default for requests that made none).
     ``on_finished(request)`` runs on the scheduler thread after each request's result is
     delivered: it must be cheap (hand the request over to another thread) and must not
@@ -167,14 +168,22 @@ class InferenceScheduler:
         return True
 
     def _execute(self, plan: StepPlan) -> None:
-        """Run ``plan`` and advance its requests; a failure fails only them."""
-        try:
-            rows = self.policy.scheduled if plan.scored else ()
-            next_ids, logprobs = self.runner.execute(plan, self.policy.sampled(plan), rows)
-        except Exception as exc:
-            logger.exception("step of %d requests failed", len(plan.request_ids))
-            self.policy.fail(plan, exc)
-            return
+        """Run ``plan`` and advance its requests; a row whose failure is its own fails alone.
+
+        The runner retries a failed step's rows apart (``ModelRunner.run``): the rows that fail
+        alone end with their error and are left out of the update (their KV is freed, never
+        recorded, at the next cleanup); the others advance as if nothing had happened.
+        """
+        rows = self.policy.scheduled
+        next_ids, logprobs, failed = self.runner.run(plan, rows)
+        if failed:
+            for n, (i, exc) in enumerate(sorted(failed.items())):
+                logger.error("request %s failed in a step of %d rows: %r", rows[i].request_id, len(rows), exc,
+                             exc_info=exc if n == 0 else None)  # fmt: skip
+                rows[i].finish(FinishReason.ERROR, error=exc)
+            keep = [i for i in range(len(rows)) if i not in failed]
+            plan = plan_rows(plan, keep)
+            self.policy.scheduled = [rows[i] for i in keep]  # update() advances these: the survivors
         self.policy.update(plan, next_ids, logprobs)
 
     def _run(self) -> None:
@@ -252,4 +261,5 @@ class InferenceScheduler:
             **self.pool.stats(),
             "prefix_hit_tokens": counters["prefix_hit_tokens"],
             "preemptions": counters["preemptions"],
+            "max_preemptions": counters["max_preemptions"],
         }

@@ -3,18 +3,24 @@
 Mounts one POST route per protocol builder (every ``astrai.protocols`` entry
 point unless ``settings.protocols`` names some) and the GET and JSON POST routes
 builders declare (OpenAI's ``/v1/models``, ``/tokenize``; Anthropic's token counting),
-plus ``GET /health`` and ``GET /stats``; then
-hook plugins extend the app (``astrai_server_app``). The engine hangs off
+plus ``GET /health``, ``GET /stats`` and ``GET /openapi.json`` (behind the API key like
+the rest); then hook plugins extend the app (``astrai_server_app``). The engine hangs off
 ``app.state.engine`` and may arrive later (``astrai serve`` loads it after the
 socket is open): until then /health is 503 and protocol routes answer 503 in
 their own shape.
+
+The event loop never waits on a request's size: a body is read in chunks up to
+``settings.max_request_bytes`` (``body.read_body``), then decoded, validated, templated and
+tokenized on worker threads (``body.decode_json``, ``ProtocolHandler.start``); the heap a large
+body freed is handed back afterwards (``body.release_memory``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -26,8 +32,17 @@ from pydantic import BaseModel, ValidationError
 from astrai.errors import EngineNotReady
 from astrai.plugins import PluginManager
 from astrai.protocol import ResponseBuilder
+from astrai_server.body import (
+    LARGE_BODY,
+    ClientGone,
+    decode_json,
+    dispose,
+    read_body,
+    release_memory,
+)
 from astrai_server.config import ServerSettings
 from astrai_server.errors import HTTPProblem, public_message, status_for
+from astrai_server.fit import TextBound, refuse_oversized, text_bound
 from astrai_server.handler import ProtocolHandler, refuse_unknown
 
 if TYPE_CHECKING:
@@ -35,6 +50,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 NOT_READY = {"detail": "Engine not initialized"}
+UNAUTHORIZED = "invalid or missing API key (Authorization: Bearer or x-api-key)"
 
 
 def create_app(
@@ -56,7 +72,7 @@ def create_app(
         builders = select_builders(load_protocols(), settings.protocols, settings.served_model_name)
     if plugins is None:
         plugins = getattr(engine, "plugins", None) or PluginManager.discover()
-    app = FastAPI(title="astrai", docs_url=None, redoc_url=None)
+    app = FastAPI(title="astrai", docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json: below
     app.state.engine, app.state.settings, app.state.plugins = engine, settings, plugins
     for builder in builders:
         app.add_api_route(builder.route, _protocol_endpoint(builder), methods=["POST"], name=builder.name)
@@ -67,18 +83,29 @@ def create_app(
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/stats", _get_endpoint(lambda engine: engine.get_stats()), methods=["GET"])
+    app.add_api_route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)
     plugins.notify("astrai_server_app", app=app, settings=settings)
     return app
 
 
 def _authorized(request: Request) -> bool:
-    """No key configured, or ``Authorization: Bearer <key>`` / ``x-api-key: <key>`` matches it."""
+    """No key configured, or ``Authorization: Bearer <key>`` / ``x-api-key: <key>`` matches it.
+
+    Compared in constant time as bytes: the header's bytes as the client sent them (Starlette
+    decodes them as latin-1, which encoding back undoes) against the key's UTF-8, so a non-ASCII
+    key matches a client that sends it in UTF-8."""
     key = request.app.state.settings.api_key
-    if not key:
+    if key is None:
         return True
     auth = request.headers.get("authorization", "")
-    given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(given.encode(), key.encode())
+    # only HTTP's own blanks: str.strip() would also eat latin-1 0x85 and 0xA0, the last byte of "à" in UTF-8
+    given = auth[7:].strip(" \t") if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode("latin-1"), key.encode("utf-8"))
+
+
+def _check_key(request: Request) -> None:
+    if not _authorized(request):
+        raise HTTPProblem(401, UNAUTHORIZED)
 
 
 def _ready_engine(request: Request) -> Any:
@@ -94,15 +121,38 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _parse(builder: ResponseBuilder, raw: bytes, model: type[BaseModel] | None = None) -> Any:
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the loop's worker threads: CPU-bound work never runs on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def _read(request: Request) -> bytearray:
+    raw = await read_body(request, request.app.state.settings.max_request_bytes)
+    if len(raw) > LARGE_BODY:
+        request.state.large_body = True  # see _releasing
+    return raw
+
+
+def _parse(builder: ResponseBuilder, raw: bytes | bytearray, model: type[BaseModel] | None = None, engine: Any = None) -> Any:
     """The validated request model (``builder.request_model`` by default); HTTPProblem 400 for
-    malformed JSON or a field the model forbids (an unknown nested field), 422 for schema errors."""
+    a body ``decode_json`` refuses, one that is no object, or a field the model forbids (an unknown
+    nested field), 422 for schema errors; with ``engine``, RequestRejected (400) first for a text
+    that cannot fit its context (``refuse_oversized``). Runs on a worker thread."""
+    bound = None if engine is None else text_bound(engine)
+    body = decode_json(raw, bound)
     try:
-        body = json.loads(raw)
-    except ValueError as e:  # includes invalid UTF-8
-        raise HTTPProblem(400, f"request body is not valid JSON: {e}") from None
+        return _validate(builder, body, model, bound, len(raw))
+    except BaseException:
+        if len(raw) > LARGE_BODY:
+            dispose(body)  # refused: free it here, bit by bit, not at once when the last reference goes
+        raise
+
+
+def _validate(builder: ResponseBuilder, body: Any, model: type[BaseModel] | None, bound: TextBound | None, size: int) -> Any:
     if not isinstance(body, dict):
         raise HTTPProblem(400, "request body must be a JSON object")
+    if bound is not None:
+        refuse_oversized(body, bound, size)
     try:
         return (model or builder.request_model).model_validate(body)
     except ValidationError as e:
@@ -133,16 +183,43 @@ def _union_label(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part in _PLAIN_TYPES)
 
 
+def _gone(request: Request, gone: ClientGone) -> Response:
+    """A client that hung up mid-body: an INFO line, not an error (nothing was queued, nobody listens)."""
+    rid = f"req-{uuid.uuid4().hex[:16]}"
+    client = f"{request.client.host}:{request.client.port}" if request.client else "?"
+    logger.info("request %s (%s %s from %s): %s; nothing was queued", rid, request.method, request.url.path, client, gone)
+    return Response(status_code=499)  # never sent: nginx's "client closed request", for ASGI middleware
+
+
+def _releasing(endpoint: Callable[[Request], Any]) -> Any:
+    """``endpoint``, then, after a large body, ``release_memory`` on a worker thread: by then the
+    endpoint's frame, which held the body and what was decoded from it, is gone."""
+
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        finally:
+            if getattr(request.state, "large_body", False):
+                asyncio.get_running_loop().run_in_executor(None, release_memory)
+
+    wrapper.__name__ = endpoint.__name__
+    return wrapper
+
+
 def _protocol_endpoint(builder: ResponseBuilder) -> Any:
     error = partial(_error, builder)
 
     async def endpoint(request: Request) -> Response:
         try:
-            if not _authorized(request):
-                raise HTTPProblem(401, "invalid or missing API key (Authorization: Bearer or x-api-key)")
-            parsed = _parse(builder, await request.body())
+            _check_key(request)
+            raw = await _read(request)
+            parsed = await _in_thread(_parse, builder, raw, None, request.app.state.engine)
+            del raw
             handler = ProtocolHandler(builder, _ready_engine(request))
             run = await handler.start(parsed)
+            del parsed
+        except ClientGone as gone:
+            return _gone(request, gone)
         except Exception as exc:  # nothing a client sends may become a bare 500 or a traceback
             return error(exc)
         disconnected = lambda: _wait_disconnect(request)  # noqa: E731
@@ -156,7 +233,7 @@ def _protocol_endpoint(builder: ResponseBuilder) -> Any:
             return error(exc)
 
     endpoint.__name__ = f"{builder.name}_endpoint"
-    return endpoint
+    return _releasing(endpoint)
 
 
 async def _health(request: Request) -> JSONResponse:
@@ -167,9 +244,15 @@ async def _health(request: Request) -> JSONResponse:
 
 
 def _guarded(request: Request) -> Any:
-    if not _authorized(request):
-        raise HTTPProblem(401, "invalid or missing API key (Authorization: Bearer or x-api-key)")
+    _check_key(request)
     return _ready_engine(request)
+
+
+async def _openapi(request: Request) -> JSONResponse:
+    """FastAPI's schema of the routes, behind the API key like every route but /health."""
+    if not _authorized(request):
+        return _plain_error(HTTPProblem(401, UNAUTHORIZED))
+    return JSONResponse(request.app.openapi())
 
 
 def _get_endpoint(body: Callable[..., dict[str, Any]], builder: ResponseBuilder | None = None) -> Any:
@@ -187,16 +270,21 @@ def _get_endpoint(body: Callable[..., dict[str, Any]], builder: ResponseBuilder 
 def _json_endpoint(builder: ResponseBuilder, model: type[BaseModel], body: Callable[[Any, Any], dict[str, Any]]) -> Any:
     """A JSON POST route that generates nothing: validated like a generation request, errors in the builder's shape."""
 
-    async def endpoint(request: Request) -> JSONResponse:
+    def answer(raw: bytearray, engine: Any) -> JSONResponse:  # on a worker thread: tokenizing, rendering
+        parsed = _parse(builder, raw, model)
+        refuse_unknown(parsed, engine)
+        return JSONResponse(body(parsed, engine))
+
+    async def endpoint(request: Request) -> Response:
         try:
             engine = _guarded(request)
-            parsed = _parse(builder, await request.body(), model)
-            refuse_unknown(parsed, engine)
-            return JSONResponse(body(parsed, engine))
+            return await _in_thread(answer, await _read(request), engine)
+        except ClientGone as gone:
+            return _gone(request, gone)
         except Exception as exc:
             return _error(builder, exc)
 
-    return endpoint
+    return _releasing(endpoint)
 
 
 def _plain_error(exc: BaseException) -> JSONResponse:

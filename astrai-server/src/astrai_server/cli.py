@@ -44,7 +44,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "prefix_caching", "radix prefix cache", action=argparse.BooleanOptionalAction)
     _flag(p, "kv_memory", "KV pool budget, e.g. 512MiB")
     _flag(p, "max_prefill_tokens", "prefill tokens per step (chunked prefill)", type=int)
-    _flag(p, "api_key", "require this key (Authorization: Bearer or x-api-key)")
+    _flag(p, "max_request_bytes", "largest request body accepted, e.g. 32MiB (413 beyond)")
+    _flag(p, "api_key", "require this key (Authorization: Bearer or x-api-key); never empty")
     _flag(p, "protocols", "protocol entry points to mount, comma-separated; default: all installed", type=lambda s: [x for x in s.split(",") if x])
     _flag(p, "log_level", "log level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -103,9 +104,11 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
 
     from astrai.sampling import SamplingPipeline
     from astrai_server.app import create_app
+    from astrai_server.body import return_large_blocks
 
     pm = PluginManager.discover() if pm is None else pm
     SamplingPipeline.discover(settings.sampling)  # a bad --sampling fails now, not in the background loader
+    return_large_blocks()  # a large request body's memory goes back to the system when it is freed
     app = create_app(settings, None, plugins=pm)
     loader = threading.Thread(target=_load_engine, args=(settings, app, pm), name="astrai-load", daemon=True)
     loader.start()

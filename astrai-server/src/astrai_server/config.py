@@ -51,16 +51,31 @@ class ServerSettings(BaseModel):
     prefix_caching: bool = True
     kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
     max_prefill_tokens: int = Field(2048, ge=1)
-    api_key: str | None = None
+    max_request_bytes: int = Field(32 * 2**20, ge=1)  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
+    api_key: str | None = None  # never empty: see _key
     protocols: list[str] | None = None  # entry-point names to mount; None: every installed one
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     sampling: dict[str, Any] = {}  # plugin sampling parameters for every request: {"typical_p": 0.9}
     plugin_options: dict[str, Any] = {}  # values of hook plugins' options, by dest
 
-    @field_validator("kv_memory", mode="before")
+    @field_validator("kv_memory", "max_request_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_bytes(value)
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, value: str | None) -> str | None:
+        """A key no client can send would lock everyone out; an empty one used to mean "no key"."""
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError("the API key is empty or only whitespace; leave it unset to serve without a key")
+        if value != value.strip():
+            raise ValueError("the API key begins or ends with whitespace, which HTTP headers drop")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError("the API key holds a control character, which HTTP headers cannot carry")
+        return value
 
     def engine_config(self) -> Any:
         """The ``astrai.engine.EngineConfig`` these settings describe."""

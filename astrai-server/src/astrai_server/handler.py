@@ -1,7 +1,8 @@
 """``ProtocolHandler``: runs one request of any protocol through the engine (no HTTP here).
 
 The handler owns everything protocol-neutral: refusing request fields nobody
-implements (``refuse_unknown``), fitting a defaulted ``max_tokens`` to
+implements (``refuse_unknown``), preparing a request on a worker thread (templating and
+tokenizing never run on the event loop), fitting a defaulted ``max_tokens`` to
 ``engine.context_limit`` (the engine checks the rest at submit: ``logit_bias`` ids
 against the vocabulary, an explicit ``max_tokens`` against the context), the ``n``
 choices of each prompt, bridging the engine's scheduler-thread callbacks into the event
@@ -32,7 +33,8 @@ Disconnect = Callable[[], Awaitable[None]]
 
 
 class ProtocolHandler:
-    """Drive ``builder`` over ``engine``: ``start(request)`` (in the event loop), then ``respond`` or ``stream``.
+    """Drive ``builder`` over ``engine``: ``start(request)`` (awaited in the event loop; the work runs
+    on a worker thread), then ``respond`` or ``stream``.
 
     ``start`` raises before anything is sent, so its errors still get a status
     line; ``stream`` reports later failures in-stream. Both ``respond`` and
@@ -49,18 +51,23 @@ class ProtocolHandler:
         """Prepare and submit every choice. Raises RequestRejected (400: an unknown field, the
         builder's, an invalid grammar, or the engine's at submit) or EngineNotReady (503).
 
-        A constrained request's grammar is compiled on a worker thread first (cached by spec), so
-        neither the event loop nor the scheduler waits for it."""
+        Preparing (the chat template, tokenizing, compiling a constrained request's grammar,
+        cached by spec) runs on a worker thread, so neither the event loop nor the scheduler
+        waits for it; submitting runs in the loop, whose queue the engine's callbacks feed."""
+        loop = asyncio.get_running_loop()
+        prepared, opening = await loop.run_in_executor(None, self._prepare, request)
+        run = _Run(self.engine, prepared, loop, opening)
+        run.submit()
+        return run
+
+    def _prepare(self, request: BaseModel) -> tuple[Prepared, str]:
         refuse_unknown(request, self.engine)
         prepared = self.builder.prepare(request, self.engine)
         opening = open_tool_call(prepared, self.engine.tokenizer)  # a required call is a grammar too
-        grammar = prepared.params.grammar
-        if grammar is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.compile, grammar)
+        if prepared.params.grammar is not None:
+            self.engine.grammars.compile(prepared.params.grammar)
         self._check_limits(prepared)
-        run = _Run(self.engine, prepared, asyncio.get_running_loop(), opening)
-        run.submit()
-        return run
+        return prepared, opening
 
     def _check_limits(self, p: Prepared) -> None:
         """Refuse a prompt that leaves no room to generate; shorten a defaulted ``max_tokens`` to fit."""

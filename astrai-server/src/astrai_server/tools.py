@@ -105,21 +105,22 @@ def _calls_from_json(obj: Any, names: set[str]) -> list[ToolCall] | None:
         if not isinstance(item, dict) or item.get("name") not in names:
             return None
         args = item.get("arguments", item.get("parameters", {}))
-        if isinstance(args, str):  # some templates emit the arguments already encoded
-            try:
+        try:
+            if isinstance(args, str):  # some templates emit the arguments already encoded
                 args = json.loads(args)
-            except ValueError:
-                return None
-        if not isinstance(args, dict):
+            encoded = json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to re-encode
             return None
-        calls.append(ToolCall(id=new_id("call_"), name=item["name"], arguments=json.dumps(args, ensure_ascii=False)))
+        if encoded is None:
+            return None
+        calls.append(ToolCall(id=new_id("call_"), name=item["name"], arguments=encoded))
     return calls or None
 
 
 def _decode(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a grammar can make a model write 5,000 brackets
         return None
 
 

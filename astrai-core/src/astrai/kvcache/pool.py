@@ -238,11 +238,6 @@ class PagePool:
                 hi = mid - 1
         return lo
 
-    def headroom(self, n_requests: int) -> int:
-        """Slots to keep free for ``n_requests`` running requests: a page each, so that admitting
-        another does not force a preemption when they grow by a token."""
-        return n_requests * self.round_up(1)
-
     def grow(self, req_idx: int, want: int) -> int:
         """Extend the request towards ``want`` positions, as far as the pool allows now.
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from astrai.errors import ModelNotFound, RequestRejected
+from astrai.model.control_tokens import ContentMarks, control_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,6 +71,7 @@ class Tokenizer:
         self.hf = hf_tokenizer  # the wrapped transformers tokenizer
         self._eos_token_ids = self._find_eos_token_ids()
         self._bytes: dict[int, bytes] = {}  # token_bytes, per id
+        self._controls: tuple[str, ...] | None = None  # control_tokens(hf), once asked
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -103,8 +105,25 @@ class Tokenizer:
             raise ModelNotFound(f"{folder}: no loadable tokenizer ({e})") from e
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; special-token strings in it are matched as special tokens."""
+        """Token ids of ``text``; special-token strings in it are matched as special tokens
+        (a raw prompt is the client's whole model input). :meth:`encode_plain` for content."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with every added-token string in it (``<|im_end|>``) as plain text.
+
+        Runs the backend's normalizer, pre-tokenizer and model without its added-token
+        matching, leaving the shared tokenizer's state alone (transformers' own
+        ``split_special_tokens`` flips a flag on it: unsafe with several threads). Text that
+        holds no added-token string gets the ids :meth:`encode` gives it.
+        """
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:  # a slow (Python) tokenizer: its split flag is per call
+            return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        splits = [s for s, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer else [text]
+        return [token.id for split in splits for token in backend.model.tokenize(split)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``, byte-exact: no clean-up of spaces before punctuation.
@@ -141,8 +160,24 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids of :meth:`render_chat`; the template writes BOS/special tokens itself."""
-        return self.encode(self.render_chat(messages, tools, add_generation_prompt))
+        """Token ids of :meth:`render_chat`; the template writes BOS/special tokens itself.
+
+        The template's own special tokens are the only control tokens: a special-token string
+        anywhere in ``messages`` or ``tools`` (``<|im_end|>`` typed in a user message, a tool
+        result, a role) is encoded as plain text (``astrai.model.control_tokens``). Raises
+        RequestRejected as :meth:`render_chat` does, and for such a string this vocabulary
+        cannot spell as plain text.
+        """
+        marks = ContentMarks(self._control_tokens())
+        marked_messages, marked_tools = marks.wrap(messages), marks.wrap(tools)
+        if not marks.count:  # nothing to neutralise: one piece, the ids of the plain rendering
+            return self.encode(self.render_chat(messages, tools, add_generation_prompt))
+        return marks.encode(self, self.render_chat(marked_messages, marked_tools, add_generation_prompt))
+
+    def _control_tokens(self) -> tuple[str, ...]:
+        if self._controls is None:
+            self._controls = control_tokens(self.hf)
+        return self._controls
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token ``token_id`` stands for (a byte-level BPE token may hold part of a character).

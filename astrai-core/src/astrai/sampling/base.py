@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 from astrai.errors import RequestRejected
 from astrai.plugins import check_class
+from astrai.sampling.params import brief_repr, finite
 
 if TYPE_CHECKING:
     import torch
@@ -52,14 +51,17 @@ class SamplingStrategy(ABC):
         """Check this strategy's parameters of one request that selected it, at admission.
 
         Called on the submitting thread, never per step, so that a bad value is the
-        request's own 400 rather than a failed step. The default requires every key of
-        :attr:`extra_params` present in ``params.extra`` to be a finite number. Raises
-        :class:`~astrai.errors.RequestRejected` naming the parameter.
+        request's own 400 rather than a failed step. Also called for a request that sets one
+        of :attr:`extra_params` without selecting this strategy (``apply`` reads every row's
+        value whenever some row selected it). The default requires every key of
+        :attr:`extra_params` present in ``params.extra`` to be a finite number that a float32
+        tensor holds (``astrai.sampling.params.finite``); an override should call it and then
+        check its own range. Raises :class:`~astrai.errors.RequestRejected` naming the parameter.
         """
         for key in self.extra_params:
             value = params.extra.get(key, 0.0)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise RequestRejected(f"{key} must be a finite number, got {value!r}")
+            if not finite(value):
+                raise RequestRejected(f"{key} must be a finite number, got {brief_repr(value)}", param=key)
 
     @abstractmethod
     def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SamplingBatch"]
 
+_INT64_MAX = (1 << 63) - 1
+
 
 def _as_int64(seed: int) -> int:
     """Wrap any Python int into the signed 64-bit range (the hash uses all 64 bits)."""
@@ -119,7 +121,9 @@ class SamplingBatch:
         if any(k != n for k in lengths):
             raise ValueError(f"{n} params but per-row inputs of lengths {lengths}")
         seeds = [0 if p.seed is None else _as_int64(p.seed) for p in params]
-        ints = torch.tensor([[p.top_k for p in params], seeds, list(steps)], dtype=torch.int64)
+        # top_k is bounded by the vocabulary at submit; the cap only keeps a direct caller's huge value
+        # (any k >= V keeps the row whole) inside int64.
+        ints = torch.tensor([[min(p.top_k, _INT64_MAX) for p in params], seeds, list(steps)], dtype=torch.int64)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
             ints[1, unseeded] = torch.randint(0, 1 << 62, (len(unseeded),), dtype=torch.int64)
@@ -170,7 +174,7 @@ class SamplingBatch:
             all_greedy=not sampled,
             any_greedy=len(sampled) < n,
             needs_temperature=any(p.temperature != 1.0 for p in sampled),
-            max_top_k=max((p.top_k for p in sampled), default=0),
+            max_top_k=min(max((p.top_k for p in sampled), default=0), _INT64_MAX),
             needs_top_p=bool(top_p_rows),
             top_p_k_bound=0
             if any(p.top_k == 0 for p in top_p_rows)

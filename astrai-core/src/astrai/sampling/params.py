@@ -13,25 +13,50 @@ from astrai.logprobs import MAX_LOGPROBS
 
 __all__ = ["SamplingParams", "SamplingBatch"]  # SamplingBatch lives in astrai.sampling.batch
 
+MIN_TEMPERATURE = 0.01
+"""Smallest non-zero temperature: a lower one is raised to it (vLLM's rule), since dividing logits by
+less overflows float32 into inf/nan; use 0 for greedy."""
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 def _field(name: str) -> str:
     """The request field a message's ``name`` is about (``logit_bias[5]`` -> ``logit_bias``)."""
     return name.replace("[", " ").split()[0]
 
 
+def brief_repr(value: Any) -> str:
+    """``repr(value)`` for an error message, cut short (a huge int's repr may even raise)."""
+    try:
+        text = repr(value)
+    except ValueError:  # holds an int beyond sys.get_int_max_str_digits()
+        return f"an integer of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def finite(value: Any) -> bool:
+    """Whether ``value`` is a real number (not a bool) that a float32 tensor holds as a finite value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value) and abs(float(value)) <= _FLOAT32_MAX
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
 def _real(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RequestRejected(f"{name} must be a finite number, got {value!r}", param=_field(name))
+    if not finite(value):
+        raise RequestRejected(f"{name} must be a finite number, got {brief_repr(value)}", param=_field(name))
     if value > hi or value < lo or (lo_open and value == lo):
-        raise RequestRejected(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}", param=_field(name))
+        raise RequestRejected(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {brief_repr(value)}", param=_field(name))
     return float(value)
 
 
 def _integer(name: str, value: Any, lo: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise RequestRejected(f"{name} must be an integer, got {value!r}", param=_field(name))
+        raise RequestRejected(f"{name} must be an integer, got {brief_repr(value)}", param=_field(name))
     if lo is not None and value < lo:
-        raise RequestRejected(f"{name} must be >= {lo}, got {value!r}", param=_field(name))
+        raise RequestRejected(f"{name} must be >= {lo}, got {brief_repr(value)}", param=_field(name))
     return int(value)
 
 
@@ -49,6 +74,14 @@ class SamplingParams:
     ``None`` for a field with a non-``None`` default means that default (``stop``,
     ``logit_bias`` and ``extra`` become empty).
 
+    Every value that reaches a tensor is bounded here or, where the bound is the model's, at
+    submit (``SamplingPipeline.prepare`` with the vocabulary size), so a request's parameters
+    can fail only that request, never a batched step: reals are finite and in range, a
+    temperature in ``(0, MIN_TEMPERATURE)`` is raised to ``MIN_TEMPERATURE``, a seed of any
+    size is taken modulo 2**64 (``SamplingBatch``), and at submit a ``top_k`` at or above the
+    vocabulary size becomes 0 (off: it keeps every token, as vLLM treats it) while
+    ``logit_bias`` and ``stop_token_ids`` ids outside the vocabulary are refused.
+
     Raises:
         RequestRejected: a value is out of range or of the wrong type (the message names it).
     """
@@ -56,11 +89,11 @@ class SamplingParams:
     max_tokens: int = 256  # 0: only the prompt is computed (its log-probs), nothing is generated
     temperature: float = 1.0  # 0 = greedy (argmax of the penalised logits)
     top_p: float = 1.0  # 1 = off
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off; >= the vocabulary size is off too (set to 0 at submit)
     min_p: float = 0.0  # 0 = off; drop tokens less likely than min_p times the most likely one
     stop: list[str] = field(default_factory=list)  # a single str is wrapped into a list
     stop_token_ids: list[int] = field(default_factory=list)  # end the request like EOS (even with ignore_eos)
-    seed: int | None = None  # None: fresh randomness every step
+    seed: int | None = None  # None: fresh randomness every step; any int (the noise takes it modulo 2**64)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off; HF/vLLM: over prompt and output tokens, > 1 discourages
@@ -79,6 +112,8 @@ class SamplingParams:
                 setattr(self, f.name, f.default)
         self.max_tokens = _integer("max_tokens", self.max_tokens, 0)
         self.temperature = _real("temperature", self.temperature, 0.0, 2.0)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         self.top_p = _real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         self.top_k = _integer("top_k", self.top_k, 0)
         self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
@@ -90,10 +125,10 @@ class SamplingParams:
             self.seed = _integer("seed", self.seed, None)
         self.stop = self._check_stop(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise RequestRejected(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}", param="stop_token_ids")
+            raise RequestRejected(f"stop_token_ids must be a list of token ids, got {brief_repr(self.stop_token_ids)}", param="stop_token_ids")
         self.stop_token_ids = [_integer("stop_token_ids[]", t, 0) for t in self.stop_token_ids]
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
-            raise RequestRejected(f"grammar must be a GrammarSpec, got {self.grammar!r}", param="grammar")
+            raise RequestRejected(f"grammar must be a GrammarSpec, got {brief_repr(self.grammar)}", param="grammar")
         if self.grammar is not None and self.min_tokens:
             raise RequestRejected("min_tokens cannot be combined with a grammar (it decides where the output ends)",
                                   param="min_tokens")  # fmt: skip
@@ -105,18 +140,18 @@ class SamplingParams:
         if self.logit_bias is None:
             self.logit_bias = {}
         if not isinstance(self.logit_bias, dict):
-            raise RequestRejected(f"logit_bias must be an object of token id -> bias, got {self.logit_bias!r}", param="logit_bias")
+            raise RequestRejected(f"logit_bias must be an object of token id -> bias, got {brief_repr(self.logit_bias)}", param="logit_bias")
         self.logit_bias = {
-            _token_id(k): _real(f"logit_bias[{k!r}]", v, -100.0, 100.0) for k, v in self.logit_bias.items()
+            _token_id(k): _real(f"logit_bias[{brief_repr(k)}]", v, -100.0, 100.0) for k, v in self.logit_bias.items()
         }
         if not isinstance(self.ignore_eos, bool):
-            raise RequestRejected(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos")
+            raise RequestRejected(f"ignore_eos must be a boolean, got {brief_repr(self.ignore_eos)}", param="ignore_eos")
         if self.strategy is not None and (not isinstance(self.strategy, str) or not self.strategy):
-            raise RequestRejected(f"strategy must be a non-empty string or null, got {self.strategy!r}", param="strategy")
+            raise RequestRejected(f"strategy must be a non-empty string or null, got {brief_repr(self.strategy)}", param="strategy")
         if self.extra is None:
             self.extra = {}
         if not isinstance(self.extra, dict) or not all(isinstance(k, str) for k in self.extra):
-            raise RequestRejected(f"extra must be an object with string keys, got {self.extra!r}", param="extra")
+            raise RequestRejected(f"extra must be an object with string keys, got {brief_repr(self.extra)}", param="extra")
 
     @staticmethod
     def _check_stop(stop: Any) -> list[str]:
@@ -125,7 +160,7 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestRejected(f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop")
+            raise RequestRejected(f"stop must be a non-empty string or a list of them, got {brief_repr(stop)}", param="stop")
         return list(stop)
 
     @property

@@ -160,24 +160,27 @@ class SamplingPipeline(SamplingStrategy):
         return name in self.enabled or params.strategy == name or name in params.extra
 
     def prepare(self, params: SamplingParams, vocab_size: int | None = None) -> SamplingParams:
-        """``params`` with the configured defaults merged under its ``extra``, validated.
+        """``params`` with the configured defaults merged under its ``extra``, validated; call at admission.
 
-        Call once per request at admission. Returns ``params`` itself when there are no
-        defaults to add; raises as :meth:`validate`.
-        """
+        A ``top_k`` at or above ``vocab_size`` keeps every token: it becomes 0 (off), as vLLM treats
+        it, so no huge value reaches a tensor. Returns ``params`` when nothing changes; raises as
+        :meth:`validate`."""
         missing = {k: v for k, v in self.defaults.items() if k not in params.extra}
         if missing:
             params = dataclasses.replace(params, extra={**missing, **params.extra})
+        if vocab_size is not None and params.top_k >= vocab_size:
+            params = dataclasses.replace(params, top_k=0)
         self.validate(params, vocab_size)
         return params
 
     def validate(self, params: SamplingParams, vocab_size: int | None = None) -> None:
         """Reject a request this pipeline cannot serve (call at admission, not per step).
 
-        Raises RequestRejected for an unknown ``strategy``, a ``logit_bias`` token id
-        outside ``[0, vocab_size)`` or an invalid parameter of a selected extra
-        (``SamplingStrategy.validate``); the plugin's PluginError when the request
-        selects a sampling plugin that failed to load.
+        Raises RequestRejected for an unknown ``strategy``, a ``logit_bias`` or ``stop_token_ids``
+        id outside ``[0, vocab_size)`` or an invalid parameter of an extra (``SamplingStrategy.validate``
+        of each extra the request selects or sets one of the ``extra_params`` of: an extra reads every
+        row's values once a row selects it); the plugin's PluginError when the request selects a
+        sampling plugin that failed to load.
         """
         for name in (params.strategy, *params.extra):
             if name in self.failures:
@@ -192,7 +195,7 @@ class SamplingPipeline(SamplingStrategy):
                 f"{', '.join([*BUILTINS, *self.extra])}"
             )
         for name, strategy in self.extra.items():
-            if self._selected(name, params):
+            if self._selected(name, params) or any(k in params.extra for k in strategy.extra_params):
                 strategy.validate(params)
         if vocab_size is not None and any(t >= vocab_size for t in params.logit_bias):
             raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab_size}", param="logit_bias")

@@ -327,8 +327,7 @@ def _prompt(req: MessagesInput, engine: Any) -> tuple[list[int], list[dict[str, 
     required = bool(tools) and req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
     if required and prefill:
         raise RequestRejected(f"tool_choice {req.tool_choice.type!r} cannot continue a prefilled assistant turn", param="tool_choice")
-    prompt_ids = chat_prompt_ids(tok, messages, tools)
-    return prompt_ids + (tok.encode(prefill, add_special_tokens=False) if prefill else []), tools, required
+    return chat_prompt_ids(tok, messages, tools, prefill=prefill), tools, required
 
 
 class AnthropicResponseBuilder(ResponseBuilder):

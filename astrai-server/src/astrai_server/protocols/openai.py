@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from astrai.errors import ModelNotFound, RequestRejected
 from astrai.protocol import (
@@ -92,6 +92,27 @@ class TextPart(Strict):
     prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
+def json_kind(value: Any) -> str | None:
+    """The JSON type of a value to validate, as the tag of a union member: ``"str"``, ``"list"`` or ``"dict"``
+    (a model instance too). Error locations leave these tags out (``app._union_label``), so a union told
+    apart by them reports the member that was meant (``messages.0.content.0.text: Field required``), not
+    one error per member."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        return "list"
+    return "dict" if isinstance(value, (dict, BaseModel)) else None
+
+
+def text_or_parts(part: type[BaseModel]) -> Any:
+    """``str | list[part]``, told apart by the JSON type (see ``json_kind``)."""
+    return Annotated[
+        Annotated[str, Tag("str")] | Annotated[list[part], Tag("list")],
+        Discriminator(json_kind, custom_error_type="content",
+                      custom_error_message="Input should be a string or a list of content parts"),
+    ]  # fmt: skip
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str = "{}"
@@ -105,7 +126,7 @@ class ToolCallIn(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: text_or_parts(TextPart) | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -148,6 +169,39 @@ class ToolDef(Strict):
     function: FunctionDef
 
 
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    """``{"type": "function", "function": {"name": ...}}``. Another type (``allowed_tools``, ``custom``)
+    keeps only its ``type``, refused in ``prepare`` naming it, as a hosted tool is."""
+
+    type: str = "function"
+    function: FunctionName | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _other_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type", "function") != "function":
+            return {"type": data["type"]}
+        return data
+
+    @model_validator(mode="after")
+    def _named(self) -> NamedToolChoice:
+        if self.type == "function" and self.function is None:
+            raise ValueError('a function tool_choice needs "function": {"name": ...}')
+        return self
+
+
+#: ``tool_choice``: a mode or a named function, told apart by the JSON type (``json_kind``).
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("str")] | Annotated[NamedToolChoice, Tag("dict")],
+    Discriminator(json_kind, custom_error_type="tool_choice",
+                  custom_error_message='Input should be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'),
+]  # fmt: skip
+
+
 class StreamOptions(Strict):
     include_usage: bool = True
     include_obfuscation: bool | None = None
@@ -177,7 +231,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     seed: int | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "auto"
+    tool_choice: ToolChoice | None = "auto"
     parallel_tool_calls: bool | None = True
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
@@ -299,12 +353,29 @@ def _refuse_unserved(req: ChatCompletionRequest) -> None:
             raise _refused(name, name)
 
 
+#: How deep a call's decoded arguments may nest before they go to the template as text instead: a
+#: string may hold JSON the body's own depth bound never saw, and rendering it re-encodes it recursively.
+MAX_ARGUMENT_DEPTH = 64
+
+
 def decode_arguments(arguments: str) -> Any:
-    """A call's JSON arguments decoded for a chat template (the text itself when it is not JSON)."""
+    """A call's JSON arguments decoded for a chat template (the text itself when it is not JSON, or
+    when it nests deeper than ``MAX_ARGUMENT_DEPTH``)."""
     try:
-        return json.loads(arguments)
-    except ValueError:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
         return arguments  # templates render it as given
+    return arguments if _deeper_than(value, MAX_ARGUMENT_DEPTH) else value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects in ``value`` nest more than ``limit`` levels (iterative: no recursion)."""
+    level = [value] if isinstance(value, (list, dict)) else []
+    for _ in range(limit):  # ``level``: the lists and objects one level further in
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (list, dict))]
+        if not level:
+            return False
+    return True
 
 
 def _select_tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -313,14 +384,13 @@ def _select_tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     if not req.tools or req.tool_choice == "none":
         return []
     tools = _tool_dicts(req.tools)
-    if isinstance(req.tool_choice, dict):
-        if req.tool_choice.get("type", "function") != "function":
-            kind = req.tool_choice.get("type")
-            raise RequestRejected(f"tool_choice of type {kind!r} is not supported", param="tool_choice")
-        name = (req.tool_choice.get("function") or {}).get("name")
+    if isinstance(req.tool_choice, NamedToolChoice):
+        if req.tool_choice.function is None:  # another type: only named functions are served
+            raise RequestRejected(f"tool_choice of type {req.tool_choice.type!r} is not supported", param="tool_choice.type")
+        name = req.tool_choice.function.name
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
-            raise RequestRejected(f"tool_choice names function {name!r}, which is not in tools")
+            raise RequestRejected(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice.function.name")
     return tools
 
 
@@ -344,7 +414,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
         }
         if params.logprobs is not None:
             state["tokenizer"] = engine.tokenizer
-        required = bool(tools) and (request.tool_choice == "required" or isinstance(request.tool_choice, dict))
+        required = bool(tools) and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice))
         return Prepared(
             request=request, prompt_ids=list(prompt_ids), params=params, stream=bool(request.stream),
             n=value_or_default(request, "n"), tools=tools, tool_call_required=required,

@@ -17,9 +17,9 @@ send, each handled on purpose), the response object and the stream's event seque
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from astrai.errors import RequestRejected
 from astrai.protocol import (
@@ -34,7 +34,13 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
-from astrai_server.protocols.openai import OpenAIResponseBuilder, Strict, decode_arguments
+from astrai_server.protocols.openai import (
+    OpenAIResponseBuilder,
+    Strict,
+    decode_arguments,
+    json_kind,
+    text_or_parts,
+)
 from astrai_server.structured import responses_text_format
 
 if TYPE_CHECKING:
@@ -111,11 +117,11 @@ class InputItem(Strict):
 
     type: Literal["message", "function_call", "function_call_output"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | list[InputText] | None = None
+    content: text_or_parts(InputText) | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | list[InputText] | None = None
+    output: text_or_parts(InputText) | None = None
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: str | None = None
@@ -163,6 +169,15 @@ class FunctionTool(Strict):
         return self
 
 
+#: ``tool_choice``: a mode or an object (refused unless ``{"type": "function", "name": ...}``), told apart by
+#: the JSON type (``openai.json_kind``)
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("str")] | Annotated[dict[str, Any], Tag("dict")],
+    Discriminator(json_kind, custom_error_type="tool_choice",
+                  custom_error_message='Input should be "none", "auto", "required" or {"type": "function", "name": ...}'),
+]  # fmt: skip
+
+
 class TextConfig(Strict):
     format: dict[str, Any] | None = None
     verbosity: str | None = None
@@ -187,7 +202,7 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     include: list[str] | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "auto"
+    tool_choice: ToolChoice | None = "auto"
     parallel_tool_calls: bool | None = True
     max_tool_calls: int | None = None
     text: TextConfig | None = None
@@ -233,6 +248,7 @@ class ResponsesRequest(BaseModel):
             unserved[f"tools.{i}.type"] = ("tools[].type", tool.type != "function")
         choice = self.tool_choice
         named = isinstance(choice, dict) and (choice.get("type"), set(choice)) == ("function", {"type", "name"})
+        named = named and isinstance(choice["name"], str)
         unserved["tool_choice"] = ("tool_choice", isinstance(choice, dict) and not named)
         for param, (entry, refused) in unserved.items():
             if refused:
