@@ -46,3 +46,14 @@ def hf_oracle(default_model_path):
         str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32, local_files_only=True
     )
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory, default_model_path):
+    """``start(*flags, healthy=True, env=None, scheme="http") -> Served``: real ``astrai serve``
+    subprocesses (tests/serving.py), all stopped when the test module ends."""
+    from serving import ServerStarter
+
+    starter = ServerStarter(tmp_path_factory)
+    yield starter.start
+    starter.close()

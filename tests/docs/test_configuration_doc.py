@@ -13,7 +13,7 @@ from cli_options import type_text as flag_type
 from docs_pages import ROOT, Block, all_blocks
 from model_fields import default_text, range_text, type_text
 
-from astrai_server.config import ServerSettings, load_settings, parse_bytes
+from astrai_server.config import ServerSettings, env_name, load_settings, parse_bytes
 
 NONE = "—"  # a cell with no flag or no YAML key
 ENGINE_COMMANDS = ("astrai", "chat", "generate", "plugins")
@@ -77,20 +77,31 @@ def test_yaml_example_loads_as_written(block: Block, tmp_path: Path) -> None:
             assert settings.plugin_options[key] == value, f"{block.where}: {key}"
         else:
             expected = parse_bytes(value) if key == "kv_memory" else value
+            expected = [value] if key == "api_key" and isinstance(value, str) else expected  # one key
             assert getattr(settings, key) == expected, f"{block.where}: {key}"
 
 
 _ENV_NAME = re.compile(r"""["'](ASTR(?:AI)?_[A-Z0-9_]+)["']""")
+SETTINGS_VARIABLE = "ASTRAI_<SETTING>"  # one row for the variables of astrai serve's settings
 
 
-def test_environment_table_lists_every_variable_the_sources_name() -> None:
-    block = _one("env-vars")
+def sources_variables() -> dict[str, set[str]]:
+    """Every environment variable the sources spell out, with the modules that spell it."""
     named: dict[str, set[str]] = {}
     for source in ROOT.glob("astrai-*/src/**/*.py"):
         parts = source.relative_to(ROOT).with_suffix("").parts[2:]  # after "<distribution>/src"
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         for name in _ENV_NAME.findall(source.read_text(encoding="utf-8")):
             named.setdefault(name, set()).add(module)
+    return named
+
+
+def test_environment_table_lists_every_variable_the_sources_name() -> None:
+    block = _one("env-vars")
+    named = sources_variables()
+    clashes = sorted(set(named) & {env_name(key) for key in ServerSettings.model_fields})
+    assert not clashes, f"variables of settings that other code reads too: {clashes}"
+    named[SETTINGS_VARIABLE] = {"astrai_server.config"}  # env_name(key) for every setting
     documented = {r["Variable"]: r for r in block.records()}
     assert sorted(documented) == sorted(named), block.where
     for name, r in documented.items():

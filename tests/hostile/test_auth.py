@@ -7,6 +7,8 @@
 - Keys are compared as UTF-8 bytes in constant time: a non-ASCII key (this one ends in "à",
   whose UTF-8 ends in the byte 0xA0 that latin-1 reads as a no-break space) works from a client
   that sends it in UTF-8, and only then.
+- (Issue 17) Several keys: ``--api-key`` repeated; any of them opens every guarded route,
+  ``/metrics`` included, and ``/health`` needs none.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import pytest
 pytestmark = pytest.mark.slow  # the real default model, in a subprocess
 
 KEY = "clé-secrète-à"
+SECOND = "second-key"  # the same server's other key
 UNAUTHORIZED = "invalid or missing API key (Authorization: Bearer or x-api-key)"
 HI = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1}
 
 
 @pytest.fixture(scope="module")
 def keyed(start_server: Any) -> Any:
-    return start_server("--api-key", KEY)
+    return start_server("--api-key", KEY, "--api-key", SECOND)
 
 
 def test_an_empty_or_blank_key_stops_the_command(start_server: Any) -> None:
@@ -77,3 +80,14 @@ def test_anything_but_the_keys_utf8_is_refused(keyed: Any, sent: bytes) -> None:
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
         r = httpx.post(keyed.url + "/v1/messages", json=HI, headers=header, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+
+
+def test_each_key_opens_every_guarded_route(keyed: Any) -> None:
+    for key in (KEY.encode("utf-8"), SECOND.encode()):
+        for header in ({"authorization": b"Bearer " + key}, {"x-api-key": key}):
+            for path in ("/v1/models", "/stats", "/metrics", "/openapi.json"):
+                assert httpx.get(keyed.url + path, headers=header, timeout=10).status_code == 200, (path, header)
+    for header in ({}, {"x-api-key": f"{KEY},{SECOND}".encode()}, {"x-api-key": SECOND.encode() + b"x"}):
+        r = httpx.get(keyed.url + "/metrics", headers=header, timeout=10)
+        assert (r.status_code, r.json()) == (401, {"detail": UNAUTHORIZED}), header
+    assert httpx.get(keyed.url + "/health", timeout=10).status_code == 200

@@ -78,6 +78,6 @@ def test_a_flood_on_a_tight_pool_completes_as_alone_without_thrash_or_leak(start
     stats = served.wait_idle()
     assert stats["kv_tokens_in_use"] == 0 and stats["kv_tokens_in_use"] + stats["kv_tokens_cached"] <= KV_TOKENS
     assert stats["total_tasks"] == 2 * n and stats["total_tokens"] == 2 * n * MAX_TOKENS
-    preempted = Counter(re.findall(r"preempting request (\w+) at", served.log()))
+    preempted = Counter(re.findall(r"preempting request (\S+) at", served.log()))
     assert stats["preemptions"] == sum(preempted.values()) <= n // 2, preempted  # the old admission: 8 here
     assert stats["max_preemptions"] == max(preempted.values(), default=0) <= 2, preempted

@@ -160,12 +160,15 @@ class FakeEngine:
         self.compiled: list[Any] = []  # grammars the server compiled before submitting (the real cache's API)
         self.grammars = SimpleNamespace(compile=self.compiled.append)
 
-    def submit(self, prompt_ids: list[int], params: Any, on_piece: Any = None, on_done: Any = None) -> FakeResult:
+    def submit(
+        self, prompt_ids: list[int], params: Any, on_piece: Any = None, on_done: Any = None,
+        request_id: str | None = None, priority: int = 0,
+    ) -> FakeResult:  # fmt: skip
         vocab = self.model.config.vocab_size  # the model-dependent check the engine makes at submit
         if any(t >= vocab for t in params.logit_bias):
             raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab}")
         script = self.scripts.pop(0) if self.scripts else Script()
-        result = FakeResult(uuid.uuid4().hex)
+        result = FakeResult(request_id or uuid.uuid4().hex)
         self.submitted.append((list(prompt_ids), params))
         self.results.append(result)
         threading.Thread(target=self._run, args=(script, result, on_piece, on_done), daemon=True).start()

@@ -42,7 +42,7 @@ def test_cli_flags_override_the_yaml_section(tmp_path: Path) -> None:
     assert args.run.__name__ == "run_serve"
     s = settings_from_args(args)
     assert (s.host, s.port, s.max_batch_size, s.dtype) == ("0.0.0.0", 9000, 4, "bfloat16")  # port: CLI wins
-    assert (s.kv_memory, s.prefix_caching, s.protocols, s.api_key) == (64 * 2**20, False, ["openai"], "k")
+    assert (s.kv_memory, s.prefix_caching, s.protocols, s.api_key) == (64 * 2**20, False, ["openai"], ["k"])
     cfg = s.engine_config()
     assert (cfg.max_batch_size, cfg.kv_memory_bytes, cfg.prefix_caching) == (4, 64 * 2**20, False)
 
@@ -100,16 +100,14 @@ def test_sampling_defaults_and_plugin_options_from_yaml_and_flags(tmp_path: Path
 
 
 def test_attention_backend_goes_to_the_engine_config_never_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    import uvicorn
-
-    from astrai_server import cli
+    from astrai_server import cli, drain
 
     assert ServerSettings().engine_config().attention_backend is None
     s = settings_from_args(_parse(["--attention-backend", "torch_native"]))
     assert s.engine_config().attention_backend == "torch_native"  # strict for every request, over ASTR_BACKEND
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
     built: list[Any] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    monkeypatch.setattr(drain.DrainingServer, "run", lambda self, sockets=None: None)
     monkeypatch.setattr(cli, "_load_engine", lambda settings, app, pm: built.append(settings.engine_config()))
     environ = dict(os.environ)
     cli.serve(s, PluginManager())

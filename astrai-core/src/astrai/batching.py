@@ -4,16 +4,16 @@
 (``astrai.runner.ModelRunner``) and hands the sampled tokens to ``update()``. A step is, in order:
 
 1. cleanup: finished requests' materialized pages go into the radix, their KV is freed;
-2. refill: waiting requests are admitted in arrival order, each resuming prefill after its
-   longest cached prefix, when the pool has room for it and for the running requests to grow
+2. refill: waiting requests are admitted in order (arrival; or priority, then arrival), each
+   resuming prefill after its longest cached prefix, when the pool has room for it and for the running requests to grow
    (the watermark below); one that does not fit now does not block the ones behind it, and
    one whose prompt is mostly a prefix that a running request is computing right now waits
    for those pages (recorded after every prefill chunk) instead of computing them twice;
 3. decode rows: every decoding request brings its one token at its own position; when one
-   cannot grow by a token the newest running request (of those preempted the fewest times) is
-   preempted: its computed prefix is recorded, it requeues at the front and recomputes later
+   cannot grow by a token the newest running request (of the lowest priority, when scheduling by
+   priority, and of those preempted the fewest times) is preempted: its computed prefix is recorded, it requeues at the front and recomputes later
    without re-emitting text;
-4. prefill rows: chunks of prefilling requests, oldest first, under ``max_prefill_tokens``.
+4. prefill rows: chunks of prefilling requests, in order, under ``max_prefill_tokens``.
 
 All rows run as one ragged batch; only rows that need a next token are sampled, and rows whose
 request asked for prompt log-probs are scored at every position. Page arithmetic is the pool's
@@ -42,10 +42,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from astrai.errors import CapacityExceeded
 from astrai.extension.backend.policy import AUTOMATIC, BackendChoice
@@ -102,12 +102,16 @@ class StepPlan:
 class BatchPolicy:
     """The waiting queue, the running batch and every choice between them, over ``pool``.
 
-    ``running`` is sorted by arrival (the last is the newest, preemption's first victim). The
+    ``running`` and ``waiting`` are sorted by ``order``: arrival (fcfs), or with ``priority``
+    (a smaller ``Request.priority`` first) priority, then arrival. The last running request is
+    preemption's first victim (under ``priority``: the newest of the lowest priority). The
     pool's ``max_batch_size`` bounds the batch; ``max_prefill_tokens`` the prefill tokens
     of one step. ``eos_token_ids`` end a request in ``update`` (unless it ignores EOS).
     """
 
-    def __init__(self, pool: PagePool, max_prefill_tokens: int = 2048, eos_token_ids: Container[int] = ()) -> None:
+    def __init__(
+        self, pool: PagePool, max_prefill_tokens: int = 2048, eos_token_ids: Container[int] = (), priority: bool = False
+    ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.pool = pool
@@ -116,14 +120,20 @@ class BatchPolicy:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.counters = {"total_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0, "max_preemptions": 0}
+        # admitted: requests admitted for the first time (a preempted one is not counted again)
+        self.counters = {"total_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0, "max_preemptions": 0, "admitted": 0}
         self._free_epoch = 0  # bumped whenever pages are freed: a refused admission may now fit
         self.scheduled: list[Request] = []  # the requests of the last plan's rows, in order
+        self.priority = priority
+        self.order: Callable[[Request], Any] = _by_priority if priority else _by_arrival
 
     # ------------------------------------------------------------ the step
     def add(self, req: Request) -> None:
-        """Queue ``req`` behind the waiting ones."""
-        self.waiting.append(req)
+        """Queue ``req`` behind the waiting ones (under ``priority``: behind those of its priority or a higher one)."""
+        if self.priority:
+            self.waiting.insert(bisect.bisect_right(self.waiting, self.order(req), key=self.order), req)
+        else:
+            self.waiting.append(req)
 
     def schedule(self) -> StepPlan:
         """Cleanup, refill, decode rows, prefill rows: the next step (see the module doc).
@@ -299,7 +309,8 @@ class BatchPolicy:
         self.counters["prefix_hit_tokens"] += hit
         if req.cached_tokens < 0:  # first admission: what the client waited for and what the cache saved
             req.admitted_at, req.cached_tokens = time.perf_counter(), min(hit, len(req.prompt_ids))
-        bisect.insort(self.running, req, key=lambda r: r.arrival)
+            self.counters["admitted"] += 1
+        bisect.insort(self.running, req, key=self.order)
         return need
 
     def _reserve(self, req: Request) -> int:
@@ -340,6 +351,9 @@ class BatchPolicy:
         still outgrow their reserves: as the newest it would be their victim again and again.
         """
         candidates = self.running[first:]
+        if self.priority:  # the lowest priority (the largest value) goes first
+            worst = max(r.priority for r in candidates)
+            candidates = [r for r in candidates if r.priority == worst]
         fewest = min(r.preemptions for r in candidates)
         return next(r for r in reversed(candidates) if r.preemptions == fewest)
 
@@ -350,7 +364,10 @@ class BatchPolicy:
         req.num_computed = 0
         req.preemptions += 1
         self.running.remove(req)
-        self.waiting.appendleft(req)
+        if self.priority:  # first among those of its priority (it arrived before those waiting)
+            self.waiting.insert(bisect.bisect_left(self.waiting, self.order(req), key=self.order), req)
+        else:
+            self.waiting.appendleft(req)
         self.counters["preemptions"] += 1
         self.counters["max_preemptions"] = max(self.counters["max_preemptions"], req.preemptions)
 
@@ -361,3 +378,11 @@ def _scores(req: Request) -> bool:
 
 def _backend_name(req: Request) -> str | None:
     return req.backend.name if req.backend is not None else None
+
+
+def _by_arrival(req: Request) -> int:
+    return req.arrival
+
+
+def _by_priority(req: Request) -> tuple[int, int]:
+    return req.priority, req.arrival

@@ -13,7 +13,10 @@ if TYPE_CHECKING:
 
     from astrai.model import ModelConfig
 
-__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig"]
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "SCHEDULING_POLICIES", "EngineConfig"]
+
+#: ``EngineConfig.scheduling_policy`` values.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 #: KV budget of a paged pool when neither n_tokens nor kv_memory_bytes is given.
 DEFAULT_KV_MEMORY_BYTES = 512 * 2**20
@@ -30,6 +33,14 @@ class EngineConfig:
     ``sampling``: defaults of plugin sampling parameters for every request, e.g.
     ``{"min_p": 0.05}`` (see ``SamplingPipeline``). ``plugin_options``: values of the
     options hook plugins declared (``astrai_add_options``), by ``dest``.
+
+    Load shedding: at most ``max_queued_requests`` requests wait for admission (beyond that,
+    ``submit`` raises ``Overloaded``; None: no limit), and a request still waiting for its first
+    admission after ``queue_timeout`` seconds ends with ``Overloaded`` (None: it waits).
+    ``scheduling_policy``: "fcfs" admits in arrival order; "priority" admits by
+    ``submit(priority=)`` (lower first, then arrival) and preempts the lowest priority first.
+    ``tensor_parallel_size`` > 1: ``InferenceEngine.from_model`` splits the model over that many
+    ranks (``astrai.distributed``), whose collectives wait at most ``tp_timeout`` seconds.
     """
 
     max_batch_size: int = 64
@@ -45,6 +56,23 @@ class EngineConfig:
     sampling: dict[str, Any] = field(default_factory=dict)
     grammar_backend: str | None = None  # astrai.grammars entry point for constrained decoding; None: xgrammar
     plugin_options: dict[str, Any] = field(default_factory=dict)
+    max_queued_requests: int | None = None
+    queue_timeout: float | None = None
+    scheduling_policy: str = "fcfs"  # or "priority"
+    tensor_parallel_size: int = 1  # ranks the model is split over (astrai.distributed); 1: this process alone
+    tp_timeout: float = 300.0  # seconds a tensor-parallel collective may wait; idle ranks get a heartbeat
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:  # each request waits a moment
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.tp_timeout > 0:
+            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
 
     def kv_config(self, model_config: ModelConfig, dtype: torch.dtype) -> KVConfig:
         """The pool configuration for a model; raises ValueError on an impossible size."""

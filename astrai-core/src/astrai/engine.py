@@ -2,6 +2,10 @@
 
 ``EngineConfig`` (``astrai.config``) and ``GenerateResult`` (a request's handle, ``astrai.result``)
 are re-exported here.
+
+Over 300 lines because the Engine API is one class: the low-level calls (``submit``, ``abort``,
+``abort_all``), the text API over them and the lifecycle (a tensor-parallel model's ranks
+included) read best together.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class InferenceEngine:
         self.scheduler = InferenceScheduler(
             model, self.pool, self.config.max_prefill_tokens, eos, pipeline=self.pipeline,
             backend=self.config.attention_backend, on_finished=self._request_finished if self._hooks else None,
+            max_queued=self.config.max_queued_requests, queue_timeout=self.config.queue_timeout,
+            priority=self.config.scheduling_policy == "priority",
         )  # fmt: skip
         self.scheduler.start(warm_up=True)  # returns once a first forward has packed weights and built kernels
         self.plugins.notify("astrai_engine_started", engine=self)
@@ -106,9 +112,21 @@ class InferenceEngine:
         config: EngineConfig | None = None,
         plugins: PluginManager | None = None,
     ) -> InferenceEngine:
-        """Load a model with ``astrai.model.load_model`` and start an engine on it."""
-        from astrai.model import load_model
+        """Load a model with ``astrai.model.load_model`` and start an engine on it; with
+        ``config.tensor_parallel_size`` > 1, split over that many ranks (``astrai.distributed``:
+        TPConfigError names the valid sizes)."""
+        from astrai.model import default_dtype, load_model
 
+        size = config.tensor_parallel_size if config is not None else 1
+        if size > 1:
+            from astrai.distributed.launch import load_tensor_parallel
+
+            model, tokenizer = load_tensor_parallel(name_or_path, dtype or default_dtype(device), device, size, config.tp_timeout)
+            try:
+                return cls(model, tokenizer, config, plugins)
+            except BaseException:
+                model.close()
+                raise
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, config, plugins)
 
@@ -124,13 +142,19 @@ class InferenceEngine:
         params: SamplingParams,
         on_piece: Callable[[str], None] | None = None,
         on_done: Callable[[GenerateResult], None] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> GenerateResult:
-        """Queue one request of token ids; returns its handle at once (see GenerateResult)."""
-        rid = uuid.uuid4().hex
+        """Queue one request of token ids; returns its handle at once (see GenerateResult).
+
+        ``request_id`` (default: a new uuid) names it in logs and hooks; RequestRejected if a request of
+        that id is in flight. ``priority`` (smaller first) needs ``scheduling_policy="priority"``.
+        Raises Overloaded when ``max_queued_requests`` requests wait already."""
+        rid = uuid.uuid4().hex if request_id is None else request_id
         result = GenerateResult(rid, len(prompt_ids), on_piece, on_done)
         stopper = StopChecker(IncrementalDecoder(self.tokenizer), params.stop)
         # submitted on this thread: the scheduler keeps the attn_backend() choice in force here
-        req = Request(rid, list(prompt_ids), params, result, stopper)
+        req = Request(rid, list(prompt_ids), params, result, stopper, priority=priority)
         if params.grammar is not None:  # compiled here unless cached (RequestRejected for a bad one)
             req.matcher = self.grammars.matcher(params.grammar)
         result.bind(req)
@@ -140,6 +164,10 @@ class InferenceEngine:
     def abort(self, request_id: str) -> None:
         """End a request within one step (finish reason "abort"); its KV is freed."""
         self.scheduler.abort(request_id)
+
+    def abort_all(self) -> int:
+        """End every request in flight within one step (finish reason "abort"); returns how many."""
+        return self.scheduler.abort_all()
 
     # ------------------------------------------------------------ the Engine API
     def generate(
@@ -190,12 +218,14 @@ class InferenceEngine:
 
     def get_stats(self) -> dict:
         """total_tasks, total_tokens (generated), active_tasks, waiting_queue, kv_tokens_total,
-        kv_tokens_in_use, kv_tokens_cached, prefix_hit_tokens, preemptions (as of the last step)."""
+        kv_tokens_in_use, kv_tokens_cached, prefix_hit_tokens, preemptions, max_preemptions (as of the
+        last step)."""
         return self.scheduler.stats()
 
     def is_healthy(self) -> bool:
-        """False once shut down or if the scheduler loop died (``scheduler.reason`` says why)."""
-        return self.scheduler.healthy
+        """False once shut down, if the scheduler loop died (``scheduler.reason`` says why), or if a
+        tensor-parallel rank was lost."""
+        return self.scheduler.healthy and getattr(self.model, "healthy", True)
 
     def shutdown(self) -> None:
         """Stop the scheduler (pending requests fail with EngineNotReady), let the hook thread
@@ -208,6 +238,9 @@ class InferenceEngine:
             self._stopped = True
         if self._hooks is not None:
             self._hooks.close()
+        close = getattr(self.model, "close", None)  # a tensor-parallel model stops its ranks
+        if close is not None:
+            close()
         self.plugins.notify("astrai_engine_stopped", engine=self)
 
     def __enter__(self) -> InferenceEngine:

@@ -27,6 +27,14 @@ class CapacityExceeded(AstraiError):
     """The KV pool (or request table) has no room for what was asked."""
 
 
+class Overloaded(AstraiError):
+    """The engine sheds load: its waiting queue is full, or a request waited longer than allowed.
+
+    Nothing of the request was admitted or kept; the client may retry later (servers answer
+    429, Anthropic's 529 ``overloaded_error``, with ``Retry-After``).
+    """
+
+
 class RequestRejected(AstraiError):
     """A request can never be served (too long for the context or the pool, bad parameters).
 

@@ -168,6 +168,9 @@ class ResponseBuilder(ABC):
     route: ClassVar[str]  # POST route, e.g. "/v1/chat/completions"; starts with "/"
     request_model: ClassVar[type[BaseModel]]  # validates the JSON body
     stream_media_type: ClassVar[str] = "text/event-stream"
+    # the status of a request shed under load (astrai.errors.Overloaded): 429 Too Many Requests;
+    # Anthropic's API answers 529 with an overloaded_error
+    overloaded_status: ClassVar[int] = 429
 
     def __init__(self, model_name: str = "astrai") -> None:
         self.model_name = model_name

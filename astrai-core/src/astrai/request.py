@@ -56,6 +56,7 @@ class Request:
     sink: ResultSink
     stopper: StopChecker
     arrival: int = -1  # submission order; preemption takes the newest
+    priority: int = 0  # under the "priority" scheduling policy: smaller is served first
     tokens: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     req_idx: int = -1  # pool row, -1 while waiting

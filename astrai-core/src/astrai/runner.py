@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from astrai.errors import EngineNotReady
 from astrai.extension.backend.policy import BackendChoice, bind_step
 from astrai.logprobs import TokenLogprob, token_logprobs
 from astrai.sampling import SamplingBatch, SamplingPipeline
@@ -75,11 +76,14 @@ class ModelRunner:
         forward is harmless), each half then in halves while it fails, down to single rows; a
         row fails only if it fails alone. When the batched sampling raises, the same happens on
         the computed logits, without running the model again. A failure that does not come back
-        in the halves (a transient one) fails nobody.
+        in the halves (a transient one) fails nobody. ``EngineNotReady`` from the model (a lost
+        tensor-parallel rank) is raised as it is: no step can run.
         """
         sampled = [i for i, s in enumerate(plan.sample) if s]
         try:
             logits, failed = self.forward(plan, rows if plan.scored else ()), {}
+        except EngineNotReady:  # the model cannot run any step (a lost tensor-parallel rank): no retry
+            raise
         except Exception as exc:
             logits, failed = self._forward_apart(plan, rows, exc)
             sampled = [i for i in sampled if i not in failed]

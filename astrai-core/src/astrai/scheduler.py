@@ -7,7 +7,11 @@ policy advances the requests (``BatchPolicy.update``). When a step raises, its r
 retried apart and only a row that fails alone fails; a failing loop fails everyone.
 
 Every piece of scheduler state is mutated on the scheduler thread only; other threads talk
-to it through ``submit``/``abort``, which post to an inbox.
+to it through ``submit``/``abort``, which post to an inbox. ``submit`` is also where load is
+shed (a bounded queue) and ``_expire`` where waiting too long ends a request.
+
+Over 300 lines because load shedding (the queue bound and timeout) belongs with the inbox and
+the lifecycle that count what is queued.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from itertools import count
 from typing import TYPE_CHECKING
 
 import torch
 
 from astrai.batching import BatchPolicy
-from astrai.errors import EngineNotReady, RequestRejected
+from astrai.errors import EngineNotReady, Overloaded, RequestRejected
 from astrai.extension.backend.policy import requested_backend
 from astrai.request import FinishReason, Request
 from astrai.runner import ModelRunner, plan_rows
@@ -50,6 +55,11 @@ class InferenceScheduler:
     ``on_finished(request)`` runs on the scheduler thread after each request's result is
     delivered: it must be cheap (hand the request over to another thread) and must not
     raise (it is logged if it does).
+
+    Load shedding: ``submit`` raises ``Overloaded`` while ``max_queued`` requests wait for their
+    first admission; a request that waited ``queue_timeout`` seconds without one ends with
+    ``Overloaded``. ``priority``: the policy orders by ``Request.priority``; without it a
+    request that sets one is refused (as vLLM does under fcfs).
     """
 
     def __init__(
@@ -61,9 +71,13 @@ class InferenceScheduler:
         pipeline: SamplingPipeline | None = None,
         backend: str | None = None,
         on_finished: Callable[[Request], None] | None = None,
+        max_queued: int | None = None,
+        queue_timeout: float | None = None,
+        priority: bool = False,
     ) -> None:
         self.pool = pool
-        self.policy = BatchPolicy(pool, max_prefill_tokens, frozenset(eos_token_ids))
+        self.policy = BatchPolicy(pool, max_prefill_tokens, frozenset(eos_token_ids), priority=priority)
+        self.max_queued, self.queue_timeout = max_queued, queue_timeout
         self.runner = ModelRunner(model, pool, pipeline, self.policy.eos_token_ids)
         self.backend = backend  # attention backend for requests that did not choose one
         self.on_finished = on_finished  # after a request's result is delivered; cheap, on this thread
@@ -71,6 +85,9 @@ class InferenceScheduler:
         self.reason: str | None = None  # why the scheduler is not healthy
         self.iterations = 0  # loop iterations run (an idle loop adds none)
         self._total_tasks = 0
+        self._dropped = 0  # requests that ended before their first admission (scheduler thread)
+        self._live: set[str] = set()  # ids submitted and not yet completed (under _lock)
+        self._next_expiry = 0.0  # perf_counter time of the next queue-timeout scan
         self._by_id: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit() against the loop's shutdown
@@ -123,11 +140,21 @@ class InferenceScheduler:
                 f"exceeds the limit of {self.pool.context_limit} tokens (max_seq_len {self.pool.max_ctx_len}, "
                 f"KV pool {self.pool.size} slots)"
             )
+        if req.priority and not self.policy.priority:
+            raise RequestRejected(
+                "priority is only honoured with the 'priority' scheduling policy (astrai serve --scheduling-policy priority)",
+                param="priority",
+            )
         if req.backend is None:
             req.backend = requested_backend(self.backend)
         with self._lock:
             if not self._accepting:
                 raise EngineNotReady(f"scheduler is not running: {self.reason}")
+            if req.request_id in self._live:
+                raise RequestRejected(f"request id {req.request_id!r} is in flight already", param="request_id")
+            if self.max_queued is not None and self.queued >= self.max_queued:
+                raise Overloaded(f"the server is overloaded: {self.queued} requests are waiting already; retry later")
+            self._live.add(req.request_id)
             req.arrival = next(self._arrivals)
             self._total_tasks += 1
             self._inbox.put(req)
@@ -135,6 +162,14 @@ class InferenceScheduler:
     def abort(self, request_id: str) -> None:
         """Ask the loop to end ``request_id`` (finish reason "abort"); unknown ids are ignored."""
         self._inbox.put(request_id)
+
+    def abort_all(self) -> int:
+        """Ask the loop to end every request in flight (finish reason "abort"); returns how many."""
+        with self._lock:
+            ids = list(self._live)
+        for rid in ids:
+            self._inbox.put(rid)
+        return len(ids)
 
     def stop(self) -> None:
         """Fail pending requests with EngineNotReady and join the thread; idempotent."""
@@ -148,6 +183,13 @@ class InferenceScheduler:
         elif threading.current_thread() is not self._thread:
             self._thread.join()
 
+    @property
+    def queued(self) -> int:
+        """Requests submitted and not yet admitted a first time (nor ended): what ``max_queued`` bounds.
+
+        Read from any thread: the scheduler's counters only grow, so a stale read overcounts."""
+        return self._total_tasks - self.policy.counters["admitted"] - self._dropped
+
     def stats(self) -> dict:
         """A snapshot taken by the loop after its last step (never reads live state)."""
         return {**self._stats, "total_tasks": self._total_tasks}
@@ -159,6 +201,8 @@ class InferenceScheduler:
         inbox while there is nothing to do (the thread never busy-spins)."""
         if not self._receive(block and not self.policy.running and not self.policy.waiting):
             return False
+        if self.queue_timeout is not None and self.policy.waiting:
+            self._expire()
         plan = self.policy.schedule()
         self._complete_all(plan.finished)
         if plan.request_ids:
@@ -205,11 +249,18 @@ class InferenceScheduler:
         self._publish_stats()
 
     def _receive(self, block: bool) -> bool:
-        """Drain the inbox (waiting for a first message if ``block``); False on stop."""
+        """Drain the inbox (waiting for a first message if ``block``); False on stop. A model with
+        ``idle()`` (tensor parallel: a heartbeat to its ranks) gets a call every ``idle_interval``
+        seconds of the wait."""
+        idle = getattr(self.runner.model, "idle", None)
+        interval = getattr(self.runner.model, "idle_interval", None) if idle is not None else None
         while True:
             try:
-                msg = self._inbox.get(block=block)
+                msg = self._inbox.get(block=block, timeout=interval if block else None)
             except queue.Empty:
+                if block:  # the wait outlasted the interval: the heartbeat, then wait again
+                    idle()
+                    continue
                 return True
             block = False
             if msg is _STOP:
@@ -227,6 +278,10 @@ class InferenceScheduler:
 
     def _complete(self, req: Request) -> None:
         self._by_id.pop(req.request_id, None)
+        if req.cached_tokens < 0:
+            self._dropped += 1
+        with self._lock:
+            self._live.discard(req.request_id)
         try:
             req.sink.deliver_final(req)
             if self.on_finished is not None:
@@ -241,6 +296,22 @@ class InferenceScheduler:
         req.finish(FinishReason.ABORT)
         if req.req_idx < 0:  # waiting: holds no KV, answer now; running ones go through the next cleanup
             self.policy.waiting.remove(req)
+            self._complete(req)
+
+    def _expire(self) -> None:
+        """End the requests that waited ``queue_timeout`` seconds without a first admission (scanned
+        at most every 50 ms: the waiting queue is not walked every step)."""
+        now = time.perf_counter()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + min(0.05, self.queue_timeout / 4)
+        late = [r for r in self.policy.waiting if r.cached_tokens < 0 and now - r.submitted_at >= self.queue_timeout]
+        for req in late:
+            self.policy.waiting.remove(req)
+            logger.info("request %s waited %.1f s without admission: refused", req.request_id, now - req.submitted_at)
+            req.finish(FinishReason.ERROR, error=Overloaded(
+                f"the server is overloaded: the request waited {self.queue_timeout:g} s in the queue; retry later"
+            ))  # fmt: skip
             self._complete(req)
 
     def _fail_all(self, error: Exception) -> None:

@@ -3,22 +3,25 @@
 Mounts one POST route per protocol builder (every ``astrai.protocols`` entry
 point unless ``settings.protocols`` names some) and the GET and JSON POST routes
 builders declare (OpenAI's ``/v1/models``, ``/tokenize``; Anthropic's token counting),
-plus ``GET /health``, ``GET /stats`` and ``GET /openapi.json`` (behind the API key like
-the rest); then hook plugins extend the app (``astrai_server_app``). The engine hangs off
-``app.state.engine`` and may arrive later (``astrai serve`` loads it after the
-socket is open): until then /health is 503 and protocol routes answer 503 in
-their own shape.
+plus ``GET /health``, ``GET /stats``, ``GET /metrics`` (``metrics.py``: Prometheus) and
+``GET /openapi.json`` (behind the API key like the rest); then hook plugins extend the app
+(``astrai_server_app``). The engine hangs off ``app.state.engine`` and may arrive later
+(``astrai serve`` loads it after the socket is open): until then /health is 503 and protocol
+routes answer 503 in their own shape.
 
 The event loop never waits on a request's size: a body is read in chunks up to
 ``settings.max_request_bytes`` (``body.read_body``), then decoded, validated, templated and
 tokenized on worker threads (``body.decode_json``, ``ProtocolHandler.start``); the heap a large
 body freed is handed back afterwards (``body.release_memory``).
+
+Over 300 lines because every route shares the guards kept here (drain, readiness, the key check's
+responses) and the error shapes; the work behind them lives in edge.py, handler.py, body.py, fit.py
+and metrics.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from astrai.errors import EngineNotReady
+from astrai.errors import EngineNotReady, Overloaded
 from astrai.plugins import PluginManager
 from astrai.protocol import ResponseBuilder
 from astrai_server.body import (
@@ -41,9 +44,12 @@ from astrai_server.body import (
     release_memory,
 )
 from astrai_server.config import ServerSettings
-from astrai_server.errors import HTTPProblem, public_message, status_for
+from astrai_server.edge import authorized as _authorized
+from astrai_server.edge import install as install_edge
+from astrai_server.errors import RETRY_AFTER_SECONDS, HTTPProblem, public_message, status_for
 from astrai_server.fit import TextBound, refuse_oversized, text_bound
 from astrai_server.handler import ProtocolHandler, refuse_unknown
+from astrai_server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from astrai.engine import InferenceEngine
@@ -74,6 +80,11 @@ def create_app(
         plugins = getattr(engine, "plugins", None) or PluginManager.discover()
     app = FastAPI(title="astrai", docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json: below
     app.state.engine, app.state.settings, app.state.plugins = engine, settings, plugins
+    install_edge(app, settings)  # request ids, access log, in-flight count, CORS, API keys (edge.py)
+    # a hook plugin: an engine made with ``plugins`` from now on reports its requests to it (metrics.py)
+    app.state.metrics = ServerMetrics(settings.served_model_name, lambda: app.state.engine)
+    plugins.register_checked(app.state.metrics, None, "astrai_server.metrics.ServerMetrics")
+    app.state.draining = False  # set on SIGTERM (astrai_server.drain): new requests get 503
     for builder in builders:
         app.add_api_route(builder.route, _protocol_endpoint(builder), methods=["POST"], name=builder.name)
         for path, body in builder.get_routes().items():
@@ -83,24 +94,10 @@ def create_app(
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/stats", _get_endpoint(lambda engine: engine.get_stats()), methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)
     plugins.notify("astrai_server_app", app=app, settings=settings)
     return app
-
-
-def _authorized(request: Request) -> bool:
-    """No key configured, or ``Authorization: Bearer <key>`` / ``x-api-key: <key>`` matches it.
-
-    Compared in constant time as bytes: the header's bytes as the client sent them (Starlette
-    decodes them as latin-1, which encoding back undoes) against the key's UTF-8, so a non-ASCII
-    key matches a client that sends it in UTF-8."""
-    key = request.app.state.settings.api_key
-    if key is None:
-        return True
-    auth = request.headers.get("authorization", "")
-    # only HTTP's own blanks: str.strip() would also eat latin-1 0x85 and 0xA0, the last byte of "à" in UTF-8
-    given = auth[7:].strip(" \t") if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(given.encode("latin-1"), key.encode("utf-8"))
 
 
 def _check_key(request: Request) -> None:
@@ -168,11 +165,15 @@ def _validate(builder: ResponseBuilder, body: Any, model: type[BaseModel] | None
 
 
 def _error(builder: ResponseBuilder, exc: BaseException) -> JSONResponse:
-    """``exc`` as the builder's error body, with its status (``param`` when the error names a field)."""
-    status = status_for(exc)
-    if status >= 500 and not isinstance(exc, EngineNotReady):
+    """``exc`` as the builder's error body, with its status (``param`` when the error names a field);
+    a request shed under load gets the builder's ``overloaded_status`` and ``Retry-After``."""
+    status, headers = status_for(exc), None
+    if isinstance(exc, Overloaded):
+        status, headers = builder.overloaded_status, {"Retry-After": str(RETRY_AFTER_SECONDS)}
+    if status >= 500 and not isinstance(exc, EngineNotReady | Overloaded):
         logger.error("%s request failed", builder.name, exc_info=exc)
-    return JSONResponse(builder.format_error(status, public_message(exc), getattr(exc, "param", None)), status_code=status)
+    body = builder.format_error(status, public_message(exc), getattr(exc, "param", None))
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 _PLAIN_TYPES = frozenset({"str", "int", "float", "bool", "bytes", "dict", "list", "none"})
@@ -185,7 +186,7 @@ def _union_label(part: object) -> bool:
 
 def _gone(request: Request, gone: ClientGone) -> Response:
     """A client that hung up mid-body: an INFO line, not an error (nothing was queued, nobody listens)."""
-    rid = f"req-{uuid.uuid4().hex[:16]}"
+    rid = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex[:16]}"  # edge.py names it
     client = f"{request.client.host}:{request.client.port}" if request.client else "?"
     logger.info("request %s (%s %s from %s): %s; nothing was queued", rid, request.method, request.url.path, client, gone)
     return Response(status_code=499)  # never sent: nginx's "client closed request", for ASGI middleware
@@ -210,14 +211,21 @@ def _protocol_endpoint(builder: ResponseBuilder) -> Any:
     error = partial(_error, builder)
 
     async def endpoint(request: Request) -> Response:
+        request.app.state.metrics.count_request(builder.name)  # every arrival, refused ones too
         try:
             _check_key(request)
+            if request.app.state.draining:
+                raise EngineNotReady("the server is shutting down: retry on another instance")
             raw = await _read(request)
             parsed = await _in_thread(_parse, builder, raw, None, request.app.state.engine)
             del raw
-            handler = ProtocolHandler(builder, _ready_engine(request))
+            handler = ProtocolHandler(builder, _ready_engine(request), request.state)
             run = await handler.start(parsed)
             del parsed
+            if run.prepared.stream and request.app.state.settings.queue_timeout is not None:
+                # the status line waits for the first output, so that a queue timeout is still a 429
+                if not await handler.admitted(run, lambda: _wait_disconnect(request)):
+                    return Response(status_code=499)  # never sent: the client is gone
         except ClientGone as gone:
             return _gone(request, gone)
         except Exception as exc:  # nothing a client sends may become a bare 500 or a traceback
@@ -238,6 +246,8 @@ def _protocol_endpoint(builder: ResponseBuilder) -> Any:
 
 async def _health(request: Request) -> JSONResponse:
     engine = request.app.state.engine
+    if request.app.state.draining:  # a load balancer takes the instance out
+        return JSONResponse({"status": "draining"}, status_code=503)
     if engine is None or not engine.is_healthy():
         return JSONResponse(NOT_READY, status_code=503)
     return JSONResponse({"status": "ok", "model_loaded": True})
@@ -253,6 +263,14 @@ async def _openapi(request: Request) -> JSONResponse:
     if not _authorized(request):
         return _plain_error(HTTPProblem(401, UNAUTHORIZED))
     return JSONResponse(request.app.openapi())
+
+
+async def _metrics(request: Request) -> Response:
+    """Prometheus exposition (``astrai_server.metrics``), behind the API key like every route but /health."""
+    if not _authorized(request):
+        return _plain_error(HTTPProblem(401, UNAUTHORIZED))
+    body, content_type = request.app.state.metrics.exposition(request.headers.get("accept"))
+    return Response(body, headers={"Content-Type": content_type})
 
 
 def _get_endpoint(body: Callable[..., dict[str, Any]], builder: ResponseBuilder | None = None) -> Any:

@@ -1,24 +1,29 @@
 """``ServerSettings``: every option of ``astrai serve``, from defaults, a YAML file and CLI flags.
 
-Precedence: CLI flags > the YAML file's ``server:`` section > defaults. An
-unknown key, or a value of the wrong type, is a ``ConfigError`` that names it.
+Precedence: CLI flags > environment variables (``ASTRAI_<KEY>``: ``read_environment``) > the
+YAML file's ``server:`` section > defaults. An unknown key, or a value of the wrong type, is a
+``ConfigError`` that names it (the file's key, the variable or the flag).
 Options that hook plugins add (``astrai_add_options``) are keys of the same
 section, by ``dest``; their values land in ``ServerSettings.plugin_options``.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from astrai_server.errors import ConfigError
 
 #: Top-level YAML sections: ``server`` is read, ``runtime`` belongs to the Docker scripts.
 SECTIONS = ("server", "runtime")
+ENV_PREFIX = "ASTRAI_"  # then the setting's key in upper case: env_name
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -30,6 +35,23 @@ def parse_bytes(value: int | str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (examples: 536870912, 512MiB, 2GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def check_key(value: str) -> str:
+    """An API key, if a client can send it: a key no client can send would lock everyone out; an
+    empty one used to mean "no key". Raises ValueError."""
+    if not value.strip():
+        raise ValueError("the API key is empty or only whitespace; leave it unset to serve without a key")
+    if value != value.strip():
+        raise ValueError("the API key begins or ends with whitespace, which HTTP headers drop")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("the API key holds a control character, which HTTP headers cannot carry")
+    return value
+
+
+ApiKey = Annotated[str, AfterValidator(check_key)]
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token: a method or header name
 
 
 class ServerSettings(BaseModel):
@@ -52,9 +74,28 @@ class ServerSettings(BaseModel):
     kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
     max_prefill_tokens: int = Field(2048, ge=1)
     max_request_bytes: int = Field(32 * 2**20, ge=1)  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
-    api_key: str | None = None  # never empty: see _key
+    max_queued_requests: int | None = Field(None, ge=1)  # requests waiting for admission; beyond: 429 (None: no limit)
+    queue_timeout: float | None = Field(None, gt=0)  # seconds a request may wait for admission; then 429
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # "priority": the body's priority field orders requests
+    shutdown_timeout: float = Field(20.0, ge=0)  # seconds requests in flight get after SIGTERM; then they are aborted
+    tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split over (astrai.distributed)
+    tp_timeout: float = Field(300.0, gt=0)  # seconds a tensor-parallel collective may wait
+    data_parallel_size: int = Field(1, ge=1)  # engine replicas behind the SGLang Model Gateway (astrai_server.replicas)
+    data_parallel_base_port: int | None = Field(None, ge=1, le=65535)  # replica i on 127.0.0.1:(this + i); None: free ports
+    gateway_metrics_port: int | None = Field(None, ge=1, le=65535)  # the gateway's own Prometheus port (127.0.0.1); None: free
+    api_key: list[ApiKey] | None = Field(None, min_length=1)  # accepted keys (a string: one key); never empty: check_key
+    api_key_file: str | None = None  # more keys, one a line (# comments): edge.read_key_file, at start
+    allowed_origins: list[str] = []  # CORS: origins browsers may call from ("*": any); []: no cross-origin access
+    allowed_methods: list[str] = ["GET", "POST"]  # CORS: methods of cross-origin requests
+    allowed_headers: list[str] = ["*"]  # CORS: request headers of cross-origin requests ("*": any)
+    ssl_keyfile: str | None = None  # TLS private key (PEM); None: in ssl_certfile
+    ssl_certfile: str | None = None  # TLS certificate chain (PEM); set: HTTPS
+    ssl_keyfile_password: str | None = None  # of an encrypted ssl_keyfile
+    ssl_ca_certs: str | None = None  # CA certificates (PEM) that verify client certificates
+    ssl_cert_reqs: Literal["none", "optional", "required"] = "none"  # client certificates
     protocols: list[str] | None = None  # entry-point names to mount; None: every installed one
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"  # json: one object a line (edge.JsonFormatter)
     sampling: dict[str, Any] = {}  # plugin sampling parameters for every request: {"typical_p": 0.9}
     plugin_options: dict[str, Any] = {}  # values of hook plugins' options, by dest
 
@@ -63,19 +104,26 @@ class ServerSettings(BaseModel):
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_bytes(value)
 
-    @field_validator("api_key")
+    @field_validator("api_key", mode="before")
     @classmethod
-    def _key(cls, value: str | None) -> str | None:
-        """A key no client can send would lock everyone out; an empty one used to mean "no key"."""
-        if value is None:
-            return None
-        if not value.strip():
-            raise ValueError("the API key is empty or only whitespace; leave it unset to serve without a key")
-        if value != value.strip():
-            raise ValueError("the API key begins or ends with whitespace, which HTTP headers drop")
-        if any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise ValueError("the API key holds a control character, which HTTP headers cannot carry")
+    def _keys(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # one key, as it used to be written
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin: scheme://host[:port], without a path or a trailing slash (or *)")
         return value
+
+    @field_validator("allowed_methods", "allowed_headers")
+    @classmethod
+    def _tokens(cls, value: list[str], info: Any) -> list[str]:
+        for token in value:
+            if not _TOKEN.fullmatch(token):
+                raise ValueError(f"{token!r} is not an HTTP method or header name (or *)")
+        return [t.upper() for t in value] if info.field_name == "allowed_methods" else value
 
     def engine_config(self) -> Any:
         """The ``astrai.engine.EngineConfig`` these settings describe."""
@@ -86,16 +134,21 @@ class ServerSettings(BaseModel):
             page_size=self.page_size, kv_memory_bytes=self.kv_memory, prefix_caching=self.prefix_caching,
             max_prefill_tokens=self.max_prefill_tokens, attention_backend=self.attention_backend,
             sampling=dict(self.sampling), plugin_options=dict(self.plugin_options),
+            max_queued_requests=self.max_queued_requests, queue_timeout=self.queue_timeout,
+            scheduling_policy=self.scheduling_policy, tensor_parallel_size=self.tensor_parallel_size,
+            tp_timeout=self.tp_timeout,
         )  # fmt: skip
 
 
-def _describe(err: ValidationError, where: str, flags: bool = False, plugin_keys: Iterable[str] = ()) -> str:
-    """One message naming each bad key: ``serve.yaml: unknown key 'server.foo'`` or ``--port: ...``."""
+def _describe(err: ValidationError, where: str, flags: bool = False, plugin_keys: Iterable[str] = (), env: bool = False) -> str:
+    """One message naming each bad key: ``serve.yaml: unknown key 'server.foo'``, ``--port: ...``
+    or (``env``) the environment variable."""
     parts = []
     known = ", ".join([*ServerSettings.model_fields, *plugin_keys])
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])
-        name = "--" + key.replace("_", "-") if flags else f"'server.{key}'"
+        top = str(e["loc"][0]) if e["loc"] else key  # a flag or a variable sets a list as a whole
+        name = env_name(top) if env else "--" + top.replace("_", "-") if flags else f"'server.{key}'"
         if e["type"] == "extra_forbidden":
             parts.append(f"{where}unknown key {name} (known keys: {known})")
         else:
@@ -122,28 +175,85 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return section
 
 
+def env_name(key: str) -> str:
+    """The environment variable of setting ``key``: ``ASTRAI_`` and the key in upper case."""
+    return ENV_PREFIX + key.upper()
+
+
+def _env_kind(annotation: Any) -> str:
+    """How a variable's text becomes the setting: "list", "mapping", "text" (as is) or "yaml"."""
+    union = typing.get_origin(annotation) in (Union, types.UnionType)
+    kinds = {typing.get_origin(a) or a for a in (typing.get_args(annotation) if union else (annotation,)) if a is not type(None)}
+    if list in kinds:
+        return "list"
+    if dict in kinds:
+        return "mapping"
+    return "text" if kinds <= {str, Literal} else "yaml"
+
+
+def read_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings ``environ`` sets, by key: ``ASTRAI_<KEY>`` for every setting (``ASTRAI_PORT``,
+    ``ASTRAI_MAX_BATCH_SIZE``). A list is comma-separated (blanks around an item dropped; an empty
+    item is ignored, except an empty API key, which is an error); a mapping is YAML flow
+    (``{typical_p: 0.9}``); a string is taken as it is; any other value is read as YAML
+    (``8000``, ``true``, ``null``, ``512MiB``). Raises ConfigError naming the variable."""
+    import yaml
+
+    values: dict[str, Any] = {}
+    for key, field in ServerSettings.model_fields.items():
+        name = env_name(key)
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        kind = _env_kind(field.annotation)
+        if kind == "list":
+            items = [item.strip() for item in raw.split(",")]
+            values[key] = items if key == "api_key" else [item for item in items if item]
+        elif kind == "text":
+            values[key] = raw
+        else:
+            try:
+                values[key] = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                if kind == "mapping":
+                    raise ConfigError(f"{name}: not a YAML mapping such as {{typical_p: 0.9}}: {e}") from None
+                values[key] = raw  # the settings' check names it
+            if kind == "mapping" and not isinstance(values[key], dict):
+                raise ConfigError(f"{name}: expected a YAML mapping such as {{typical_p: 0.9}} (got {raw!r})")
+    return values
+
+
 def load_settings(
     cli: dict[str, Any],
     config_path: str | Path | None = None,
     plugin_defaults: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ServerSettings:
-    """Defaults, overridden by the YAML file's ``server:`` section, overridden by ``cli``.
+    """Defaults, overridden by the YAML file's ``server:`` section, overridden by the environment
+    (``environ``, default ``os.environ``: see ``read_environment``), overridden by ``cli``.
 
     ``cli`` holds only the flags given explicitly. ``plugin_defaults`` are the options
     hook plugins declared (``dest`` -> default): those keys, in the YAML section or in
-    ``cli``, go to ``plugin_options`` (over the defaults). Raises ConfigError.
+    ``cli``, go to ``plugin_options`` (over the defaults, the file's ``plugin_options`` and
+    ``ASTRAI_PLUGIN_OPTIONS``, in that order). Raises ConfigError.
     """
     values = read_yaml(config_path) if config_path is not None else {}
+    env = read_environment(os.environ if environ is None else environ)
     plugin = dict(plugin_defaults or {})
     given = values.get("plugin_options") or {}
     options = {**plugin, **(given if isinstance(given, dict) else {})}  # a non-mapping fails validation below
-    for source in (values, cli):
-        options.update({k: source.pop(k) for k in [k for k in source if k in plugin]})
+    options.update({k: values.pop(k) for k in [k for k in values if k in plugin]})
+    options.update(env.get("plugin_options", {}))
+    options.update({k: cli.pop(k) for k in [k for k in cli if k in plugin]})
     try:
         ServerSettings(**values)  # the YAML alone first, so that its errors name the file
     except ValidationError as e:
         raise ConfigError(_describe(e, f"{config_path}: ", plugin_keys=plugin)) from None
     try:
-        return ServerSettings(**{**values, **cli, "plugin_options": options})
+        ServerSettings(**env)  # then the environment alone, so that its errors name the variable
+    except ValidationError as e:
+        raise ConfigError(_describe(e, "", plugin_keys=plugin, env=True)) from None
+    try:
+        return ServerSettings(**{**values, **env, **cli, "plugin_options": options})
     except ValidationError as e:
         raise ConfigError(_describe(e, "", flags=True, plugin_keys=plugin)) from None

@@ -13,6 +13,7 @@ from astrai.errors import (
     CapacityExceeded,
     EngineNotReady,
     ModelNotFound,
+    Overloaded,
     PluginError,
     RequestRejected,
 )
@@ -21,6 +22,7 @@ from astrai.errors import (
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (RequestRejected, 400),  # can never be served: too long, bad parameters, template refuses it
     (ModelNotFound, 404),
+    (Overloaded, 429),  # shed under load, nothing kept: retry after Retry-After (Anthropic: 529)
     (EngineNotReady, 503),  # not loaded yet, shut down, or the scheduler died
     (CapacityExceeded, 503),  # no room now; the client may retry
     (BackendUnavailable, 500),
@@ -49,6 +51,10 @@ def status_for(exc: BaseException) -> int:
         if isinstance(exc, cls):
             return status
     return 500
+
+
+#: ``Retry-After`` (seconds) of a request shed under load (``Overloaded``).
+RETRY_AFTER_SECONDS = 1
 
 
 def public_message(exc: BaseException) -> str:

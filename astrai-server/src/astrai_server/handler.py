@@ -42,10 +42,13 @@ class ProtocolHandler:
     and on cancellation.
     """
 
-    def __init__(self, builder: ResponseBuilder, engine: Any) -> None:
+    def __init__(self, builder: ResponseBuilder, engine: Any, state: Any = None) -> None:
         if engine is None:
             raise EngineNotReady()
         self.builder, self.engine = builder, engine
+        # the HTTP request's state (Starlette's request.state): its request_id names the engine requests;
+        # usage (prompt and completion tokens) is left there for the access log
+        self.state = state
 
     async def start(self, request: BaseModel) -> _Run:
         """Prepare and submit every choice. Raises RequestRejected (400: an unknown field, the
@@ -57,8 +60,29 @@ class ProtocolHandler:
         loop = asyncio.get_running_loop()
         prepared, opening = await loop.run_in_executor(None, self._prepare, request)
         run = _Run(self.engine, prepared, loop, opening)
-        run.submit()
+        run.submit(getattr(self.state, "request_id", None), getattr(request, "priority", None) or 0)
         return run
+
+    async def admitted(self, run: _Run, disconnected: Disconnect) -> bool:
+        """Wait for ``run``'s first output (a piece, or an end); raise its error when a choice ended in
+        error before any output (a queue timeout: ``Overloaded``), after aborting the rest. False
+        (the requests aborted) when the client leaves first."""
+        gone = asyncio.ensure_future(disconnected())
+        first = asyncio.ensure_future(run.peek())
+        try:
+            await asyncio.wait((gone, first), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not first.done():
+            first.cancel()
+            logger.info("client of %s disconnected before its first token: aborting", run.prepared.response_id)
+            run.abort()
+            return False
+        early = next((r.error for r in run.results if r.done and r.error is not None and not r.output_ids), None)
+        if early is not None:
+            run.abort()
+            raise early
+        return True
 
     def _prepare(self, request: BaseModel) -> tuple[Prepared, str]:
         refuse_unknown(request, self.engine)
@@ -86,7 +110,9 @@ class ProtocolHandler:
         try:
             async for _ in run.events():
                 pass
-            return self.builder.format_response(run.prepared, run.result())
+            result = run.result()
+            self._usage(result)
+            return self.builder.format_response(run.prepared, result)
         finally:
             watcher.cancel()
             run.abort()
@@ -102,6 +128,7 @@ class ProtocolHandler:
                 for frame in b.format_chunk(p, index, text, **logprobs):
                     yield frame
             result = run.result()
+            self._usage(result)
             for index, text, logprobs in run.held_text(result):
                 for frame in b.format_chunk(p, index, text, **logprobs):
                     yield frame
@@ -115,6 +142,11 @@ class ProtocolHandler:
         finally:
             watcher.cancel()
             run.abort()
+
+
+    def _usage(self, result: ChatResult) -> None:
+        if self.state is not None:
+            self.state.usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
 
 
 def refuse_unknown(request: BaseModel, engine: Any) -> None:
@@ -142,6 +174,7 @@ class _Run:
     def __init__(self, engine: Any, prepared: Prepared, loop: asyncio.AbstractEventLoop, opening: str = "") -> None:
         self.engine, self.prepared, self.loop = engine, prepared, loop
         self.queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+        self._peeked: list[tuple[int, str | None]] = []  # taken off the queue by peek(), not yet by events()
         self.results: list[Any] = []
         self.prompts = prepared.prompts or [prepared.prompt_ids]
         count = prepared.n * len(self.prompts)
@@ -162,17 +195,20 @@ class _Run:
         except RuntimeError:
             pass
 
-    def submit(self) -> None:
-        p = self.prepared
+    def submit(self, request_id: str | None = None, priority: int = 0) -> None:
+        """Submit every choice: named ``request_id`` (one choice) or ``request_id-i`` (None: the engine names them)."""
+        p, count = self.prepared, len(self._pieces)
         try:
-            for i in range(len(self._pieces)):
+            for i in range(count):
                 k = i % p.n  # choice k of prompt i // n
                 params = p.params if p.params.seed is None else dataclasses.replace(p.params, seed=p.params.seed + k)
+                rid = None if request_id is None else request_id if count == 1 else f"{request_id}-{i}"
                 self.results.append(
                     self.engine.submit(
                         self.prompts[i // p.n], params,
                         on_piece=lambda piece, i=i: self._post((i, piece)),
                         on_done=lambda _r, i=i: self._post((i, None)),
+                        request_id=rid, priority=priority,
                     )
                 )  # fmt: skip
         except BaseException:
@@ -184,7 +220,7 @@ class _Run:
         are done; the log-probs are ``format_chunk``'s keywords ({} when the request asked none)."""
         left = len(self.results)
         while left:
-            index, piece = await self.queue.get()
+            index, piece = self._peeked.pop(0) if self._peeked else await self.queue.get()
             if piece is None:
                 left -= 1
                 continue
@@ -192,6 +228,11 @@ class _Run:
             text = self.filters[index].push(piece) if self.filters else piece
             if text:
                 yield index, text, self._logprobs(index, self._pieces[index] - 1)
+
+    async def peek(self) -> None:
+        """Wait for the first event of any choice, leaving it for ``events()``."""
+        if not self._peeked:
+            self._peeked.append(await self.queue.get())
 
     def _logprobs(self, index: int, piece: int | None) -> dict[str, Any]:
         """The log-prob keywords of choice ``index``'s next chunk: its entries not sent yet, up to those

@@ -24,6 +24,9 @@ __all__ = [
     "build_model",
     "default_dtype",
     "load_model",
+    "load_tokenizer",
+    "read_checkpoint",
+    "read_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,24 +69,51 @@ def load_model(
     return _load(name_or_path, dtype, device)
 
 
-def _load(
-    name_or_path: str | None, dtype: torch.dtype, device: str | torch.device
-) -> tuple[LlamaForCausalLM, Tokenizer]:
+def read_checkpoint(name_or_path: str | None, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], str, Path]:
+    """A checkpoint's configuration and weights in astrai's layout (unfused), its kind ("gguf" or
+    "hf") and path; raises ModelNotFound. The tokenizer's end-of-sequence ids are not merged yet
+    (``load_tokenizer`` does that)."""
     from astrai.model.gguf_loader import load_gguf
     from astrai.model.hf_loader import load_hf
     from astrai.model.resolve import resolve_model
 
     kind, path = resolve_model(name_or_path)
-    start = time.perf_counter()
-    if kind == "gguf":
-        config, weights = load_gguf(path, dtype)
-        tokenizer = Tokenizer.from_gguf(path)
-    else:
-        config, weights = load_hf(path, dtype)
-        tokenizer = Tokenizer.from_pretrained(path)
+    config, weights = load_gguf(path, dtype) if kind == "gguf" else load_hf(path, dtype)
     config.name = config.name or name_or_path or Path(path).stem
-    merged = sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids))
-    config.eos_token_ids = merged
+    return config, weights, kind, Path(path)
+
+
+def read_config(name_or_path: str | None) -> ModelConfig:
+    """A checkpoint's configuration alone (GGUF metadata or ``config.json``), without its weights."""
+    from astrai.model.gguf_loader import gguf_config, open_gguf
+    from astrai.model.hf_loader import _read_json, hf_config
+    from astrai.model.resolve import resolve_model
+
+    kind, path = resolve_model(name_or_path)
+    if kind == "gguf":
+        config = gguf_config(open_gguf(path), Path(path))
+    else:
+        config = hf_config(Path(path), _read_json(Path(path) / "config.json"))
+    config.name = config.name or name_or_path or Path(path).stem
+    return config
+
+
+def load_tokenizer(name_or_path: str | None, config: ModelConfig) -> Tokenizer:
+    """The tokenizer of a checkpoint; ``config.eos_token_ids`` gains the tokenizer's end ids."""
+    from astrai.model.resolve import resolve_model
+
+    kind, path = resolve_model(name_or_path)
+    tokenizer = Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_pretrained(path)
+    config.eos_token_ids = sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids))
+    return tokenizer
+
+
+def _load(
+    name_or_path: str | None, dtype: torch.dtype, device: str | torch.device
+) -> tuple[LlamaForCausalLM, Tokenizer]:
+    start = time.perf_counter()
+    config, weights, kind, _path = read_checkpoint(name_or_path, dtype)
+    tokenizer = load_tokenizer(name_or_path, config)
     model = build_model(config, dtype, device)
     model.load_weights({k: v.to(device) for k, v in weights.items()})
     model.fuse_projections()

@@ -38,6 +38,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # tensor parallel: the sum over ranks of o_proj's partial outputs (astrai.distributed.tp); None: one rank
+    reduce = None
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -80,11 +83,14 @@ class Attention(nn.Module):
             k = apply_rotary_emb(self.k_proj(x).view(1, t, self.n_kv_heads, self.head_dim), freqs)[0]
             v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
         o = attention(q, k, v, self.layer_id, kv_cache, self.scale)
-        return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
+        out = self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    reduce = None  # tensor parallel: the sum over ranks of down_proj's partial outputs
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -102,8 +108,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        else:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -200,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
         ``None`` unless every layer is the stock ``DecoderLayer`` (stock attention, MLP and
         norms, projections fused by ``fuse_projections``) with the same shapes and eps, and
         o/gate_up/down have no bias: then running the layers one by one computes exactly
-        what the description says.
+        what the description says. A tensor-parallel shard (``reduce`` set) has none: a whole-stack
+        kernel would skip its all-reduces.
         """
         layers = list(self.model.layers)
         if not layers:
@@ -215,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
                 type(layer) is DecoderLayer and type(attn) is Attention and type(mlp) is MLP
                 and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
                 and hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")
+                and attn.reduce is None and mlp.reduce is None  # a tensor-parallel shard sums over ranks
             )  # fmt: skip
             if not stock:
                 return None

@@ -239,6 +239,7 @@ class MessagesRequest(MessagesInput):
     min_p: float | None = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0)
     min_tokens: int | None = Field(0, ge=0)
+    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
     stream: bool | None = False
@@ -335,6 +336,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
 
     name = "anthropic"
     route = "/v1/messages"
+    overloaded_status = 529  # Anthropic's "overloaded_error"
     request_model = MessagesRequest
 
     def prepare(self, request: MessagesRequest, engine: Any) -> Prepared:

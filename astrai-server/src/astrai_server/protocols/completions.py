@@ -84,6 +84,7 @@ class CompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0)
     min_tokens: int | None = Field(0, ge=0)
+    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     ignore_eos: bool = False
     response_format: dict[str, Any] | None = None  # vLLM accepts it on completions too

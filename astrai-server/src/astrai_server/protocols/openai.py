@@ -43,7 +43,7 @@ from astrai_server.structured import one_of, openai_response_format, vllm_struct
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
 
-FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "abort"}
 
 #: Request fields of OpenAI's API that astrai refuses (400, ``param`` naming the field), and when.
 #: Fields none of whose values can be served stay undeclared (the handler refuses undeclared
@@ -247,6 +247,7 @@ class ChatCompletionRequest(BaseModel):
     min_p: float | None = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0)
     min_tokens: int | None = Field(0, ge=0)
+    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
 
@@ -495,8 +496,9 @@ class OpenAIResponseBuilder(ResponseBuilder):
 
     def format_error(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
         """OpenAI's error body; a 404 (an unknown model) is OpenAI's invalid_request_error, model_not_found."""
-        code = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
+        code = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}.get(status)
         kind = "server_error" if status >= 500 else "invalid_request_error" if status == 404 else error_type_for(status)
+        kind = "requests" if status == 429 else kind  # OpenAI's request-rate limit: type "requests"
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
     def format_stream_error(self, prepared: Prepared, status: int, message: str) -> list[str]:

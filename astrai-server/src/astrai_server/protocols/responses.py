@@ -220,6 +220,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
 
     @model_validator(mode="before")
     @classmethod
