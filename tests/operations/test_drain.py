@@ -70,7 +70,7 @@ def _started(served, *streams: Stream) -> None:
 
 def test_sigterm_drains_new_requests_get_503_the_stream_completes_and_the_process_exits_0(start_server) -> None:
     served = start_server("--shutdown-timeout", "120")
-    stream = Stream(served.url, CHAT, chat(120))
+    stream = Stream(served.url, CHAT, chat(60))
     _started(served, stream)
     served.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10

@@ -136,7 +136,7 @@ def test_a_request_past_the_queue_timeout_is_refused_streaming_or_not_and_the_ru
     served = start_server("--max-batch-size", "1", "--queue-timeout", "0.5")
     results: dict[str, tuple] = {}
     occupant = threading.Thread(
-        target=lambda: results.setdefault("occupant", _stream_lines(served.url, chat(200, stream=True)))
+        target=lambda: results.setdefault("occupant", _stream_lines(served.url, chat(100, stream=True)))
     )
     occupant.start()
     deadline = time.monotonic() + 60
@@ -168,7 +168,7 @@ def test_queued_requests_finish_in_priority_order(start_server) -> None:
         with lock:
             done.append(priority)
 
-    occupant = threading.Thread(target=call, args=(0, 120))
+    occupant = threading.Thread(target=call, args=(0, 80))
     occupant.start()
     deadline = time.monotonic() + 60
     while not served.stats()["active_tasks"]:

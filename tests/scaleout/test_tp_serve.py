@@ -3,7 +3,9 @@
 ``--tensor-parallel-size 3`` splits SmolLM2-135M exactly (9 query / 3 KV heads, 3 query heads and
 one KV head per rank) over rank 0 and two worker processes: the same chat prompts give the same
 greedy tokens as one process. A size the model cannot take stops the command at once, naming
-the valid sizes. Killing a worker turns /health to 503 and fails requests with 503, without a hang.
+the valid sizes. An idle server outlives its collective time-out; killing a worker turns /health
+to 503 and fails requests with 503, without a hang. Under torchrun every process is a rank and
+rank 0 alone serves HTTP.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def test_tensor_parallel_3_gives_the_greedy_tokens_of_one_process_and_a_lost_wor
     expected = _answers(alone.url)
     alone.proc.send_signal(signal.SIGTERM)
     assert alone.proc.wait(60) == 0  # one model in memory at a time on this machine
-    split = start_server("--tensor-parallel-size", "3", "--log-level", "info")
+    split = start_server("--tensor-parallel-size", "3", "--tp-timeout", "6", "--log-level", "info")
     assert split.stats()["kv_tokens_total"] > 0
+    time.sleep(7)  # idle past the collective time-out: the heartbeat keeps the workers waiting
     assert _answers(split.url) == expected
     assert "tensor parallel: 3 ranks" in split.log()
     workers = _workers(split.proc.pid)
