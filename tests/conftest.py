@@ -49,11 +49,24 @@ def hf_oracle(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def start_server(tmp_path_factory, default_model_path):
-    """``start(*flags, healthy=True, env=None, scheme="http") -> Served``: real ``astrai serve``
-    subprocesses (tests/serving.py), all stopped when the test module ends."""
+def _server_starter(tmp_path_factory, default_model_path):
+    """The module's ``serving.ServerStarter``; every server it started is stopped when the module ends."""
     from serving import ServerStarter
 
     starter = ServerStarter(tmp_path_factory)
-    yield starter.start
+    yield starter
     starter.close()
+
+
+@pytest.fixture(scope="module")
+def start_server(_server_starter):
+    """``start(*flags, healthy=True, env=None, scheme="http") -> Served``: real ``astrai serve``
+    subprocesses (tests/serving.py), all stopped when the test module ends."""
+    return _server_starter.start
+
+
+@pytest.fixture(scope="module")
+def start_servers(_server_starter):
+    """``start_servers(flags, ...) -> [Served, ...]``: one healthy private server per tuple of flags,
+    started side by side, so that their start-ups overlap; stopped when the test module ends."""
+    return _server_starter.start_many

@@ -4,7 +4,14 @@
 on the default model (float32, ``max_seq_len`` 1024 unless the flags say otherwise) and returns a
 ``Served`` once /health is 200 (``healthy=False``: at once); every server it started is stopped
 (SIGINT, then kill) when the test module ends. The server's combined stdout/stderr is in
-``Served.output``, so a test can assert what the log says.
+``Served.output``, so a test can assert what the log says. ``start_servers`` (the same module's
+starter) starts several private servers side by side: ``start_servers(flags_a, flags_b, ...)``.
+
+``SharedServers.get`` (tests/hostile/conftest.py's ``shared_server``): one server
+per set of flags, started at its first use and reused by every module of the test directory that
+asks for the same flags, stopped when the directory's last test ends. Only for tests that neither stop,
+signal nor reconfigure the server, and that read its log and counters from their own starting
+point (``len(served.log())`` before, deltas of /stats or /metrics), never from the server's start.
 """
 
 from __future__ import annotations
@@ -60,11 +67,25 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
+def wait_healthy(served: Served, timeout: float = 180.0) -> None:
+    """Until ``served`` answers /health with 200 (fails the test if it exits or times out first)."""
+    deadline = time.monotonic() + timeout
+    while not _healthy(served.url):
+        if served.proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"astrai serve did not become healthy:\n{served.log()}")
+        time.sleep(0.05)  # poll often: the sooner a test starts, the shorter the suite
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGINT to every process still running, all at once (each drains in parallel), then kill the
+    ones that have not exited 30 s later."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
         proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 30
+    for proc in running:
         try:
-            proc.wait(30)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -93,15 +114,37 @@ class ServerStarter:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.procs.append(proc)
         served = Served(f"{scheme}://127.0.0.1:{port}", output, proc)
-        if not healthy:
-            return served
-        deadline = time.monotonic() + 180
-        while not _healthy(served.url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"astrai serve did not become healthy:\n{served.log()}")
-            time.sleep(0.25)
+        if healthy:
+            wait_healthy(served)
+        return served
+
+    def start_many(self, *flag_sets: tuple[str, ...]) -> list[Served]:
+        """One healthy server per flag set, started side by side (their start-ups overlap) for
+        tests that each need a private server of their own."""
+        started = [self.start(*flags, healthy=False) for flags in flag_sets]
+        for served in started:
+            wait_healthy(served)
+        return started
+
+    def close(self) -> None:
+        _stop(self.procs)
+
+
+class SharedServers:
+    """``get(*flags)``: one healthy ``astrai serve`` per distinct flags, started on first use and
+    then shared; ``close`` stops them all."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.starter = ServerStarter(tmp_path_factory)
+        self.served: dict[tuple[str, ...], Served] = {}
+
+    def get(self, *flags: str) -> Served:
+        served = self.served.get(flags)
+        if served is None or served.proc.poll() is not None:
+            served = self.served[flags] = self.starter.start(*flags)
         return served
 
     def close(self) -> None:
-        for proc in self.procs:
-            _stop(proc)
+        """Stop every server (a later ``get`` starts its flags' server anew)."""
+        self.starter.close()
+        self.served.clear()

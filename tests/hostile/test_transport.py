@@ -29,6 +29,14 @@ import pytest
 
 pytestmark = pytest.mark.slow  # the real default model, in a subprocess
 
+
+@pytest.fixture(scope="module")
+def server(start_server: Any) -> Any:
+    """This module's own default server (info logging), not the directory's shared one: /health's
+    100 ms and the resident memory are measured on a server that served nothing else."""
+    return start_server("--log-level", "info")
+
+
 CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
 LIMIT = 32 * 2**20  # the default --max-request-bytes
 USER = [{"role": "user", "content": "Say hi."}]

@@ -60,6 +60,14 @@ class Stream(threading.Thread):
         return [json.loads(x.removeprefix("data: ")) for x in self.lines if x.startswith("data: ") and x != "data: [DONE]"]
 
 
+@pytest.fixture(scope="module")
+def private(start_servers) -> dict[str, object]:
+    """One private server per test (each is signalled and exits), all started side by side up front."""
+    names = ("drains", "times_out", "second_signal")
+    flags = (("--shutdown-timeout", "120"), ("--shutdown-timeout", "1"), ("--shutdown-timeout", "120"))
+    return dict(zip(names, start_servers(*flags), strict=True))
+
+
 def _started(served, *streams: Stream) -> None:
     for s in streams:
         s.start()
@@ -68,8 +76,8 @@ def _started(served, *streams: Stream) -> None:
     time.sleep(0.3)  # some tokens in
 
 
-def test_sigterm_drains_new_requests_get_503_the_stream_completes_and_the_process_exits_0(start_server) -> None:
-    served = start_server("--shutdown-timeout", "120")
+def test_sigterm_drains_new_requests_get_503_the_stream_completes_and_the_process_exits_0(private) -> None:
+    served = private["drains"]
     stream = Stream(served.url, CHAT, chat(60))
     _started(served, stream)
     served.proc.send_signal(signal.SIGTERM)
@@ -92,8 +100,8 @@ def test_sigterm_drains_new_requests_get_503_the_stream_completes_and_the_proces
     assert "SIGTERM: draining" in log and "drained: shutting down" in log and "aborting" not in log
 
 
-def test_past_the_shutdown_timeout_streams_end_aborted_but_complete_and_the_process_exits_0(start_server) -> None:
-    served = start_server("--shutdown-timeout", "1")
+def test_past_the_shutdown_timeout_streams_end_aborted_but_complete_and_the_process_exits_0(private) -> None:
+    served = private["times_out"]
     openai_stream, anthropic_stream = Stream(served.url, CHAT, chat(900)), Stream(served.url, MESSAGES, message(900))
     _started(served, openai_stream, anthropic_stream)
     t0 = time.monotonic()
@@ -111,8 +119,8 @@ def test_past_the_shutdown_timeout_streams_end_aborted_but_complete_and_the_proc
     assert "shutdown timeout (1 s): aborting 2 requests" in served.log()
 
 
-def test_a_second_signal_exits_at_once(start_server) -> None:
-    served = start_server("--shutdown-timeout", "120")
+def test_a_second_signal_exits_at_once(private) -> None:
+    served = private["second_signal"]
     stream = Stream(served.url, CHAT, chat(900))
     _started(served, stream)
     served.proc.send_signal(signal.SIGTERM)

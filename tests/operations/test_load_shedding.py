@@ -43,8 +43,18 @@ async def flood(url: str, n: int) -> list[httpx.Response]:
 
 
 @pytest.fixture(scope="module")
-def bounded(start_server):
-    return start_server("--max-batch-size", "1", "--max-queued-requests", "2")
+def servers(start_servers) -> dict[str, object]:
+    """The module's three servers, started side by side up front; each serves only its own tests."""
+    return dict(zip(("bounded", "queue_timeout", "priority"), start_servers(
+        ("--max-batch-size", "1", "--max-queued-requests", "2"),
+        ("--max-batch-size", "1", "--queue-timeout", "0.5"),
+        ("--max-batch-size", "1", "--scheduling-policy", "priority"),
+    ), strict=True))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bounded(servers):
+    return servers["bounded"]
 
 
 def test_a_bounded_flood_gets_only_answers_and_protocol_shaped_refusals_and_leaves_nothing_held(bounded) -> None:
@@ -131,9 +141,9 @@ def _stream_lines(url: str, payload: dict) -> tuple[int, list[str], dict]:
 
 
 def test_a_request_past_the_queue_timeout_is_refused_streaming_or_not_and_the_running_one_completes(
-    start_server,
+    servers,
 ) -> None:
-    served = start_server("--max-batch-size", "1", "--queue-timeout", "0.5")
+    served = servers["queue_timeout"]
     results: dict[str, tuple] = {}
     occupant = threading.Thread(
         target=lambda: results.setdefault("occupant", _stream_lines(served.url, chat(100, stream=True)))
@@ -157,8 +167,8 @@ def test_a_request_past_the_queue_timeout_is_refused_streaming_or_not_and_the_ru
     assert served.wait_idle()["kv_tokens_in_use"] == 0
 
 
-def test_queued_requests_finish_in_priority_order(start_server) -> None:
-    served = start_server("--max-batch-size", "1", "--scheduling-policy", "priority")
+def test_queued_requests_finish_in_priority_order(servers) -> None:
+    served = servers["priority"]
     done: list[int] = []
     lock = threading.Lock()
 
