@@ -121,15 +121,15 @@ def test_from_model_loads_through_load_model(monkeypatch, tiny_model, tiny_token
 
     calls = []
 
-    def fake_load(name_or_path=None, dtype=None, device="cpu"):
-        calls.append((name_or_path, dtype, device))
+    def fake_load(name_or_path=None, dtype=None, device="cpu", weights="dense"):
+        calls.append((name_or_path, dtype, device, weights))
         return tiny_model, tiny_tokenizer
 
     monkeypatch.setattr(astrai.model, "load_model", fake_load)
     with InferenceEngine.from_model("tiny", dtype=torch.float32, config=EngineConfig(n_tokens=256)) as engine:
         pool_guard(engine.pool)
         assert engine.generate("hi", max_tokens=3) is not None
-    assert calls == [("tiny", torch.float32, "cpu")]
+    assert calls == [("tiny", torch.float32, "cpu", "dense")]
     assert not engine.is_healthy()
 
 

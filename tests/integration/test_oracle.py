@@ -54,12 +54,34 @@ def _greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tens
     return out, torch.stack(steps)
 
 
+@pytest.fixture(scope="module")
+def gguf_model(default_model_path):
+    """The default model in float32 with its GGUF blocks kept quantized (``weights="gguf"``)."""
+    from astrai.model import load_model, quantized_kernels
+
+    why = quantized_kernels("cpu", torch.float32)
+    if why is not None:
+        pytest.skip(why)
+    return load_model(str(default_model_path), dtype=torch.float32, weights="gguf")
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_and_logits_match_transformers(real_model, hf_oracle, prompt):
     """Our greedy continuation is the oracle's: at every step the oracle's argmax, given the
     same history, is the token we chose (teacher forcing: one oracle forward checks all
     steps, which is exactly greedy agreement), and the logits agree within LOGIT_ATOL."""
-    model, tokenizer = real_model
+    _check_against_oracle(real_model, hf_oracle, prompt)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_quantized_weights_match_transformers(gguf_model, hf_oracle, prompt):
+    """The same with the weights kept quantized: the kernels sum the dequantized products in
+    float32 (the scale factored out of each block), which only reorders the sums."""
+    _check_against_oracle(gguf_model, hf_oracle, prompt)
+
+
+def _check_against_oracle(model_and_tokenizer, hf_oracle, prompt: str) -> None:
+    model, tokenizer = model_and_tokenizer
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     tokens, logits = _greedy(model, prompt_ids, NEW_TOKENS)
     assert len(tokens) == NEW_TOKENS, "the model stopped early: pick a prompt with a longer answer"

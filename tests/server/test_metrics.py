@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from astrai.plugins import PluginManager
 from astrai.request import FinishedRequest
-from astrai_server.metrics import COUNTERS, GAUGES, HISTOGRAMS, PREEMPTIONS, ServerMetrics
+from astrai_server.metrics import COUNTERS, GAUGES, HISTOGRAMS, PREEMPTIONS, SPEC_COUNTERS, ServerMetrics
 
 KEY = "metrics-key-1"
 MODEL = "metrics-model"
@@ -123,6 +123,7 @@ def test_every_metric_is_documented_with_its_type() -> None:
     names = {name + "_total": "counter" for name, _ in COUNTERS.values()}
     names |= {name: "histogram" for name in HIST.values()} | {name: "gauge" for name in GAUGES}
     names |= {PREEMPTIONS[0] + "_total": "counter", "astrai:request_success_total": "counter"}
+    names |= {name + "_total": "counter" for name in SPEC_COUNTERS}
     names["astrai:requests_total"] = "counter"
     assert documented == names
 
@@ -167,7 +168,8 @@ def successes(snapshot: dict) -> float:
 
 @pytest.fixture(scope="module")
 def served(start_server: Any) -> Any:
-    return start_server("--api-key", KEY, "--served-model-name", MODEL)
+    """One server for the module, with n-gram speculation on (greedy output is the same with it)."""
+    return start_server("--api-key", KEY, "--served-model-name", MODEL, "--speculative", "ngram", "--ngram-max", "3")
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +285,18 @@ def test_openmetrics_exemplars_carry_the_request_id(served: Any, clients: Simple
     ids = {e.labels["request_id"] for e in latest.values()}
     assert len(ids) == 1, latest  # the request just served, in every histogram
     assert ids == {rid} and raw.headers["x-request-id"] == rid  # the client's X-Request-Id names the request
+
+
+def test_stats_and_metrics_count_the_speculative_drafts(served: Any) -> None:
+    text = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs."
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Repeat this text exactly: {text}"}],
+            "max_tokens": 24, "temperature": 0}  # fmt: skip
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 200
+    stats = httpx.get(served.url + "/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert stats["spec_drafts"] > 0 and 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
+    assert stats["spec_acceptance_rate"] == pytest.approx(stats["spec_accepted_tokens"] / stats["spec_draft_tokens"])
+    snap = samples(served.url)
+    assert get(snap, "astrai:spec_decode_num_drafts_total") == stats["spec_drafts"]
+    assert get(snap, "astrai:spec_decode_num_draft_tokens_total") == stats["spec_draft_tokens"]
+    assert get(snap, "astrai:spec_decode_num_accepted_tokens_total") == stats["spec_accepted_tokens"]

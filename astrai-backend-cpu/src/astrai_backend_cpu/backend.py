@@ -55,13 +55,24 @@ def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
     q_lens = torch.tensor(kv.q_lens_host) if kv.q_lens_host else kv.qo_indptr.diff().long()
     seq_lens = torch.tensor(kv.seq_lens_host) if kv.seq_lens_host else kv.seq_lens.long()
     starts, req_rows = kv.qo_indptr[:-1].long(), kv.req_pool_indices.long()
-    decode = q_lens == 1
-    pick = decode.nonzero()[:, 0]
+    # decode rows, and speculative verify rows (KVCache.drafts_host) token by token, each token over
+    # the positions up to its own: what decoding them one step at a time computes, bit for bit
+    short = q_lens == 1
+    if kv.drafts_host:
+        short |= torch.tensor(kv.drafts_host) > 0
+    n = q_lens[short]
+    total = int(n.sum())
+    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n, output_size=total)
+    tok_rows = torch.repeat_interleave(starts[short], n, output_size=total) + within
+    rows = torch.repeat_interleave(req_rows[short], n, output_size=total)
+    lens = torch.repeat_interleave((seq_lens - q_lens)[short], n, output_size=total) + within + 1
+    if bool(short.all()):  # every token, in order
+        return _CpuPlan(None, None, rows, lens, None)
     if not _prefill_kernel_runs(q, k_buf):
-        return _CpuPlan(plan_step(kv, q.dtype), starts[pick], req_rows[pick], seq_lens[pick], None)
-    other = (~decode).nonzero()[:, 0]
+        return _CpuPlan(plan_step(kv, q.dtype), tok_rows, rows, lens, None)
+    other = (~short).nonzero()[:, 0]
     chunks = (req_rows[other], starts[other], q_lens[other], (seq_lens - q_lens)[other])
-    return _CpuPlan(None, starts[pick], req_rows[pick], seq_lens[pick], chunks)
+    return _CpuPlan(None, tok_rows, rows, lens, chunks)
 
 
 class CpuBackend(TorchNativeBackend):

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "astrai_cpu_kernels"
 CACHE_ENV = "ASTRAI_CPU_CACHE"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "prefill.cpp", "fused.cpp", "linear.cpp", "decode_stack.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "prefill.cpp", "fused.cpp", "linear.cpp", "decode_stack.cpp", "quant.cpp")]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only
 # keeps infinities meaningful; -march=native: the cache is per CPU (see cache_dir).
 CXX_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]

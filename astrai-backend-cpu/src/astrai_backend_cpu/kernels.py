@@ -1,4 +1,4 @@
-"""The plugin's fused kernels for ``astrai.extension.fused``: rotary, the norms, ``linear``, ``decoder_layers``.
+"""The plugin's fused kernels for ``astrai.extension.fused``: rotary, the norms, ``linear``, ``decoder_layers``, ``quant_linear``.
 
 ``install(CpuBackend)`` puts them in place; ``CpuBackend.install`` calls it once per process,
 when the registry loads the backend.
@@ -42,6 +42,28 @@ class LinearKernel:
         return torch.ops.astrai_cpu.linear_packed(x, packed[0], packed[1], bias)
 
 
+class QuantLinearKernel:
+    """``astrai.extension.fused``'s ``quant_linear`` on ``astrai_cpu::quant_linear`` (see ``csrc/quant.cpp``).
+
+    ``max_rows``: bf16 inputs up to 64 rows (decode steps) run on the kernel, which reads the
+    quantized weight once per step; larger ones (prefill) dequantize the weight once and take
+    oneDNN's GEMM (AMX where the CPU has it), whose throughput the dot-product kernel does not reach.
+    """
+
+    max_rows = 64
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.astrai_cpu.quant_linear(x, packed, layout, bias)
+
+    @staticmethod
+    def weight_t(packed: torch.Tensor, layout: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.ops.astrai_cpu.quant_weight_t(packed, layout, dtype)
+
+    @staticmethod
+    def rows(packed: torch.Tensor, layout: list[int], ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.ops.astrai_cpu.quant_dequant(packed, layout, ids, dtype)
+
+
 _installed = False
 
 
@@ -66,3 +88,5 @@ def install(backend: type) -> None:
         linear = LinearKernel()
         register_kernel("linear", linear, "cpu")
         register_kernel("decoder_layers", DecoderLayersKernel(linear, backend), "cpu")  # on the same packed weights
+    if ops.has_quant_linear():
+        register_kernel("quant_linear", QuantLinearKernel(), "cpu")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from astrai.model.cpu_linear import PackedLinear
+from astrai.model.quant import QuantizedLinear
 
 if TYPE_CHECKING:
     from astrai.kvcache.cache import KVCache
@@ -66,12 +67,19 @@ class DecoderLayersKernel:
         spec = describe() if callable(describe) else None
         if spec is None:
             return None
-        if any(not isinstance(lin, PackedLinear) or lin.weight.dtype != torch.bfloat16 for lin in spec.linears):
-            return None
+        packed, layouts = [], []
+        for lin in spec.linears:
+            if isinstance(lin, PackedLinear) and lin.weight.dtype == torch.bfloat16:
+                packed.append(lin.packed_for(self._linear)[0])
+                layouts += [0] * 7
+            elif isinstance(lin, QuantizedLinear) and len(lin.layouts) == 1:  # one format: one kernel call
+                packed.append(lin.segments[0][0])
+                layouts += lin.layouts[0].ints()
+            else:
+                return None
         norms = [w.detach().to(torch.bfloat16).contiguous() for w in spec.norms]
-        packed = [lin.packed_for(self._linear)[0] for lin in spec.linears]
-        biases = [b.detach().contiguous() for b in spec.qkv_biases]
+        biases = [b.detach().to(torch.bfloat16).contiguous() for b in spec.qkv_biases]
         return torch.classes.astrai_cpu.DecodeStack(
             spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.intermediate_size, spec.eps, spec.scale,
-            norms, packed, biases,
+            norms, packed, biases, layouts,
         )  # fmt: skip

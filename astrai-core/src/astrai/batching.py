@@ -13,7 +13,11 @@
    cannot grow by a token the newest running request (of the lowest priority, when scheduling by
    priority, and of those preempted the fewest times) is preempted: its computed prefix is recorded, it requeues at the front and recomputes later
    without re-emitting text;
-4. prefill rows: chunks of prefilling requests, in order, under ``max_prefill_tokens``.
+4. prefill rows: chunks of prefilling requests, in order, under ``max_prefill_tokens``;
+5. drafts (with a ``proposer``, ``astrai.speculative``): a greedy decode row may bring the
+   tokens its n-gram proposer drafts after its own, on slots the pool has free (never evicting,
+   never preempting, after the prefill rows took theirs), when the step is worth verifying;
+   ``update`` keeps the drafts the model confirmed and gives back the slots of the others.
 
 All rows run as one ragged batch; only rows that need a next token are sampled, and rows whose
 request asked for prompt log-probs are scored at every position. Page arithmetic is the pool's
@@ -50,10 +54,12 @@ from typing import TYPE_CHECKING, Any
 from astrai.errors import CapacityExceeded
 from astrai.extension.backend.policy import AUTOMATIC, BackendChoice
 from astrai.request import FinishReason, Request
+from astrai.speculative import NgramState
 
 if TYPE_CHECKING:
     from astrai.kvcache import PagePool
     from astrai.logprobs import TokenLogprob
+    from astrai.speculative import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +77,9 @@ class StepPlan:
     ``scored[i]``: the row's request wants the log-probs of its prompt (empty: no row does).
     ``backend`` is the attention choice every row's request made. ``finished`` names the
     requests that ended and were released since the previous plan (their KV is free): the
-    caller delivers them. A plan without rows runs nothing.
+    caller delivers them. A plan without rows runs nothing. ``drafts[i]`` (empty: no row has
+    any): the last ``drafts[i]`` tokens of row ``i`` are speculative drafts after its one decode
+    token; such a row is sampled at each of its ``1 + drafts[i]`` positions (verification).
     """
 
     request_ids: tuple[str, ...] = ()
@@ -83,6 +91,7 @@ class StepPlan:
     scored: tuple[bool, ...] = ()
     backend: BackendChoice = AUTOMATIC
     finished: tuple[str, ...] = ()
+    drafts: tuple[int, ...] = ()
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -107,11 +116,13 @@ class BatchPolicy:
     preemption's first victim (under ``priority``: the newest of the lowest priority). The
     pool's ``max_batch_size`` bounds the batch; ``max_prefill_tokens`` the prefill tokens
     of one step. ``eos_token_ids`` end a request in ``update`` (unless it ignores EOS).
+    ``proposer``: speculative drafts for greedy decode rows (None: none).
     """
 
     def __init__(
-        self, pool: PagePool, max_prefill_tokens: int = 2048, eos_token_ids: Container[int] = (), priority: bool = False
-    ) -> None:
+        self, pool: PagePool, max_prefill_tokens: int = 2048, eos_token_ids: Container[int] = (), priority: bool = False,
+        proposer: NgramProposer | None = None,
+    ) -> None:  # fmt: skip
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.pool = pool
@@ -122,6 +133,9 @@ class BatchPolicy:
         self.running: list[Request] = []
         # admitted: requests admitted for the first time (a preempted one is not counted again)
         self.counters = {"total_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0, "max_preemptions": 0, "admitted": 0}
+        # speculative decoding: rows verified with drafts, draft tokens, drafts the model confirmed
+        self.counters.update(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
+        self.proposer = proposer
         self._free_epoch = 0  # bumped whenever pages are freed: a refused admission may now fit
         self.scheduled: list[Request] = []  # the requests of the last plan's rows, in order
         self.priority = priority
@@ -145,7 +159,11 @@ class BatchPolicy:
         self._refill()
         # decode rows are planned first: running requests grow by their one token (preempting if
         # they must) before prefill chunks take pages; both then run in the same forward.
-        rows = self._decode() + self._prefill()
+        decode = self._decode()
+        prefill = self._prefill()
+        decode_drafts = self._draft(decode, len(prefill))
+        rows = [(req, q + len(d), s) for (req, q, s), d in zip(decode, decode_drafts, strict=True)] + prefill
+        drafts = decode_drafts + [()] * len(prefill)
         if not rows:
             self._make_room()
         self.scheduled = reqs = [req for req, _, _ in rows]
@@ -155,10 +173,13 @@ class BatchPolicy:
             starts=tuple(r.num_computed for r in reqs),
             q_lens=tuple(q for _, q, _ in rows),
             sample=tuple(s for _, _, s in rows),
-            input_ids=tuple(chain.from_iterable(r.tokens[r.num_computed : r.num_computed + q] for r, q, _ in rows)),
+            input_ids=tuple(chain.from_iterable(
+                chain(r.tokens[r.num_computed : r.num_computed + q - len(d)], d) for (r, q, _), d in zip(rows, drafts, strict=True)
+            )),  # fmt: skip
             scored=tuple(_scores(r) for r in reqs) if any(r.params.prompt_logprobs is not None for r in reqs) else (),
             backend=(reqs[0].backend or AUTOMATIC) if reqs else AUTOMATIC,
             finished=tuple(r.request_id for r in finished),
+            drafts=tuple(map(len, drafts)) if any(drafts) else (),
         )
 
     def sampled(self, plan: StepPlan) -> list[Request]:
@@ -170,21 +191,49 @@ class BatchPolicy:
 
         ``logprobs``: per sampled row, its token's log-probs (empty: none asked). A prefill
         chunk's complete pages enter the radix at once (a sharer may be waiting for them).
-        A request whose decoder or stream callback raises fails alone.
+        A row with drafts gives its tokens as a sequence (the confirmed drafts, then the model's
+        own token): they are accepted in order until one ends the request, and the slots past the
+        last accepted one go back to the pool (``_accept_run``). A request whose decoder or
+        stream callback raises fails alone.
         """
         reqs = self.scheduled
-        for req, q in zip(reqs, plan.q_lens, strict=True):
-            req.num_computed += q
-            if q > 1:  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
+        drafts = plan.drafts or (0,) * len(reqs)
+        for req, q, d in zip(reqs, plan.q_lens, drafts, strict=True):
+            req.num_computed += q - d  # a row's drafts count once confirmed (_accept_run)
+            if q - d > 1:  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
                 self.pool.record(req.req_idx, req.tokens[: req.num_computed])
         sampled = self.sampled(plan)
         self.counters["total_tokens"] += len(sampled)
-        for req, token, lp in zip(sampled, next_ids, logprobs or [None] * len(sampled), strict=True):
+        sampled_drafts = [d for d, s in zip(drafts, plan.sample, strict=True) if s]
+        for req, token, lp, d in zip(sampled, next_ids, logprobs or [None] * len(sampled), sampled_drafts, strict=True):
             try:
-                req.accept(token, self.eos_token_ids, lp)
+                if d:
+                    self._accept_run(req, (token,) if isinstance(token, int) else token, d)
+                else:
+                    req.accept(token, self.eos_token_ids, lp)
             except Exception as exc:
                 logger.exception("request %s failed", req.request_id)
                 req.finish(FinishReason.ERROR, error=exc)
+
+    def _accept_run(self, req: Request, tokens: Sequence[int], drafted: int) -> None:
+        """Accept the tokens of a row that verified ``drafted`` drafts: ``tokens[:-1]`` are the drafts
+        the model confirmed (their KV is right), ``tokens[-1]`` the model's own next token. Stops
+        at the token that ends the request; the slots past its computed positions go back."""
+        counters = self.counters
+        counters["spec_drafts"] += 1
+        counters["spec_draft_tokens"] += drafted
+        counters["spec_accepted_tokens"] += len(tokens) - 1
+        self.proposer.observe(req.spec, drafted, len(tokens) - 1)
+        try:
+            for n, token in enumerate(tokens):
+                if n:  # the token before this one was a confirmed draft: its KV is computed
+                    req.num_computed += 1
+                    counters["total_tokens"] += 1
+                req.accept(token, self.eos_token_ids)
+                if req.finished:
+                    break
+        finally:  # the rejected drafts' positions (and pages only they used) go back; the radix never saw them
+            self.pool.truncate(req.req_idx, req.num_computed)
 
     def fail(self, plan: StepPlan, error: BaseException) -> None:
         """The step of ``plan`` failed: its requests end with ``error`` (released at the next cleanup)."""
@@ -266,6 +315,35 @@ class BatchPolicy:
             else:
                 rows.append((req, 1, True))
         return rows
+
+    def _draft(self, rows: list[tuple[Request, int, bool]], prefills: int) -> list[Sequence[int]]:
+        """Per decode row, the drafts it brings (empty: none), their slots taken: greedy rows only
+        (``_speculates``), no more than the request may still generate, on free slots, and only
+        when the step is worth verifying (``NgramProposer.worth``; with ``prefills`` prefill rows
+        the step leaves the pure-decode layout anyway)."""
+        out: list[Sequence[int]] = [()] * len(rows)
+        if self.proposer is None or not rows:
+            return out
+        proposer, pool, picked = self.proposer, self.pool, []
+        for i, (req, _, _) in enumerate(rows):
+            if not _speculates(req):
+                continue
+            limit = min(req.params.max_tokens - len(req.output_ids) - 1, pool.spare(req.req_idx))
+            if limit < 1:
+                continue
+            if req.spec is None:
+                req.spec = NgramState()
+            draft = proposer.propose(req.spec, req.tokens, limit)
+            if draft:
+                picked.append((i, draft))
+        if not picked or not proposer.worth(len(rows), [(rows[i][0].spec, len(d)) for i, d in picked], prefills > 0):
+            return out
+        for i, draft in picked:
+            req = rows[i][0]
+            draft = draft[: pool.spare(req.req_idx)]  # the free pages the rows before took
+            if draft and pool.extend(req.req_idx, req.num_computed + 1 + len(draft)):
+                out[i] = draft
+        return out
 
     def _prefill(self) -> list[tuple[Request, int, bool]]:
         """Chunks of prefilling requests, oldest first, under the ``max_prefill_tokens`` budget."""
@@ -370,6 +448,12 @@ class BatchPolicy:
             self.waiting.appendleft(req)
         self.counters["preemptions"] += 1
         self.counters["max_preemptions"] = max(self.counters["max_preemptions"], req.preemptions)
+
+
+def _speculates(req: Request) -> bool:
+    """Drafts are verified for ``req``: its next token is the argmax of the model's raw logits and
+    it asks for no log-probs, so the tokens a verification confirms are exactly decoding's."""
+    return req.params.plain_greedy and req.params.logprobs is None and req.matcher is None
 
 
 def _scores(req: Request) -> bool:

@@ -13,10 +13,12 @@ if TYPE_CHECKING:
 
     from astrai.model import ModelConfig
 
-__all__ = ["DEFAULT_KV_MEMORY_BYTES", "SCHEDULING_POLICIES", "EngineConfig"]
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS", "EngineConfig"]
 
 #: ``EngineConfig.scheduling_policy`` values.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+#: ``EngineConfig.speculative`` values (None: off).
+SPECULATIVE_METHODS = ("ngram",)
 
 #: KV budget of a paged pool when neither n_tokens nor kv_memory_bytes is given.
 DEFAULT_KV_MEMORY_BYTES = 512 * 2**20
@@ -41,6 +43,8 @@ class EngineConfig:
     ``submit(priority=)`` (lower first, then arrival) and preempts the lowest priority first.
     ``tensor_parallel_size`` > 1: ``InferenceEngine.from_model`` splits the model over that many
     ranks (``astrai.distributed``), whose collectives wait at most ``tp_timeout`` seconds.
+    ``speculative="ngram"``: greedy requests speculate up to ``num_speculative_tokens`` tokens
+    per step from their last ``ngram_min`` to ``ngram_max`` tokens (``astrai.speculative``).
     """
 
     max_batch_size: int = 64
@@ -61,6 +65,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority"
     tensor_parallel_size: int = 1  # ranks the model is split over (astrai.distributed); 1: this process alone
     tp_timeout: float = 300.0  # seconds a tensor-parallel collective may wait; idle ranks get a heartbeat
+    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding of greedy requests; None: off
+    num_speculative_tokens: int = 4  # drafts per request and step
+    ngram_min: int = 2  # shortest suffix matched against the request's earlier tokens
+    ngram_max: int = 4  # longest (tried first)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -71,6 +79,12 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.tp_timeout > 0:
             raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 15:  # astrai.speculative.MAX_SPECULATIVE_TOKENS
+            raise ValueError(f"num_speculative_tokens must be in [1, 15], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got ngram_min {self.ngram_min}, ngram_max {self.ngram_max}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
 

@@ -32,6 +32,7 @@ from astrai.request import FinishedRequest, Request
 from astrai.result import GenerateResult
 from astrai.sampling import SamplingParams, SamplingPipeline
 from astrai.scheduler import InferenceScheduler
+from astrai.speculative import NgramProposer
 from astrai.stopping import StopChecker
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class InferenceEngine:
             model, self.pool, self.config.max_prefill_tokens, eos, pipeline=self.pipeline,
             backend=self.config.attention_backend, on_finished=self._request_finished if self._hooks else None,
             max_queued=self.config.max_queued_requests, queue_timeout=self.config.queue_timeout,
-            priority=self.config.scheduling_policy == "priority",
+            priority=self.config.scheduling_policy == "priority", proposer=self._proposer(),
         )  # fmt: skip
         self.scheduler.start(warm_up=True)  # returns once a first forward has packed weights and built kernels
         self.plugins.notify("astrai_engine_started", engine=self)
@@ -111,14 +112,18 @@ class InferenceEngine:
         device: str | torch.device = "cpu",
         config: EngineConfig | None = None,
         plugins: PluginManager | None = None,
+        weights: str = "dense",
     ) -> InferenceEngine:
         """Load a model with ``astrai.model.load_model`` and start an engine on it; with
         ``config.tensor_parallel_size`` > 1, split over that many ranks (``astrai.distributed``:
-        TPConfigError names the valid sizes)."""
+        TPConfigError names the valid sizes). ``weights``: ``load_model``'s (tensor parallel
+        shards dense weights: "gguf" is refused there)."""
         from astrai.model import default_dtype, load_model
 
         size = config.tensor_parallel_size if config is not None else 1
         if size > 1:
+            if weights == "gguf":
+                raise ValueError("--weights gguf: tensor parallelism shards dense weights (use --weights dense or auto)")
             from astrai.distributed.launch import load_tensor_parallel
 
             model, tokenizer = load_tensor_parallel(name_or_path, dtype or default_dtype(device), device, size, config.tp_timeout)
@@ -127,8 +132,13 @@ class InferenceEngine:
             except BaseException:
                 model.close()
                 raise
-        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
+        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, weights=weights)
         return cls(model, tokenizer, config, plugins)
+
+    def _proposer(self) -> NgramProposer | None:
+        """The speculative drafter ``config.speculative`` names (None: speculation is off)."""
+        c = self.config
+        return NgramProposer(c.num_speculative_tokens, c.ngram_min, c.ngram_max) if c.speculative == "ngram" else None
 
     @property
     def context_limit(self) -> int:
@@ -218,8 +228,10 @@ class InferenceEngine:
 
     def get_stats(self) -> dict:
         """total_tasks, total_tokens (generated), active_tasks, waiting_queue, kv_tokens_total,
-        kv_tokens_in_use, kv_tokens_cached, prefix_hit_tokens, preemptions, max_preemptions (as of the
-        last step)."""
+        kv_tokens_in_use, kv_tokens_cached, prefix_hit_tokens, preemptions, max_preemptions, and
+        speculative decoding's spec_drafts (rows verified with drafts), spec_draft_tokens,
+        spec_accepted_tokens, spec_acceptance_rate (accepted / drafted) and spec_accepted_per_step
+        (accepted per row verified), as of the last step."""
         return self.scheduler.stats()
 
     def is_healthy(self) -> bool:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from astrai.grammar import GrammarMatcher
     from astrai.logprobs import TokenLogprob
     from astrai.sampling import SamplingParams
+    from astrai.speculative import NgramState
     from astrai.stopping import StopChecker
 
 
@@ -80,6 +81,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     matcher: GrammarMatcher | None = None  # constrained decoding: where the output is in its grammar
+    spec: NgramState | None = None  # speculative decoding: the proposer's lookup table (made at its first draft)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -6,9 +6,15 @@ it prepare (``astrai.extension.bind_step``), runs the model and samples the rows
 next token, all at once; the log-probs of the rows that asked come from the same logits
 (``astrai.logprobs``). ``run`` does the same but isolates a failure: when the batched forward
 or the batched sampling raises, the rows are retried in halves until each failure is one
-row's own (``run_apart``), so only that row fails. ``warm_up`` runs two tiny steps on a
-scratch pool before the first request. Runs on the scheduler thread (see
+row's own (``run_apart``), so only that row fails. A row with speculative drafts
+(``StepPlan.drafts``) is sampled at each of its positions and verified (``_verify``): its
+drafts are confirmed while each equals the model's greedy token at the position before it, and
+the model's token at the first mismatch (or after the last draft) follows them. ``warm_up`` runs
+two tiny steps on a scratch pool before the first request. Runs on the scheduler thread (see
 ``astrai.cpu_tuning`` for why the model does).
+
+Over 300 lines because verification belongs with the forward that lays out the draft
+positions and the failure isolation that must keep each row's positions together.
 """
 
 from __future__ import annotations
@@ -61,8 +67,11 @@ class ModelRunner:
 
         ``rows``: the requests of every row, needed when ``plan.scored``: the prompt log-probs of
         the positions a scored row computes are appended to its ``Request.prompt_logprobs``.
+        A row with drafts gives its tokens as a list (see ``_verify``).
         """
-        return self.sample(self.forward(plan, rows), sampled)
+        logits, n = self.forward(plan, rows), len(sampled)
+        ids, logprobs = self.sample(logits[:n] if n else None, sampled)
+        return self._verify(plan, [i for i, s in enumerate(plan.sample) if s], ids, logits[n:] if n else None), logprobs
 
     def run(
         self, plan: StepPlan, rows: Sequence[Request]
@@ -77,7 +86,8 @@ class ModelRunner:
         row fails only if it fails alone. When the batched sampling raises, the same happens on
         the computed logits, without running the model again. A failure that does not come back
         in the halves (a transient one) fails nobody. ``EngineNotReady`` from the model (a lost
-        tensor-parallel rank) is raised as it is: no step can run.
+        tensor-parallel rank) is raised as it is: no step can run. A row with drafts gives its
+        tokens as a list: the confirmed drafts, then the model's own (``_verify``).
         """
         sampled = [i for i, s in enumerate(plan.sample) if s]
         try:
@@ -88,14 +98,19 @@ class ModelRunner:
             logits, failed = self._forward_apart(plan, rows, exc)
             sampled = [i for i in sampled if i not in failed]
         reqs = [rows[i] for i in sampled]
+        main, extra = (logits[: len(reqs)], logits[len(reqs) :]) if logits is not None else (None, None)
         try:
-            ids, logprobs = self.sample(logits, reqs)
-            return ids, logprobs or [None] * len(ids), failed
+            ids, logprobs = self.sample(main, reqs)
+            return self._verify(plan, sampled, ids, extra), logprobs or [None] * len(ids), failed
         except Exception as exc:
-            drawn, lost = self._sample_apart(logits, reqs, exc)
+            drawn, lost = self._sample_apart(main, reqs, exc)
         failed.update((sampled[j], err) for j, err in lost.items())
-        kept = [drawn[j] for j in range(len(reqs)) if j not in lost]
-        return [t for t, _ in kept], [lp for _, lp in kept], failed
+        kept = [j for j in range(len(reqs)) if j not in lost]
+        if plan.drafts and lost:  # the verified positions of the rows that failed in sampling are left out
+            parts = [e for j, e in enumerate(_split_drafts(plan, sampled, extra)) if j not in lost]
+            extra = torch.cat(parts) if parts else None
+        ids = self._verify(plan, [sampled[j] for j in kept], [drawn[j][0] for j in kept], extra)
+        return ids, [drawn[j][1] for j in kept], failed
 
     def _forward_apart(
         self, plan: StepPlan, rows: Sequence[Request], error: Exception
@@ -106,14 +121,20 @@ class ModelRunner:
             logger.warning("a step of %d rows raised %r: running its rows apart to find the cause", len(rows), error)
 
         def compute(part: list[int]) -> dict[int, torch.Tensor | None]:
-            out = self.forward(plan_rows(plan, part), [rows[i] for i in part] if plan.scored else ())
+            sub = plan_rows(plan, part)
+            out = self.forward(sub, [rows[i] for i in part] if plan.scored else ())
             got: dict[int, torch.Tensor | None] = dict.fromkeys(part)
-            got.update(zip([i for i in part if plan.sample[i]], out, strict=True))
+            picked = [i for i in part if plan.sample[i]]
+            if not sub.drafts:
+                got.update(zip(picked, out.unsqueeze(1), strict=True))
+                return got
+            extra = _split_drafts(sub, [j for j, s in enumerate(sub.sample) if s], out[len(picked) :])
+            got.update((i, torch.cat([out[j : j + 1], e])) for j, (i, e) in enumerate(zip(picked, extra, strict=True)))
             return got
 
         by_row, failed = run_apart(list(range(len(rows))), compute, error)
-        kept = [by_row[i] for i, s in enumerate(plan.sample) if s and i not in failed]
-        return (torch.stack(kept) if kept else None), failed
+        kept = [by_row[i] for i, s in enumerate(plan.sample) if s and i not in failed]  # [1 + drafts, vocab] each
+        return (torch.cat([k[:1] for k in kept] + [k[1:] for k in kept]) if kept else None), failed
 
     def _sample_apart(
         self, logits: torch.Tensor, sampled: Sequence[Request], error: Exception
@@ -133,7 +154,8 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan, rows: Sequence[Request] = ()) -> torch.Tensor:
         """Run ``plan``'s rows as one forward: the logits ``[number of sampled rows, vocab]`` of the
-        rows that sample, in row order. ``rows`` as for :meth:`execute` (prompt log-probs)."""
+        rows that sample, in row order (a row with drafts: at its decode token), then those of each
+        draft position, in row order. ``rows`` as for :meth:`execute` (prompt log-probs)."""
         device = self.pool.device
         if plan.is_decode:  # one token per row: host lists are cheaper than the general layout
             host = torch.tensor([plan.input_ids, plan.starts])
@@ -146,11 +168,17 @@ class ModelRunner:
             t = plan.num_tokens
             ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=device)
             positions = (torch.arange(t) + torch.repeat_interleave(starts - (ends - q_t), q_t, output_size=t)).to(device)
-            logits_indices = (ends - 1)[torch.tensor(plan.sample, dtype=torch.bool)].to(device)
+            sample = torch.tensor(plan.sample, dtype=torch.bool)
+            if plan.drafts:  # each sampled row's decode token first, then every draft position, in row order
+                d_t = torch.tensor(plan.drafts, dtype=torch.int64)
+                logits_indices = torch.cat([(ends - 1 - d_t)[sample], _draft_positions(ends, d_t)]).to(device)
+            else:
+                logits_indices = (ends - 1)[sample].to(device)
         scoring = self._scoring(plan, rows) if any(plan.scored) else None
         if scoring is not None:
             logits_indices = torch.cat([scoring[0].to(device), logits_indices])
         kv = self.pool.bind_tasks(plan.req_indices, plan.q_lens, plan.seq_lens)
+        kv.drafts_host = plan.drafts
         self.bind(kv, plan.backend)
         logits = self.model(ids, positions, kv, logits_indices)
         if scoring is not None:
@@ -178,6 +206,38 @@ class ModelRunner:
         if not owners:
             return None
         return torch.tensor(indices, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), owners
+
+    @staticmethod
+    def _verify(
+        plan: StepPlan, sampled: Sequence[int], ids: list[int], extra: torch.Tensor | None
+    ) -> list[int | list[int]]:
+        """``ids`` (the tokens sampled for rows ``sampled`` of ``plan``) with each row that has drafts
+        given its tokens instead: the drafts the model confirms, then the model's own next token.
+
+        ``extra`` holds the logits of those rows' draft positions, in row order. Only greedy rows
+        draft (``astrai.batching``): the model's token at each position is the argmax, and draft
+        ``m`` is confirmed while it equals the token the model gives at the position before it
+        (drafts ``0 .. m - 1`` confirmed), the rule of vLLM's and SGLang's greedy verification.
+        """
+        if not plan.drafts or extra is None or not extra.shape[0]:
+            return ids
+        d = torch.tensor([plan.drafts[i] for i in sampled], dtype=torch.int64)
+        has = d > 0
+        rows, lens = has.nonzero()[:, 0], d[has]
+        ends = torch.cumsum(torch.tensor(plan.q_lens, dtype=torch.int64), 0)[torch.tensor(sampled, dtype=torch.int64)]
+        drafted = torch.tensor(plan.input_ids, dtype=torch.int64)[_draft_positions(ends[has], lens)]
+        width = int(lens.max())
+        inside = torch.arange(width) < lens.unsqueeze(1)
+        proposed = torch.full((len(lens), width), -1, dtype=torch.int64)
+        proposed[inside] = drafted
+        model = torch.full((len(lens), width + 1), -2, dtype=torch.int64)  # the model's token at each position
+        model[:, 0] = torch.tensor(ids, dtype=torch.int64)[rows]
+        model[:, 1:][inside] = extra.argmax(dim=-1).cpu()
+        confirmed = (model[:, :width] == proposed).cumprod(dim=1).sum(dim=1)
+        out: list[int | list[int]] = list(ids)
+        for row, n, tokens in zip(rows.tolist(), confirmed.tolist(), model.tolist(), strict=True):
+            out[row] = tokens[: n + 1]
+        return out
 
     def bind(self, kv: KVCache, choice: BackendChoice) -> None:
         """The step's attention backend for ``choice``, resolved once and prepared (``kv.backend``)."""
@@ -258,6 +318,19 @@ class ModelRunner:
             logger.warning("warm-up forward failed (requests will report the error)", exc_info=True)
 
 
+def _draft_positions(ends: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Flat token indices of the draft tokens of rows ending at ``ends`` (exclusive) with ``drafts``
+    drafts each (the last ones of each row), in row order."""
+    n = int(drafts.sum())
+    first = torch.repeat_interleave(ends - drafts, drafts, output_size=n)
+    return first + torch.arange(n) - torch.repeat_interleave(torch.cumsum(drafts, 0) - drafts, drafts, output_size=n)
+
+
+def _split_drafts(plan: StepPlan, sampled: Sequence[int], extra: torch.Tensor) -> list[torch.Tensor]:
+    """``extra`` (the draft positions' logits of rows ``sampled``, in row order) cut per row."""
+    return list(extra.split([plan.drafts[i] if plan.drafts else 0 for i in sampled]))
+
+
 def plan_rows(plan: StepPlan, keep: Sequence[int]) -> StepPlan:
     """The plan of the rows ``keep`` (ascending indices) of ``plan``: the same tokens at the same
     positions, nothing ``finished``."""
@@ -270,6 +343,7 @@ def plan_rows(plan: StepPlan, keep: Sequence[int]) -> StepPlan:
         plan, request_ids=pick(plan.request_ids), req_indices=pick(plan.req_indices), starts=pick(plan.starts),
         q_lens=pick(plan.q_lens), sample=pick(plan.sample), scored=pick(plan.scored) if plan.scored else (),
         input_ids=tuple(chain.from_iterable(plan.input_ids[ends[i] : ends[i + 1]] for i in keep)), finished=(),
+        drafts=pick(plan.drafts) if plan.drafts and any(plan.drafts[i] for i in keep) else (),
     )  # fmt: skip
 
 

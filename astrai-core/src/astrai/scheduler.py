@@ -31,6 +31,7 @@ from astrai.extension.backend.policy import requested_backend
 from astrai.request import FinishReason, Request
 from astrai.runner import ModelRunner, plan_rows
 from astrai.sampling import SamplingPipeline
+from astrai.speculative import NgramProposer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -60,6 +61,8 @@ class InferenceScheduler:
     first admission; a request that waited ``queue_timeout`` seconds without one ends with
     ``Overloaded``. ``priority``: the policy orders by ``Request.priority``; without it a
     request that sets one is refused (as vLLM does under fcfs).
+
+    ``proposer``: n-gram speculative decoding for greedy requests (``astrai.speculative``; None: off).
     """
 
     def __init__(
@@ -74,9 +77,10 @@ class InferenceScheduler:
         max_queued: int | None = None,
         queue_timeout: float | None = None,
         priority: bool = False,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.pool = pool
-        self.policy = BatchPolicy(pool, max_prefill_tokens, frozenset(eos_token_ids), priority=priority)
+        self.policy = BatchPolicy(pool, max_prefill_tokens, frozenset(eos_token_ids), priority=priority, proposer=proposer)
         self.max_queued, self.queue_timeout = max_queued, queue_timeout
         self.runner = ModelRunner(model, pool, pipeline, self.policy.eos_token_ids)
         self.backend = backend  # attention backend for requests that did not choose one
@@ -325,6 +329,7 @@ class InferenceScheduler:
 
     def _publish_stats(self) -> None:
         counters = self.policy.counters
+        drafted, accepted = counters["spec_draft_tokens"], counters["spec_accepted_tokens"]
         self._stats = {
             "total_tokens": counters["total_tokens"],
             "active_tasks": len(self.policy.running),
@@ -333,4 +338,9 @@ class InferenceScheduler:
             "prefix_hit_tokens": counters["prefix_hit_tokens"],
             "preemptions": counters["preemptions"],
             "max_preemptions": counters["max_preemptions"],
+            "spec_drafts": counters["spec_drafts"],
+            "spec_draft_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_accepted_per_step": accepted / counters["spec_drafts"] if counters["spec_drafts"] else 0.0,
         }

@@ -42,6 +42,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "served_model_name", "model name reported by /v1/models")
     _flag(p, "device", "torch device")
     _flag(p, "dtype", "weights and KV dtype; default: bf16 where native, else float32", choices=["float32", "bfloat16", "float16"])
+    _flag(p, "weights", "a GGUF file's quantized weights: kept quantized (gguf), dequantized into --dtype (dense), or auto", choices=["auto", "gguf", "dense"])
     _flag(p, "attention_backend", "attention backend entry point, strict for every request (beats ASTR_BACKEND)")
     _flag(p, "max_batch_size", "concurrent requests", type=int)
     _flag(p, "max_seq_len", "context per request; default: the model's", type=int)
@@ -55,6 +56,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "queue_timeout", "seconds a request may wait for admission before it is refused like a full queue", type=float)
     _flag(p, "scheduling_policy", "admission order: fcfs, or priority (the request's priority field, smaller first)",
           choices=["fcfs", "priority"])  # fmt: skip
+    _flag(p, "speculative", "speculative decoding of greedy requests: ngram (prompt lookup); default: off", choices=["ngram"])
+    _flag(p, "num_speculative_tokens", "with --speculative: drafts per request and step, 1 to 15", type=int)
+    _flag(p, "ngram_min", "with --speculative ngram: shortest suffix n-gram looked up in the request's tokens", type=int)
+    _flag(p, "ngram_max", "with --speculative ngram: longest suffix n-gram, tried first (>= --ngram-min)", type=int)
     _flag(p, "shutdown_timeout", "seconds requests in flight may take to finish after SIGTERM/SIGINT", type=float)
     _flag(p, "tensor_parallel_size", "split the model over this many ranks (worker processes, or torchrun's)", type=int)
     _flag(p, "tp_timeout", "seconds a tensor-parallel collective may wait (idle ranks get a heartbeat)", type=float)
@@ -112,7 +117,8 @@ def _load_engine(settings: ServerSettings, app: Any, pm: PluginManager) -> None:
     try:
         dtype = getattr(torch, settings.dtype) if settings.dtype else None
         engine = InferenceEngine.from_model(
-            settings.model, dtype=dtype, device=settings.device, config=settings.engine_config(), plugins=pm
+            settings.model, dtype=dtype, device=settings.device, config=settings.engine_config(), plugins=pm,
+            weights=settings.weights,
         )
     except Exception:
         logger.exception("loading the model failed; /health stays 503")

@@ -65,6 +65,7 @@ class ServerSettings(BaseModel):
     served_model_name: str = "astrai"  # the name /v1/models lists
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: astrai.model.default_dtype
+    weights: Literal["auto", "gguf", "dense"] = "dense"  # a GGUF file's quantized weights: kept (gguf) or dequantized
     attention_backend: str | None = None  # an astrai.attention_backends entry point: EngineConfig.attention_backend
     max_batch_size: int = Field(64, ge=1)
     max_seq_len: int | None = Field(None, ge=2)  # None: the model's context length
@@ -77,6 +78,10 @@ class ServerSettings(BaseModel):
     max_queued_requests: int | None = Field(None, ge=1)  # requests waiting for admission; beyond: 429 (None: no limit)
     queue_timeout: float | None = Field(None, gt=0)  # seconds a request may wait for admission; then 429
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # "priority": the body's priority field orders requests
+    speculative: Literal["ngram"] | None = None  # "ngram": prompt-lookup speculative decoding of greedy requests
+    num_speculative_tokens: int = Field(4, ge=1, le=15)  # drafts per request and step
+    ngram_min: int = Field(2, ge=1)  # shortest suffix n-gram matched against the request's earlier tokens
+    ngram_max: int = Field(4, ge=1)  # longest (tried first); >= ngram_min
     shutdown_timeout: float = Field(20.0, ge=0)  # seconds requests in flight get after SIGTERM; then they are aborted
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split over (astrai.distributed)
     tp_timeout: float = Field(300.0, gt=0)  # seconds a tensor-parallel collective may wait
@@ -103,6 +108,21 @@ class ServerSettings(BaseModel):
     @classmethod
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_bytes(value)
+
+    @field_validator("ngram_max")
+    @classmethod
+    def _ngram(cls, value: int, info: Any) -> int:
+        low = info.data.get("ngram_min")
+        if low is not None and value < low:
+            raise ValueError(f"ngram_max must be >= ngram_min ({low})")
+        return value
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp_weights(cls, value: int, info: Any) -> int:
+        if value > 1 and info.data.get("weights") == "gguf":
+            raise ValueError("tensor parallelism shards dense weights: --weights gguf needs --tensor-parallel-size 1")
+        return value
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -136,7 +156,8 @@ class ServerSettings(BaseModel):
             sampling=dict(self.sampling), plugin_options=dict(self.plugin_options),
             max_queued_requests=self.max_queued_requests, queue_timeout=self.queue_timeout,
             scheduling_policy=self.scheduling_policy, tensor_parallel_size=self.tensor_parallel_size,
-            tp_timeout=self.tp_timeout,
+            tp_timeout=self.tp_timeout, speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+            ngram_min=self.ngram_min, ngram_max=self.ngram_max,
         )  # fmt: skip
 
 

@@ -10,7 +10,8 @@ Two sources, neither on the scheduler's hot path:
   its manager implements it): the engine builds its hook thread at construction or never;
 - per scrape, the engine's published stats snapshot (``engine.get_stats()``, taken by the loop
   after its last step, read from ``app.state.engine`` when the scrape arrives): running and
-  waiting requests, KV pool usage, preemptions. Absent until the engine exists.
+  waiting requests, KV pool usage, preemptions, speculative decoding's drafts. Absent until the
+  engine exists.
 
 ``astrai:requests_total`` by protocol is counted by the app when a generation request arrives.
 Every series carries ``model_name`` (the served model name). Names follow vLLM's (``vllm:`` ->
@@ -111,6 +112,12 @@ PREEMPTIONS = (
     "astrai:num_preemptions",
     "Times a running request was preempted (KV freed, recomputed later).",
 )
+#: Speculative decoding's counters, from the engine's stats: name -> (help, its ``get_stats()`` key).
+SPEC_COUNTERS = {
+    "astrai:spec_decode_num_drafts": ("Decode rows verified with speculative drafts.", "spec_drafts"),
+    "astrai:spec_decode_num_draft_tokens": ("Speculative draft tokens verified.", "spec_draft_tokens"),
+    "astrai:spec_decode_num_accepted_tokens": ("Speculative draft tokens the model confirmed.", "spec_accepted_tokens"),
+}
 
 
 class ServerMetrics:
@@ -210,3 +217,8 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(*PREEMPTIONS, labels=["model_name"])
             counter.add_metric(labels, stats["preemptions"])
             yield counter
+        for name, (doc, key) in SPEC_COUNTERS.items():
+            if key in stats:
+                counter = CounterMetricFamily(name, doc, labels=["model_name"])
+                counter.add_metric(labels, stats[key])
+                yield counter

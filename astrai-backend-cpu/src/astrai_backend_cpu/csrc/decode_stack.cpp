@@ -8,7 +8,8 @@
 // ATen, in the order and with the roundings of the Python layers (astrai.model.llama), so the
 // result is bit for bit the layer-by-layer one on the same kernels.
 //
-// Built once per model from its weights (the linears already packed for linear_packed), then
+// Built once per model from its weights (the linears already packed for linear_packed, or GGUF
+// weights kept quantized, for quant_linear), then
 // called once per decode step with the step's pool view. The GIL is released for the call.
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -39,13 +40,22 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<at::Tensor> norms;   // 2 per layer: input norm, post-attention norm, [hidden] bf16
   std::vector<at::Tensor> packed;  // 4 per layer, linear_pack layout: qkv, o, gate_up, down
   std::vector<at::Tensor> qkv_bias;  // none, or 1 per layer [(Hq + 2 Hkv) D] bf16
+  // per packed weight, 7 integers: zeros for the linear_pack layout, else the quant_linear layout
+  // (quant.cpp: n, k, bits, group, has_min, f16_scales, signed) of GGUF weights kept quantized
+  std::vector<std::vector<int64_t>> layouts;
 
   DecodeStack(int64_t n_heads_, int64_t n_kv_heads_, int64_t head_dim_, int64_t intermediate_, double eps_,
               double scale_, std::vector<at::Tensor> norms_, std::vector<at::Tensor> packed_,
-              std::vector<at::Tensor> qkv_bias_)
+              std::vector<at::Tensor> qkv_bias_, std::vector<int64_t> layouts_)
       : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(head_dim_), intermediate(intermediate_),
         n_layers(static_cast<int64_t>(norms_.size()) / 2), eps(eps_), scale(scale_), norms(std::move(norms_)),
         packed(std::move(packed_)), qkv_bias(std::move(qkv_bias_)) {
+    TORCH_CHECK(layouts_.empty() || layouts_.size() == 7 * packed.size(),
+                "DecodeStack: no layouts, or 7 integers per packed weight");
+    for (size_t i = 0; i < packed.size(); ++i) {
+      layouts.emplace_back(layouts_.empty() ? std::vector<int64_t>(7, 0)
+                                            : std::vector<int64_t>(layouts_.begin() + 7 * i, layouts_.begin() + 7 * i + 7));
+    }
     TORCH_CHECK(has_linear_packed(), "DecodeStack: built without AVX512-BF16 (no linear_packed)");
     TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
                 "DecodeStack: n_heads must be a multiple of n_kv_heads and head_dim even");
@@ -64,6 +74,14 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   int64_t hidden() const { return norms.front().size(0); }
+
+  // packed weight i applied to x: linear_packed, or quant_linear for a quantized one
+  at::Tensor linear(size_t i, const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias) const {
+    if (layouts[i][0] == 0) {
+      return traced("astrai_cpu::linear_packed", [&] { return linear_packed(x, packed[i], n, bias); });
+    }
+    return traced("astrai_cpu::quant_linear", [&] { return quant_linear(x, packed[i], layouts[i], bias); });
+  }
   int64_t qkv_width() const { return (n_heads + 2 * n_kv_heads) * head_dim; }
 
   // x [B, hidden] bf16 (the embeddings of the step's tokens) -> the hidden states after the last
@@ -90,11 +108,11 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     x = x.contiguous();
     for (int64_t l = 0; l < n_layers; ++l) {
-      const at::Tensor* w = packed.data() + 4 * l;
+      const size_t w = 4 * l;
       const c10::optional<at::Tensor> bias = qkv_bias.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_bias[l]);
       // attention: norm, QKV, RoPE on q|k, this step's K/V into the pool, paged decode, output projection
       const at::Tensor normed = traced("astrai_cpu::rms_norm", [&] { return rms_norm(x, norms[2 * l], eps); });
-      const at::Tensor qkv = traced("astrai_cpu::linear_packed", [&] { return linear_packed(normed, w[0], width, bias); });
+      const at::Tensor qkv = linear(w, normed, width, bias);
       const at::Tensor qk = traced("astrai_cpu::rotary", [&] { return rotary(qkv.narrow(1, 0, n_qk).view({B, Hq + Hkv, D}), freqs); });
       const at::Tensor k_buf = k_buffer.select(0, l), v_buf = v_buffer.select(0, l);
       auto* kp = static_cast<at::BFloat16*>(k_buf.data_ptr());
@@ -108,12 +126,12 @@ struct DecodeStack : torch::CustomClassHolder {
       const at::Tensor o = traced("astrai_cpu::paged_decode", [&] {
         return paged_decode(qk.narrow(1, 0, Hq).contiguous(), k_buf, v_buf, req_to_token, rows, seq_lens, scale);
       });
-      const at::Tensor attn = traced("astrai_cpu::linear_packed", [&] { return linear_packed(o.view({B, Hq * D}), w[1], hidden(), c10::nullopt); });
+      const at::Tensor attn = linear(w + 1, o.view({B, Hq * D}), hidden(), c10::nullopt);
       // residual add fused with the next norm; SwiGLU MLP; residual add
       const auto [sum, h] = traced("astrai_cpu::add_rms_norm", [&] { return add_rms_norm(x, attn, norms[2 * l + 1], eps); });
-      const at::Tensor gate_up = traced("astrai_cpu::linear_packed", [&] { return linear_packed(h, w[2], 2 * I, c10::nullopt); });
+      const at::Tensor gate_up = linear(w + 2, h, 2 * I, c10::nullopt);
       const at::Tensor act = at::mul(at::silu(gate_up.narrow(1, 0, I)), gate_up.narrow(1, I, I));
-      x = at::add(sum, traced("astrai_cpu::linear_packed", [&] { return linear_packed(act, w[3], hidden(), c10::nullopt); }));
+      x = at::add(sum, linear(w + 3, act, hidden(), c10::nullopt));
     }
     return x;
   }
@@ -125,6 +143,6 @@ struct DecodeStack : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.class_<astrai_cpu::DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward", &astrai_cpu::DecodeStack::forward);
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace astrai_cpu {
 
@@ -21,6 +22,11 @@ bool has_linear_packed();
 at::Tensor linear_pack(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias);
+
+// quant.cpp
+bool has_quant_linear();
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                        const c10::optional<at::Tensor>& bias);
 
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,

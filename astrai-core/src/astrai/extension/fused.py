@@ -27,7 +27,13 @@ import torch.nn.functional as F
 #: the step's K/V as they would) and returns the hidden states after the last one, or returns
 #: ``None`` without side effects when it cannot run this model or step (the model then runs its
 #: layers one by one). Its result must be the layers' own on the same kernels.
-OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers")
+#: ``quant_linear`` runs ``QuantizedLinear`` (astrai.model.quant: GGUF weights kept in its tile
+#: layout): ``__call__(x, packed, layout, bias)`` for bf16 or float32 rows ``x [M, K]`` (the
+#: dequantized weight's product, summed in float32, the bias added, one rounding); ``max_rows``:
+#: the most bf16 rows it takes (more go to ``weight_t(packed, layout, dtype)``, the weight
+#: dequantized and transposed ``[K, N]``, and oneDNN's GEMM); ``rows(packed, layout, ids, dtype)``:
+#: rows of the weight dequantized (embedding lookups).
+OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
 
 _table: dict[tuple[str, str], Callable] = {}
 

@@ -52,6 +52,9 @@ class KVCache:
     num_tokens: int = 0  # T
     q_lens_host: tuple[int, ...] = ()  # per-request q_len
     seq_lens_host: tuple[int, ...] = ()  # per-request seq_len
+    # per-request speculative drafts (``StepPlan.drafts``; empty: none): a row with drafts is a
+    # decode token and its drafts, whose logits must be what decoding them one by one gives
+    drafts_host: tuple[int, ...] = ()
     # Slots come in aligned runs of page_size: positions [j*page_size, (j+1)*page_size) of a
     # request sit in slots [p*page_size, (p+1)*page_size), in order. The pool's page size in
     # paged mode, max_seq_len in contiguous mode; 1 promises nothing.

@@ -1,4 +1,8 @@
-"""PagePool: the KV system's top-level manager (storage, req_to_token, allocator, radix)."""
+"""PagePool: the KV system's top-level manager (storage, req_to_token, allocator, radix).
+
+Over 300 lines because every change to a request's positions (admission, growth, speculative
+drafts rolled back, release) goes through the one class that keeps them consistent.
+"""
 
 from __future__ import annotations
 
@@ -180,6 +184,33 @@ class PagePool:
                 self.req_to_token_pool.append_pages(req_idx, self.allocator.alloc(need), self.page_size)
         lens[req_idx] = new_len
         return True
+
+    def spare(self, req_idx: int) -> int:
+        """Positions the request could gain now without evicting cached pages: the rest of its last
+        page and the free pages (contiguous: up to ``max_seq_len``)."""
+        have = self.req_len(req_idx)
+        if not self.paged:
+            return self.max_ctx_len - have
+        return min(self.round_up(have) - have + self.allocator.num_free * self.page_size, self.max_ctx_len - have)
+
+    def truncate(self, req_idx: int, new_len: int) -> None:
+        """Keep positions ``[0, new_len)`` only: the pages past them go back (a speculative draft's
+        rejected tokens). Those pages must be the request's own, never recorded in the radix:
+        positions past what the request computed are never recorded, so they are."""
+        self.req_to_token_pool.require_live(req_idx)
+        lens = self.req_to_token_pool.lens
+        if new_len >= lens[req_idx]:
+            return
+        if new_len < 0:
+            raise ValueError(f"cannot truncate row {req_idx} to {new_len} positions")
+        if self.paged:
+            pages, keep = self._pages[req_idx], -(-new_len // self.page_size)
+            dropped = pages[keep:]
+            if self.radix is not None and any(self.radix.node_of_page(p) is not None for p in dropped):
+                raise ValueError(f"row {req_idx}: truncating to {new_len} would drop pages the radix holds")
+            del pages[keep:]
+            self.allocator.decref(dropped)
+        lens[req_idx] = new_len
 
     def record(self, req_idx: int, token_ids: Sequence[int]) -> None:
         """Insert the complete pages of ``token_ids`` (KV materialized at positions 0..len-1).

@@ -27,6 +27,7 @@ __all__ = [
     "load_tokenizer",
     "read_checkpoint",
     "read_config",
+    "WEIGHTS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,33 +53,63 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     return model.eval()
 
 
+#: ``load_model``'s ``weights``: "gguf" keeps a GGUF file's quantized blocks (astrai.model.quant),
+#: "dense" (the default) dequantizes them into ``dtype`` at load; "auto" is "gguf" where the
+#: quantized kernels run, else "dense".
+WEIGHTS = ("auto", "gguf", "dense")
+
+
+def quantized_kernels(device: str | torch.device, dtype: torch.dtype) -> str | None:
+    """``None`` when GGUF weights can stay quantized on ``device`` in ``dtype``, else why not."""
+    from astrai.extension.backend.policy import load_backends
+    from astrai.extension.fused import kernel_for
+
+    if torch.device(device).type != "cpu":
+        return f"the quantized kernels run on the CPU, not {torch.device(device).type} (use --weights dense)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"the quantized kernels take bfloat16 or float32 activations, not {str(dtype).removeprefix('torch.')}"
+    load_backends()  # installs the backends' fused kernels (an engine does this anyway)
+    with torch.no_grad():
+        if kernel_for("quant_linear", torch.empty(0)) is None:
+            return "no quant_linear kernel is installed (astrai-backend-cpu on a CPU with AVX512-BF16)"
+    return None
+
+
 def load_model(
     name_or_path: str | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    weights: str = "dense",
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Load a model and its tokenizer from a name, a ``.gguf`` file or an HF checkpoint folder.
 
     ``None`` or ``"smollm2-135m"`` is the default model. ``dtype`` defaults to
-    :func:`default_dtype` for ``device``. Raises ``ModelNotFound`` (with the
-    install command for the default model) when the weights are missing.
+    :func:`default_dtype` for ``device``. ``weights`` (``WEIGHTS``) says whether a GGUF file's
+    quantized weights stay quantized; "gguf" where the kernels cannot run raises ValueError.
+    Raises ``ModelNotFound`` (with the install command for the default model) when the weights
+    are missing.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     dtype = dtype or default_dtype(device)
     if torch.device(device).type == "cpu":  # keep the caller's thread free of OpenMP teams
-        return run_off_thread(_load, name_or_path, dtype, device)
-    return _load(name_or_path, dtype, device)
+        return run_off_thread(_load, name_or_path, dtype, device, weights)
+    return _load(name_or_path, dtype, device, weights)
 
 
-def read_checkpoint(name_or_path: str | None, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], str, Path]:
+def read_checkpoint(
+    name_or_path: str | None, dtype: torch.dtype, quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor], str, Path]:
     """A checkpoint's configuration and weights in astrai's layout (unfused), its kind ("gguf" or
     "hf") and path; raises ModelNotFound. The tokenizer's end-of-sequence ids are not merged yet
-    (``load_tokenizer`` does that)."""
+    (``load_tokenizer`` does that). ``quantized``: a GGUF file's quantized weights that
+    ``astrai.model.quant`` keeps come back as its ``QuantWeight``s."""
     from astrai.model.gguf_loader import load_gguf
     from astrai.model.hf_loader import load_hf
     from astrai.model.resolve import resolve_model
 
     kind, path = resolve_model(name_or_path)
-    config, weights = load_gguf(path, dtype) if kind == "gguf" else load_hf(path, dtype)
+    config, weights = load_gguf(path, dtype, quantized) if kind == "gguf" else load_hf(path, dtype)
     config.name = config.name or name_or_path or Path(path).stem
     return config, weights, kind, Path(path)
 
@@ -108,16 +139,40 @@ def load_tokenizer(name_or_path: str | None, config: ModelConfig) -> Tokenizer:
     return tokenizer
 
 
+def _release_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _load(
-    name_or_path: str | None, dtype: torch.dtype, device: str | torch.device
+    name_or_path: str | None, dtype: torch.dtype, device: str | torch.device, weights_mode: str = "dense"
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
+    from astrai.model.quant import QuantizedLinear, install_quantized
+
     start = time.perf_counter()
-    config, weights, kind, _path = read_checkpoint(name_or_path, dtype)
+    quantized = False
+    if weights_mode != "dense":
+        why_not = quantized_kernels(device, dtype)
+        if why_not is not None and weights_mode == "gguf":
+            raise ValueError(f"--weights gguf: {why_not}")
+        quantized = why_not is None
+    config, weights, kind, _path = read_checkpoint(name_or_path, dtype, quantized)
     tokenizer = load_tokenizer(name_or_path, config)
     model = build_model(config, dtype, device)
+    if quantized:
+        weights = install_quantized(model, weights, dtype)
     model.load_weights({k: v.to(device) for k, v in weights.items()})
     model.fuse_projections()
     if prepack_supported(device, dtype):  # after the weights are final: packing copies them
         prepack_linears(model)
-    logger.info("loaded %s (%s, %s) in %.2f s", config.name, kind, dtype, time.perf_counter() - start)
+    _release_heap()  # the loader's transient copies (float32 tensors, the unfused and unquantized weights)
+    n_quant = sum(isinstance(m, QuantizedLinear) for m in model.modules())
+    logger.info("loaded %s (%s, %s%s) in %.2f s", config.name, kind, dtype,
+                f", {n_quant} quantized linears" if n_quant else "", time.perf_counter() - start)  # fmt: skip
     return model, tokenizer

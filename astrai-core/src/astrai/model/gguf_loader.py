@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
@@ -20,9 +21,7 @@ from astrai.errors import ModelNotFound
 from astrai.model.architecture import get_architecture
 from astrai.model.config import ModelConfig
 from astrai.model.hf_loader import interleave_rope_rows
-
-if TYPE_CHECKING:
-    import torch
+from astrai.model.quant import NATIVE, QuantWeight, pack, split_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +151,18 @@ def _llama3_scaling(rope_freqs: np.ndarray, config: ModelConfig, path: Path) -> 
     return scaling
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+# The weights that may stay quantized (``quantized=True``): the linears and the embedding table.
+_QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens")
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype, quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
     """Read and dequantize a GGUF file into (config, state dict) on CPU.
+
+    ``quantized``: the linears' and the embedding's weights whose type ``astrai.model.quant``
+    keeps (``NATIVE``) come back as ``QuantWeight``s in its tile layout instead of dense
+    tensors (their rows in the same order as the dense ones would be).
 
     Tensors come back in ``dtype``, named and oriented as HF's (``[out, in]``),
     q/k rows in interleaved-pair RoPE layout; ``lm_head.weight`` is absent when
@@ -162,8 +171,6 @@ def load_gguf(path: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
     Raises ModelNotFound for an unreadable file, an unsupported architecture,
     tensor name or quantization type (the message names the tensor).
     """
-    import torch
-
     path = Path(path)
     reader = open_gguf(path)
     config = gguf_config(reader, path)
@@ -185,11 +192,19 @@ def load_gguf(path: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
                 f"{path}: tensor {t.name!r} has type {qtype}, which astrai cannot load "
                 f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
             )
+        proj = name.rsplit(".", 2)[-2]
+        if quantized and qtype in NATIVE and proj in _QUANTIZABLE and name.endswith(".weight"):
+            codes, scales, mins = split_blocks(np.asarray(t.data), qtype)
+            if permute and proj in heads:  # the same row order as the dense path's
+                order = interleave_rope_rows(torch.arange(codes.shape[0]), heads[proj]).numpy()
+                codes, scales = codes[order], scales[order]
+                mins = None if mins is None else mins[order]
+            state[name] = QuantWeight(*pack(codes, scales, mins, NATIVE[qtype]), qtype)
+            continue
         values = dequantize(t.data, t.tensor_type)  # float32, numpy order == HF order
         if not values.flags.writeable:  # F32 comes back as a view of the read-only map
             values = values.copy()
         w = torch.from_numpy(values).to(dtype)
-        proj = name.rsplit(".", 2)[-2]
         if permute and proj in heads:
             w = interleave_rope_rows(w, heads[proj])
         state[name] = w

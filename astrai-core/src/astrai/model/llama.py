@@ -16,6 +16,7 @@ from torch import nn
 
 from astrai.extension import RotaryEmbedding, apply_rotary_emb, attention, bind_step
 from astrai.extension.fused import add_rms_norm, kernel_for, rms_norm, silu_and_mul
+from astrai.model.quant import QuantizedLinear
 
 if TYPE_CHECKING:
     from astrai.kvcache import KVCache
@@ -60,6 +61,10 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """Merge q/k/v into one ``qkv_proj`` (one GEMM instead of three); after loading weights."""
         parts = [self.q_proj, self.k_proj, self.v_proj]
+        if all(isinstance(p, QuantizedLinear) for p in parts):  # GGUF weights kept quantized
+            self.qkv_proj = QuantizedLinear.concat(parts)
+            del self.q_proj, self.k_proj, self.v_proj
+            return
         fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
         with torch.no_grad():
             fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]))
@@ -100,6 +105,10 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """Merge gate/up into one ``gate_up_proj`` (one GEMM instead of two); after loading weights."""
+        if isinstance(self.gate_proj, QuantizedLinear) and isinstance(self.up_proj, QuantizedLinear):
+            self.gate_up_proj = QuantizedLinear.concat([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
+            return
         fused = nn.Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False)
         with torch.no_grad():
             fused.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]))

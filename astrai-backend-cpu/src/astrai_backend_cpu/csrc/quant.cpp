@@ -1,0 +1,490 @@
+// astrai_cpu::quant_linear / quant_dequant: linears on GGUF-quantized weights, kept quantized.
+//
+// The weights come in astrai's tile layout of GGUF blocks (astrai.model.quant, which documents it
+// and holds the reference implementation): per 16 output rows ("a tile") and per group of G input
+// columns (G = 32, or 16 for Q6_K), a record [scales 16 x f16|f32][mins 16 x f16|f32, when the
+// format has them][codes], the codes 4 bits (two per byte) or 8 bits, so that one 32-byte load
+// expands to the operands of the AVX512-BF16 dot instruction for 16 outputs. The GGUF file's own
+// codes and scales, rearranged: a row's weight k of group g is scale * code + min.
+//
+// quant_linear on bf16 rows: y[n] = sum_g (scale[n,g] * S[n,g] + min[n,g] * X[g]), where
+// S[n,g] = sum over the group of code * x (the codes expanded to bf16 exactly in registers by a
+// 32-entry table, dotted with the bf16 activations in float32: exact products) and X[g] = the
+// group's sum of x; then the bias, and one rounding to bf16. That is the dequantized model's
+// product up to the order of the float32 sums (no 8-bit activations, unlike llama.cpp's CPU
+// path), and a row's result never depends on the other rows. On float32 rows the same with the
+// codes expanded to float32 and fused multiply-adds (the float32 model, for the oracle tests).
+//
+// quant_dequant writes rows of the weights out (scale * code + min in float32, as gguf-py
+// dequantizes, then rounded to the output dtype): the embedding rows, and the tests.
+// quant_weight_t writes the whole weight transposed, [k, n], vectorised over the tile's rows: the
+// prefill path (the dequantized bf16 weight into oneDNN's GEMM, many rows sharing the cost).
+#include <torch/library.h>
+
+#include "kernels.h"
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t TILE = 16;
+
+// The layout's parameters, as astrai.model.quant.QuantLayout.ints(): n, k, bits, group, has_min,
+// f16_scales, signed (4-bit codes read as -8..7 instead of 0..15; 8-bit codes are always int8).
+struct Layout {
+  int64_t n, k, bits, group, has_min, f16, sign;
+  int64_t groups() const { return k / group; }
+  int64_t scale_bytes() const { return TILE * (f16 ? 2 : 4); }
+  int64_t code_bytes() const { return TILE * group * bits / 8; }
+  int64_t record() const { return scale_bytes() * (1 + has_min) + code_bytes(); }
+  int64_t tiles() const { return (n + TILE - 1) / TILE; }
+  int64_t tile_bytes() const { return groups() * record(); }
+};
+
+Layout parse(const std::vector<int64_t>& v, const at::Tensor& packed) {
+  TORCH_CHECK(v.size() == 7, "quant: the layout is 7 integers (n, k, bits, group, has_min, f16_scales, signed)");
+  Layout L{v[0], v[1], v[2], v[3], v[4], v[5], v[6]};
+  TORCH_CHECK(L.n > 0 && L.k > 0 && (L.bits == 4 || L.bits == 8) && (L.group == 16 || L.group == 32) &&
+                  L.k % L.group == 0,
+              "quant: a layout of 4- or 8-bit codes in groups of 16 or 32 columns that divide k");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu() &&
+                  packed.numel() == L.tiles() * L.tile_bytes(),
+              "quant: packed must be the contiguous uint8 tile layout of its layout (astrai.model.quant)");
+  return L;
+}
+
+inline float code_value(const uint8_t* codes, const Layout& L, int64_t j, int64_t kk) {
+  // codes of one group record, row j of the tile, column kk of the group
+  if (L.bits == 8) {
+    return static_cast<float>(static_cast<int8_t>(codes[(kk / 2) * 32 + 2 * j + (kk % 2)]));
+  }
+  const int64_t dp = kk / 4, h = (kk % 4) / 2, e = kk % 2;
+  int v = (codes[dp * 32 + 2 * j + e] >> (4 * h)) & 0xF;
+  if (L.sign && v >= 8) v -= 16;
+  return static_cast<float>(v);
+}
+
+inline float scale_at(const uint8_t* p, const Layout& L, int64_t j) {
+  if (L.f16) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * j, 2);
+    return static_cast<float>(c10::detail::fp16_ieee_to_fp32_value(h));
+  }
+  float f;
+  std::memcpy(&f, p + 4 * j, 4);
+  return f;
+}
+
+#if defined(__AVX512BF16__)
+inline __m512 load_scales(const uint8_t* p, bool f16) {
+  return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+             : _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+inline uint16_t bf16_bits(float f) {  // exact for the small integers of the tables
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Tiles t .. t + U - 1 (U = 1 or 2) for M (<= 4) bf16 rows: x32 the rows as pairs of bf16 (row
+// stride ldx pairs), xsum [M, groups] the groups' sums of x (when the layout has mins).
+template <int M, int U, int BITS>
+void tiles_bf16(const uint32_t* x32, int64_t ldx, const float* xsum, const uint8_t* packed, const Layout& L,
+                __m512i table, const at::BFloat16* bias, at::BFloat16* out, int64_t ldo, int64_t t) {
+  const int64_t G = L.group, n_groups = L.groups(), rec = L.record(), sb = L.scale_bytes();
+  __m512 acc[U][M];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const uint8_t* r[U];
+    for (int u = 0; u < U; ++u) r[u] = packed + (t + u) * L.tile_bytes() + g * rec;
+    __m512 s0[U][M], s1[U][M];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < M; ++m) s0[u][m] = s1[u][m] = _mm512_setzero_ps();
+    const int64_t code_off = sb * (1 + L.has_min), kp0 = g * G / 2;
+    if (BITS == 4) {
+      for (int64_t dp = 0; dp < G / 4; ++dp) {
+        __m512bh lo[U], hi[U];
+        for (int u = 0; u < U; ++u) {
+          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[u] + code_off + dp * 32)));
+          lo[u] = (__m512bh)_mm512_permutexvar_epi16(w, table);  // the index's low 5 bits: the low nibble, and a bit the table ignores
+          hi[u] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m512bh xa = (__m512bh)_mm512_set1_epi32(static_cast<int>(x32[m * ldx + kp0 + 2 * dp]));
+          const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x32[m * ldx + kp0 + 2 * dp + 1]));
+          for (int u = 0; u < U; ++u) {
+            s0[u][m] = _mm512_dpbf16_ps(s0[u][m], lo[u], xa);
+            s1[u][m] = _mm512_dpbf16_ps(s1[u][m], hi[u], xb);
+          }
+        }
+      }
+    } else {
+      for (int64_t p = 0; p < G / 2; p += 2) {
+        __m512bh a[U], b[U];
+        for (int u = 0; u < U; ++u) {
+          const uint8_t* c = r[u] + code_off + p * 32;
+          auto cvt = [](const uint8_t* q) {
+            return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+          };
+          a[u] = _mm512_cvtne2ps_pbh(cvt(c + 16), cvt(c));  // words 0-15 from bytes 0-15: exact (|code| <= 128)
+          b[u] = _mm512_cvtne2ps_pbh(cvt(c + 48), cvt(c + 32));
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m512bh xa = (__m512bh)_mm512_set1_epi32(static_cast<int>(x32[m * ldx + kp0 + p]));
+          const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x32[m * ldx + kp0 + p + 1]));
+          for (int u = 0; u < U; ++u) {
+            s0[u][m] = _mm512_dpbf16_ps(s0[u][m], a[u], xa);
+            s1[u][m] = _mm512_dpbf16_ps(s1[u][m], b[u], xb);
+          }
+        }
+      }
+    }
+    for (int u = 0; u < U; ++u) {
+      const __m512 sc = load_scales(r[u], L.f16);
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm512_fmadd_ps(sc, _mm512_add_ps(s0[u][m], s1[u][m]), acc[u][m]);
+      if (L.has_min) {
+        const __m512 mn = load_scales(r[u] + sb, L.f16);
+        for (int m = 0; m < M; ++m) acc[u][m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * n_groups + g]), acc[u][m]);
+      }
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    const int64_t n0 = (t + u) * TILE, count = std::min<int64_t>(TILE, L.n - n0);
+    const __mmask16 keep = count == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      const __m256i bits = _mm256_maskz_loadu_epi16(keep, bias + n0);
+      bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256bh rr = _mm512_cvtneps_pbh(_mm512_add_ps(acc[u][m], bv));
+      _mm256_mask_storeu_epi16(out + m * ldo + n0, keep, (__m256i)rr);
+    }
+  }
+}
+
+// The same for float32 rows (x row stride ldx floats): codes expanded to float32.
+template <int M, int U, int BITS>
+void tiles_f32(const float* x, int64_t ldx, const float* xsum, const uint8_t* packed, const Layout& L, __m512 table,
+               const float* bias, float* out, int64_t ldo, int64_t t) {
+  const int64_t G = L.group, n_groups = L.groups(), rec = L.record(), sb = L.scale_bytes();
+  __m512 acc[U][M];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const uint8_t* r[U];
+    for (int u = 0; u < U; ++u) r[u] = packed + (t + u) * L.tile_bytes() + g * rec;
+    __m512 s0[U][M], s1[U][M];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < M; ++m) s0[u][m] = s1[u][m] = _mm512_setzero_ps();
+    const int64_t code_off = sb * (1 + L.has_min), k0 = g * G;
+    if (BITS == 4) {
+      for (int64_t dp = 0; dp < G / 4; ++dp) {
+        __m512 v[U][4];
+        for (int u = 0; u < U; ++u) {
+          // dword j = byte 2j | byte 2j+1 << 16: its nibbles at bits 0, 16, 4, 20 are columns 4dp + 0, 1, 2, 3
+          const __m512i d = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[u] + code_off + dp * 32)));
+          v[u][0] = _mm512_permutexvar_ps(d, table);  // the index's low 4 bits
+          v[u][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), table);
+          v[u][2] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+          v[u][3] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 20), table);
+        }
+        const int64_t k = k0 + 4 * dp;
+        for (int m = 0; m < M; ++m) {
+          const float* xr = x + m * ldx + k;
+          for (int u = 0; u < U; ++u) {
+            s0[u][m] = _mm512_fmadd_ps(v[u][0], _mm512_set1_ps(xr[0]), s0[u][m]);
+            s1[u][m] = _mm512_fmadd_ps(v[u][1], _mm512_set1_ps(xr[1]), s1[u][m]);
+            s0[u][m] = _mm512_fmadd_ps(v[u][2], _mm512_set1_ps(xr[2]), s0[u][m]);
+            s1[u][m] = _mm512_fmadd_ps(v[u][3], _mm512_set1_ps(xr[3]), s1[u][m]);
+          }
+        }
+      }
+    } else {
+      for (int64_t p = 0; p < G / 2; ++p) {
+        __m512 v[U][2];
+        for (int u = 0; u < U; ++u) {
+          const __m512i d = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[u] + code_off + p * 32)));
+          v[u][0] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 16), 16));
+          v[u][1] = _mm512_cvtepi32_ps(_mm512_srai_epi32(d, 16));
+        }
+        const int64_t k = k0 + 2 * p;
+        for (int m = 0; m < M; ++m) {
+          const float* xr = x + m * ldx + k;
+          for (int u = 0; u < U; ++u) {
+            s0[u][m] = _mm512_fmadd_ps(v[u][0], _mm512_set1_ps(xr[0]), s0[u][m]);
+            s1[u][m] = _mm512_fmadd_ps(v[u][1], _mm512_set1_ps(xr[1]), s1[u][m]);
+          }
+        }
+      }
+    }
+    for (int u = 0; u < U; ++u) {
+      const __m512 sc = load_scales(r[u], L.f16);
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm512_fmadd_ps(sc, _mm512_add_ps(s0[u][m], s1[u][m]), acc[u][m]);
+      if (L.has_min) {
+        const __m512 mn = load_scales(r[u] + sb, L.f16);
+        for (int m = 0; m < M; ++m) acc[u][m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * n_groups + g]), acc[u][m]);
+      }
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    const int64_t n0 = (t + u) * TILE, count = std::min<int64_t>(TILE, L.n - n0);
+    const __mmask16 keep = count == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + m * ldo + n0, keep, _mm512_add_ps(acc[u][m], bv));
+  }
+}
+
+template <typename F>
+void by_rows(int64_t rows, F&& f) {  // f(M) for blocks of up to 4 rows
+  for (int64_t r = 0; r < rows; r += 4) f(r, std::min<int64_t>(4, rows - r));
+}
+
+template <int BITS>
+void run_bf16(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const Layout& L, const at::BFloat16* bp,
+              at::BFloat16* op) {
+  const int64_t M = xs.size(0), ldx = xs.size(1) / 2, n_tiles = L.tiles(), G = L.groups();
+  const auto* x32 = reinterpret_cast<const uint32_t*>(xs.const_data_ptr<at::BFloat16>());
+  alignas(64) uint16_t words[32];
+  for (int i = 0; i < 32; ++i) {
+    int v = i & 15;
+    if (L.sign && v >= 8) v -= 16;
+    words[i] = bf16_bits(static_cast<float>(v));
+  }
+  const __m512i table = _mm512_load_si512(words);
+  at::parallel_for(0, (n_tiles + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
+      const bool pair = t + 1 < n_tiles;
+      // rows in blocks of up to 8: up to 4 against both tiles at once, 5 to 8 against one tile at
+      // a time (the registers hold 8 rows' sums for one tile), the codes expanded once per block
+      for (int64_t r = 0; r < M; r += 8) {
+        const int64_t m = std::min<int64_t>(8, M - r);
+        const uint32_t* xr = x32 + r * ldx;
+        const float* sr = xsum == nullptr ? nullptr : xsum + r * G;
+        at::BFloat16* orow = op + r * L.n;
+#define ASTRAI_Q(MM)                                                                          \
+  if (pair) tiles_bf16<MM, 2, BITS>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);             \
+  else tiles_bf16<MM, 1, BITS>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);
+#define ASTRAI_Q1(MM)                                                                         \
+  tiles_bf16<MM, 1, BITS>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);                       \
+  if (pair) tiles_bf16<MM, 1, BITS>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t + 1);
+        switch (m) {
+          case 1: ASTRAI_Q(1) break;
+          case 2: ASTRAI_Q(2) break;
+          case 3: ASTRAI_Q(3) break;
+          case 4: ASTRAI_Q(4) break;
+          case 5: ASTRAI_Q1(5) break;
+          case 6: ASTRAI_Q1(6) break;
+          case 7: ASTRAI_Q1(7) break;
+          default: ASTRAI_Q1(8) break;
+        }
+#undef ASTRAI_Q
+#undef ASTRAI_Q1
+      }
+    }
+  });
+}
+
+template <int BITS>
+void run_f32(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const Layout& L, const float* bp, float* op) {
+  const int64_t M = xs.size(0), ldx = xs.size(1), n_tiles = L.tiles(), G = L.groups();
+  const float* xp = xs.const_data_ptr<float>();
+  alignas(64) float vals[16];
+  for (int i = 0; i < 16; ++i) vals[i] = static_cast<float>(L.sign && i >= 8 ? i - 16 : i);
+  const __m512 table = _mm512_load_ps(vals);
+  at::parallel_for(0, (n_tiles + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
+      const bool pair = t + 1 < n_tiles;
+      by_rows(M, [&](int64_t r, int64_t m) {
+        const float* xr = xp + r * ldx;
+        const float* sr = xsum == nullptr ? nullptr : xsum + r * G;
+        float* orow = op + r * L.n;
+#define ASTRAI_Q(MM)                                                                    \
+  if (pair) tiles_f32<MM, 2, BITS>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);        \
+  else tiles_f32<MM, 1, BITS>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);
+        switch (m) {
+          case 1: ASTRAI_Q(1) break;
+          case 2: ASTRAI_Q(2) break;
+          case 3: ASTRAI_Q(3) break;
+          default: ASTRAI_Q(4) break;
+        }
+#undef ASTRAI_Q
+      });
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+namespace astrai_cpu {
+
+bool has_quant_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_quant_linear(), "quant_linear: built without AVX512-BF16");
+  const Layout L = parse(layout, packed);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == L.k && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "quant_linear: x must be bf16 or float32 rows [M, k] on the CPU");
+  const at::Tensor xs = x.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == L.n && b.scalar_type() == x.scalar_type(), "quant_linear: bias must be [n] in x's dtype");
+  }
+  const int64_t M = xs.size(0), G = L.groups();
+  auto out = at::empty({M, L.n}, x.options());
+  if (M == 0) return out;
+#if defined(__AVX512BF16__)
+  std::vector<float> xsum;
+  if (L.has_min) {  // each row's sum over each group, in float32 and in order
+    xsum.assign(M * G, 0.f);
+    const at::Tensor xf = xs.scalar_type() == at::kFloat ? xs : xs.to(at::kFloat);
+    const float* p = xf.const_data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.f;
+        for (int64_t i = 0; i < L.group; ++i) s += p[m * L.k + g * L.group + i];
+        xsum[m * G + g] = s;
+      }
+  }
+  const float* sp = L.has_min ? xsum.data() : nullptr;
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* bp = b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr;
+    if (L.bits == 4) run_bf16<4>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>());
+    else run_bf16<8>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>());
+  } else {
+    const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+    if (L.bits == 4) run_f32<4>(xs, sp, wp, L, bp, out.data_ptr<float>());
+    else run_f32<8>(xs, sp, wp, L, bp, out.data_ptr<float>());
+  }
+#endif
+  return out;
+}
+
+at::Tensor quant_dequant(const at::Tensor& packed, const std::vector<int64_t>& layout, const c10::optional<at::Tensor>& rows,
+                         at::ScalarType dtype) {
+  const Layout L = parse(layout, packed);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "quant_dequant: float32, bfloat16 or float16 out");
+  at::Tensor ids;
+  if (rows.has_value() && rows->defined()) {
+    ids = rows->to(at::kLong).contiguous().view(-1);
+  } else {
+    ids = at::arange(L.n, at::kLong);
+  }
+  const int64_t R = ids.numel();
+  const int64_t* ip = ids.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < L.n, "quant_dequant: row ", ip[i], " outside [0, ", L.n, ")");
+  auto out = at::empty({R, L.k}, at::TensorOptions().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const int64_t G = L.groups(), rec = L.record(), sb = L.scale_bytes();
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = ip[i], t = row / TILE, j = row % TILE;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* r = wp + t * L.tile_bytes() + g * rec;
+        const float s = scale_at(r, L, j), mn = L.has_min ? scale_at(r + sb, L, j) : 0.f;
+        const uint8_t* codes = r + sb * (1 + L.has_min);
+        float* o = op + i * L.k + g * L.group;
+        for (int64_t kk = 0; kk < L.group; ++kk) {
+          // scale * code, rounded, then + min, rounded: gguf-py's order (no fused multiply-add)
+          volatile float prod = s * code_value(codes, L, j, kk);
+          o[kk] = L.has_min ? prod + mn : prod;
+        }
+      }
+    }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+at::Tensor quant_weight_t(const at::Tensor& packed, const std::vector<int64_t>& layout, at::ScalarType dtype) {
+  TORCH_CHECK(has_quant_linear(), "quant_weight_t: built without AVX512-BF16");
+  const Layout L = parse(layout, packed);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_weight_t: float32 or bfloat16 out");
+  auto out = at::empty({L.k, L.n}, at::TensorOptions().dtype(dtype));
+#if defined(__AVX512BF16__)
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const int64_t G = L.group, n_groups = L.groups(), rec = L.record(), sb = L.scale_bytes(), n = L.n;
+  alignas(64) float vals[16];
+  for (int i = 0; i < 16; ++i) vals[i] = static_cast<float>(L.sign && i >= 8 ? i - 16 : i);
+  const __m512 table = _mm512_load_ps(vals);
+  const bool bf16 = dtype == at::kBFloat16;
+  char* base = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, L.tiles(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * TILE, count = std::min<int64_t>(TILE, n - n0);
+      const __mmask16 keep = count == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+      // one column k of the tile's 16 rows: scale * code, rounded, then + min, rounded (gguf-py's order)
+      auto put = [&](int64_t k, __m512 code, __m512 sc, __m512 mn) {
+        __m512 w = _mm512_mul_round_ps(code, sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (L.has_min) w = _mm512_add_round_ps(w, mn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (bf16) {
+          _mm256_mask_storeu_epi16(base + 2 * (k * n + n0), keep, (__m256i)_mm512_cvtneps_pbh(w));
+        } else {
+          _mm512_mask_storeu_ps(base + 4 * (k * n + n0), keep, w);
+        }
+      };
+      for (int64_t g = 0; g < n_groups; ++g) {
+        const uint8_t* r = wp + t * L.tile_bytes() + g * rec;
+        const __m512 sc = load_scales(r, L.f16);
+        const __m512 mn = L.has_min ? load_scales(r + sb, L.f16) : _mm512_setzero_ps();
+        const uint8_t* codes = r + sb * (1 + L.has_min);
+        const int64_t k0 = g * G;
+        if (L.bits == 4) {
+          for (int64_t dp = 0; dp < G / 4; ++dp) {
+            const __m512i d = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + dp * 32)));
+            put(k0 + 4 * dp, _mm512_permutexvar_ps(d, table), sc, mn);
+            put(k0 + 4 * dp + 1, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), table), sc, mn);
+            put(k0 + 4 * dp + 2, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table), sc, mn);
+            put(k0 + 4 * dp + 3, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 20), table), sc, mn);
+          }
+        } else {
+          for (int64_t p = 0; p < G / 2; ++p) {
+            const __m512i d = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32)));
+            put(k0 + 2 * p, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 16), 16)), sc, mn);
+            put(k0 + 2 * p + 1, _mm512_cvtepi32_ps(_mm512_srai_epi32(d, 16)), sc, mn);
+          }
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace astrai_cpu
+
+TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
+  m.def("has_quant_linear() -> bool", &astrai_cpu::has_quant_linear);
+  m.def("quant_linear(Tensor x, Tensor packed, int[] layout, Tensor? bias) -> Tensor");
+  m.def("quant_dequant(Tensor packed, int[] layout, Tensor? rows, ScalarType dtype) -> Tensor");
+  m.def("quant_weight_t(Tensor packed, int[] layout, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
+  m.impl("quant_linear", &astrai_cpu::quant_linear);
+  m.impl("quant_dequant", &astrai_cpu::quant_dequant);
+  m.impl("quant_weight_t", &astrai_cpu::quant_weight_t);
+}

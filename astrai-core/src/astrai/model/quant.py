@@ -1,0 +1,379 @@
+"""GGUF-quantized weights kept quantized: astrai's tile layout, its reference, and the modules.
+
+A GGUF block holds 32 or 256 weights as small integer codes with float scales (and, in some
+formats, mins): weight = scale * code + min. ``split_blocks`` reads a tensor's blocks into
+codes, scales and mins (numpy, vectorised, following gguf-py's dequantization so that the
+values are gguf-py's to the bit); ``pack`` lays them out in tiles for the kernels:
+
+- a tile is 16 output rows (the last one padded with zero rows); the packed tensor is the
+  tiles one after the other, each its ``k / group`` group records in order;
+- a group record covers ``group`` input columns (32; 16 for Q6_K, whose scales are per 16)
+  of the tile's 16 rows: 16 scales (float16 where the file's are, else float32), 16 mins when
+  the format has them, then the codes;
+- 4-bit codes: ``group / 4`` chunks of 32 bytes; byte ``2j + e`` of chunk ``c`` holds row
+  ``j``'s code for column ``4c + e`` in its low nibble and for column ``4c + 2 + e`` in its high
+  nibble (signed formats store ``code & 15`` of a code in -8..7);
+- 8-bit codes (int8): ``group / 2`` chunks of 32 bytes; byte ``2j + e`` of chunk ``c`` is row
+  ``j``'s code for column ``2c + e``.
+
+One 32-byte load expands to the operands of the AVX512-BF16 dot instruction for 16 outputs
+(astrai-backend-cpu's ``csrc/quant.cpp``). What each GGUF type becomes (``NATIVE``): Q4_0,
+Q4_1 and Q8_0 keep the file's own bits (4.5, 5 and 8.5 bits per weight); Q4_K keeps its
+4-bit codes with its sub-block scales and mins multiplied out to float32 at load (6 bits per
+weight, the file's 4.5); Q5_0, Q5_1, Q5_K and Q6_K widen their 5- and 6-bit codes to int8
+(8.5 to 10 bits per weight, the file's 5.5 to 6.6). Other types (F32, F16, BF16, Q2_K,
+Q3_K) are dequantized at load as before.
+
+``QuantizedLinear`` and ``QuantizedEmbedding`` hold the packed weights (one copy) and run on a
+plugin's ``quant_linear`` kernel (``astrai.extension.fused``); ``dequantize`` is the
+reference (torch), for the tests and for devices without the kernel.
+
+Over 300 lines because the layout, its reader from every GGUF block format, its reference
+and the modules that hold it document one another and change together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from astrai.extension.fused import kernel_for
+
+TILE = 16
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a GGUF type is kept: code width, group size, mins, float16 scales, signed 4-bit codes."""
+
+    bits: int
+    group: int
+    has_min: bool
+    f16_scales: bool
+    signed: bool = False
+
+    @property
+    def bits_per_weight(self) -> float:
+        scale = 16 if self.f16_scales else 32
+        return self.bits + scale * (1 + self.has_min) / self.group
+
+
+NATIVE: dict[str, QuantSpec] = {
+    "Q4_0": QuantSpec(4, 32, False, True, signed=True),
+    "Q4_1": QuantSpec(4, 32, True, True),
+    "Q8_0": QuantSpec(8, 32, False, True),
+    "Q4_K": QuantSpec(4, 32, True, False),
+    "Q5_0": QuantSpec(8, 32, False, True),
+    "Q5_1": QuantSpec(8, 32, True, True),
+    "Q5_K": QuantSpec(8, 32, True, False),
+    "Q6_K": QuantSpec(8, 16, False, False),
+}
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """A packed weight's shape and format (``ints()``: the kernels' layout argument)."""
+
+    n: int
+    k: int
+    spec: QuantSpec
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.n // TILE)
+
+    @property
+    def record_bytes(self) -> int:
+        s = self.spec
+        return TILE * (2 if s.f16_scales else 4) * (1 + s.has_min) + TILE * s.group * s.bits // 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles * (self.k // self.spec.group) * self.record_bytes
+
+    def ints(self) -> list[int]:
+        s = self.spec
+        return [self.n, self.k, s.bits, s.group, int(s.has_min), int(s.f16_scales), int(s.signed)]
+
+
+class QuantWeight(NamedTuple):
+    """A weight kept quantized by the GGUF loader: the tile layout, its layout, the file's type."""
+
+    packed: torch.Tensor
+    layout: QuantLayout
+    qtype: str
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.packed, self.layout).to(dtype)
+
+
+# ----------------------------------------------------------------- reading GGUF blocks
+def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
+    """``[..., half]`` bytes -> ``[..., 2 * half]``: the low nibbles, then the high ones (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit sub-block scales and mins -> two ``[nb, 8]`` uint8 arrays."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def split_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A tensor's GGUF blocks (uint8, ``[rows, bytes]``) -> codes ``[rows, k]`` int8, scales and
+    mins ``[rows, k / group]`` float32 (mins ``None`` when the format has none)."""
+    rows = raw.shape[0]
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1)
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype]
+        blk = b.reshape(-1, size)
+        d = _f16(blk[:, 0:2])
+        m = _f16(blk[:, 2:4]) if qtype in ("Q4_1", "Q5_1") else None
+        off = 4 if m is not None else 2
+        if qtype == "Q8_0":
+            codes = blk[:, 2:].view(np.int8)
+        else:
+            if qtype in ("Q5_0", "Q5_1"):
+                qh = np.ascontiguousarray(blk[:, off:off + 4]).view(np.uint32)
+                high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+                off += 4
+            codes = _nibbles(blk[:, off:off + 16], 16)
+            if qtype in ("Q5_0", "Q5_1"):
+                codes = codes | (high << 4)
+            codes = codes.astype(np.int8)
+            if qtype == "Q4_0":
+                codes = codes - np.int8(8)
+            elif qtype == "Q5_0":
+                codes = codes - np.int8(16)
+        scales, mins = d[:, :1], None if m is None else m[:, :1]
+    elif qtype in ("Q4_K", "Q5_K"):
+        size = 144 if qtype == "Q4_K" else 176
+        blk = b.reshape(-1, size)
+        d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
+        sc, mn = _k_scale_min(blk[:, 4:16])
+        scales = d * sc.astype(np.float32)  # gguf-py's products, float32
+        mins = -(dmin * mn.astype(np.float32))
+        if qtype == "Q4_K":
+            qs = blk[:, 16:].reshape(-1, 4, 32)
+            codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(-1, 256)
+        else:
+            qh, qs = blk[:, 16:48], blk[:, 48:].reshape(-1, 4, 32)
+            low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(-1, 8, 32)
+            high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+            codes = (low | (high << 4)).reshape(-1, 256)
+        codes = codes.astype(np.int8)
+    elif qtype == "Q6_K":
+        blk = b.reshape(-1, 210)
+        ql, qh = blk[:, :128].reshape(-1, 2, 64), blk[:, 128:192].reshape(-1, 2, 32)
+        sc = blk[:, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(blk[:, 208:210])
+        scales, mins = d * sc, None
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1).reshape(-1, 2, 4, 32)
+        high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        codes = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(-1, 256)
+    else:
+        raise ValueError(f"no quantized layout for GGUF type {qtype}")
+    codes = codes.reshape(rows, -1)
+    groups = codes.shape[1] // NATIVE[qtype].group
+    scales = np.ascontiguousarray(scales, np.float32).reshape(rows, groups)
+    if mins is not None:
+        mins = np.ascontiguousarray(mins, np.float32).reshape(rows, groups)
+    return codes, scales, mins
+
+
+def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, spec: QuantSpec) -> tuple[torch.Tensor, QuantLayout]:
+    """Codes ``[n, k]`` int8 and scales/mins ``[n, k / group]`` -> the tile layout (uint8) and its layout."""
+    n, k = codes.shape
+    g, tiles = spec.group, -(-n // TILE)
+    pad = tiles * TILE - n
+
+    def rows(a: np.ndarray) -> np.ndarray:
+        return np.pad(a, ((0, pad), (0, 0))) if pad else a
+
+    c = rows(codes).reshape(tiles, TILE, k // g, g)
+    if spec.bits == 4:
+        c = (c.astype(np.uint8) & 0x0F).reshape(tiles, TILE, k // g, g // 4, 2, 2)  # column 4c + 2h + e
+        byte = c[..., 0, :] | (c[..., 1, :] << 4)  # [t, j, g, c, e]
+        code_bytes = byte.transpose(0, 2, 3, 1, 4).reshape(tiles, k // g, -1)
+    else:
+        c = c.reshape(tiles, TILE, k // g, g // 2, 2)  # column 2c + e
+        code_bytes = c.transpose(0, 2, 3, 1, 4).reshape(tiles, k // g, -1).view(np.uint8)
+    dtype = np.float16 if spec.f16_scales else np.float32
+
+    def per_tile(a: np.ndarray) -> np.ndarray:
+        # float16 scales come from float16 fields: the conversion back is exact
+        return rows(a).astype(dtype).reshape(tiles, TILE, k // g).transpose(0, 2, 1).copy().view(np.uint8)
+
+    parts = [per_tile(scales)] + ([per_tile(mins)] if spec.has_min else []) + [np.ascontiguousarray(code_bytes)]
+    packed = np.concatenate(parts, axis=-1).reshape(-1)
+    layout = QuantLayout(n, k, spec)
+    assert packed.size == layout.nbytes
+    return torch.from_numpy(packed), layout
+
+
+def dequantize(packed: torch.Tensor, layout: QuantLayout) -> torch.Tensor:
+    """The reference: the weight ``[n, k]`` in float32 (scale * code, rounded, + min), in torch."""
+    s, n, k = layout.spec, layout.n, layout.k
+    groups, ssz = k // s.group, 2 if s.f16_scales else 4
+    rec = packed.view(layout.tiles, groups, layout.record_bytes)
+    sdt = torch.float16 if s.f16_scales else torch.float32
+    scales = rec[..., : TILE * ssz].contiguous().view(sdt).float()  # [t, g, 16]
+    off = TILE * ssz
+    mins = None
+    if s.has_min:
+        mins = rec[..., off : off + TILE * ssz].contiguous().view(sdt).float()
+        off += TILE * ssz
+    raw = rec[..., off:].contiguous()
+    if s.bits == 4:
+        b = raw.view(layout.tiles, groups, s.group // 4, TILE, 2)  # [t, g, c, j, e]
+        lo, hi = (b & 0x0F).to(torch.int16), (b >> 4).to(torch.int16)
+        if s.signed:
+            lo, hi = torch.where(lo >= 8, lo - 16, lo), torch.where(hi >= 8, hi - 16, hi)
+        codes = torch.stack([lo, hi], dim=3)  # [t, g, c, h, j, e]: column 4c + 2h + e
+        codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(layout.tiles * TILE, k)
+    else:
+        b = raw.view(torch.int8).view(layout.tiles, groups, s.group // 2, TILE, 2)  # [t, g, c, j, e]
+        codes = b.permute(0, 3, 1, 2, 4).reshape(layout.tiles * TILE, k).to(torch.int16)
+    scale = scales.permute(0, 2, 1).reshape(-1, groups).repeat_interleave(s.group, dim=1)
+    w = codes.float() * scale
+    if mins is not None:
+        w = w + mins.permute(0, 2, 1).reshape(-1, groups).repeat_interleave(s.group, dim=1)
+    return w[:n]
+
+
+# ----------------------------------------------------------------- the modules
+class QuantizedLinear(nn.Module):
+    """An ``nn.Linear`` (no grad) whose weight stays in the tile layout: ``segments`` of rows, each
+    ``(packed, layout)`` (a fused projection whose parts differ in type keeps one per part).
+
+    Rows up to the kernel's ``max_rows`` (decode) run on ``quant_linear``; more rows (prefill)
+    dequantize the weight to the input's dtype (``quant_weight_t``) and take oneDNN's GEMM, the
+    cost shared by the rows. Without a kernel for the input's device, the reference
+    ``dequantize``.
+    """
+
+    def __init__(self, segments: list[tuple[torch.Tensor, QuantLayout]], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features = segments[0][1].k
+        self.out_features = sum(lay.n for _, lay in segments)
+        self.layouts = [lay for _, lay in segments]
+        for i, (packed, _) in enumerate(segments):
+            self.register_buffer(f"packed{i}", packed, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def segments(self) -> list[tuple[torch.Tensor, QuantLayout]]:
+        return [(getattr(self, f"packed{i}"), lay) for i, lay in enumerate(self.layouts)]
+
+    @classmethod
+    def concat(cls, parts: list[QuantizedLinear]) -> QuantizedLinear:
+        """Row-wise concatenation (a fused projection); adjacent segments of one format whose rows
+        fill whole tiles merge into one."""
+        merged: list[tuple[torch.Tensor, QuantLayout]] = []
+        for part in parts:
+            for packed, lay in part.segments:
+                if merged and merged[-1][1].spec == lay.spec and merged[-1][1].k == lay.k and merged[-1][1].n % TILE == 0:
+                    prev, prev_lay = merged[-1]
+                    merged[-1] = (torch.cat([prev, packed]), QuantLayout(prev_lay.n + lay.n, lay.k, lay.spec))
+                else:
+                    merged.append((packed, lay))
+        biases = [p.bias for p in parts]
+        present = [b for b in biases if b is not None]
+        bias = None
+        if present:
+            bias = torch.cat([
+                b.detach() if b is not None else torch.zeros(p.out_features, dtype=present[0].dtype)
+                for p, b in zip(parts, biases, strict=True)
+            ])  # fmt: skip
+        return cls(merged, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        kernel = kernel_for("quant_linear", rows)
+        outs, n0 = [], 0
+        for packed, lay in self.segments:
+            bias = None if self.bias is None else self.bias[n0 : n0 + lay.n].to(rows.dtype)
+            n0 += lay.n
+            if kernel is not None and (rows.shape[0] <= kernel.max_rows or rows.dtype != torch.bfloat16):
+                outs.append(kernel(rows, packed, lay.ints(), bias))  # the bias added before the one rounding
+                continue
+            # many rows: the whole weight dequantized once (as the bf16 model holds it), oneDNN's GEMM
+            wt = kernel.weight_t(packed, lay.ints(), rows.dtype) if kernel is not None else dequantize(packed, lay).to(rows.dtype).t()
+            outs.append(torch.matmul(rows, wt) if bias is None else torch.addmm(bias, rows, wt))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{lay.n}x{lay.k} {lay.spec.bits}-bit" for lay in self.layouts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """An ``nn.Embedding`` on a quantized table (the tile layout): rows dequantized on lookup."""
+
+    def __init__(self, packed: torch.Tensor, layout: QuantLayout, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed, persistent=False)
+        self.layout, self.dtype = layout, dtype
+        self.num_embeddings, self.embedding_dim = layout.n, layout.k
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        kernel = kernel_for("quant_linear", self.packed)
+        flat = ids.reshape(-1)
+        if kernel is not None:
+            rows = kernel.rows(self.packed, self.layout.ints(), flat, self.dtype)
+        else:
+            rows = F.embedding(flat, dequantize(self.packed, self.layout)).to(self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def as_linear(self) -> QuantizedLinear:
+        """The tied LM head on the same packed table (no copy)."""
+        return QuantizedLinear([(self.packed, self.layout)])
+
+
+# ----------------------------------------------------------------- into a model
+_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def install_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Put ``state``'s ``QuantWeight``s into ``model`` as quantized modules; returns the dense rest.
+
+    A projection that is fused with others (q/k/v, gate/up) stays quantized only if they all
+    are; otherwise its weight is dequantized to ``dtype`` with theirs. A tied LM head shares
+    the quantized embedding table.
+    """
+    quant = {name: w for name, w in state.items() if isinstance(w, QuantWeight)}
+    dense = {name: w for name, w in state.items() if not isinstance(w, QuantWeight)}
+    for name in list(quant):
+        prefix, _, proj = name.removesuffix(".weight").rpartition(".")
+        group = next((g for g in _FUSED_GROUPS if proj in g), (proj,))
+        if any(f"{prefix}.{p}.weight" not in quant for p in group):
+            dense[name] = quant.pop(name).dense(dtype)
+    for name, w in quant.items():
+        path = name.removesuffix(".weight")
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        if isinstance(old, nn.Embedding):
+            setattr(parent, attr, QuantizedEmbedding(w.packed, w.layout, dtype))
+        else:
+            bias = None if old.bias is None else torch.zeros(w.layout.n, dtype=dtype)
+            setattr(parent, attr, QuantizedLinear([(w.packed, w.layout)], bias))
+    embed = model.get_submodule("model.embed_tokens")
+    if getattr(model.config, "tie_word_embeddings", False):
+        if isinstance(embed, QuantizedEmbedding):
+            model.lm_head = embed.as_linear()
+        dense.pop("lm_head.weight", None)
+    return dense

@@ -1,0 +1,82 @@
+"""``astrai_cpu::quant_linear`` / ``quant_weight_t`` / ``quant_dequant`` against astrai.model.quant's reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.model.quant import NATIVE, dequantize, pack, split_blocks
+from tests.core.test_quant import random_blocks
+
+pytestmark = [
+    pytest.mark.usefixtures("cpu_kernels"),
+    pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the quantized kernels need AVX512-BF16"),
+]
+
+QTYPES = pytest.mark.parametrize("qtype", sorted(NATIVE))
+
+
+def packed_weight(qtype: str, n: int, k: int, seed: int = 0):
+    return pack(*split_blocks(random_blocks(qtype, n, k, seed), qtype), NATIVE[qtype])
+
+
+@QTYPES
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])  # every row-block width, and several blocks
+def test_bf16_rows_match_the_dequantized_weight_in_float32(qtype, rows):
+    n, k = 53, 512  # an odd tile count, a padded last tile
+    packed, layout = packed_weight(qtype, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    got = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), bias)
+    w = dequantize(packed, layout).double()
+    want = (x.double() @ w.t() + bias.double()).float()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # the float32 sums (in another order) are within 1e-5 of the exact product; one bf16 rounding
+    scale = (x.double().abs() @ w.abs().t()).float() + bias.float().abs()
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + scale * 1e-5).all()
+
+
+@QTYPES
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_float32_rows_are_the_float32_model(qtype, rows):
+    n, k = 40, 256
+    packed, layout = packed_weight(qtype, n, k, seed=3)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), None)
+    w = dequantize(packed, layout).double()
+    want = x.double() @ w.t()
+    assert got.dtype == torch.float32
+    # float32 sums in another order: within 1e-6 of the sum of the products' magnitudes
+    assert ((got.double() - want).abs() <= (x.double().abs() @ w.abs().t()) * 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_result_does_not_depend_on_the_batch(qtype, dtype):
+    packed, layout = packed_weight(qtype, 96, 512)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(1)).to(dtype)
+    batch = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), None)
+    for i in (0, 4, 12):
+        alone = torch.ops.astrai_cpu.quant_linear(x[i : i + 1], packed, layout.ints(), None)
+        assert torch.equal(alone[0], batch[i])
+
+
+@QTYPES
+def test_weight_t_and_rows_are_the_reference_dequantization(qtype):
+    packed, layout = packed_weight(qtype, 37, 256, seed=5)
+    ref = dequantize(packed, layout)
+    assert torch.equal(torch.ops.astrai_cpu.quant_weight_t(packed, layout.ints(), torch.float32), ref.t().contiguous())
+    assert torch.equal(torch.ops.astrai_cpu.quant_weight_t(packed, layout.ints(), torch.bfloat16), ref.t().bfloat16())
+    ids = torch.tensor([36, 0, 17, 17])
+    assert torch.equal(torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), ids, torch.bfloat16), ref[ids].bfloat16())
+
+
+def test_bad_inputs_are_refused():
+    packed, layout = packed_weight("Q4_1", 32, 64)
+    with pytest.raises(RuntimeError, match="tile layout"):
+        torch.ops.astrai_cpu.quant_linear(torch.randn(1, 64), packed[:-1], layout.ints(), None)
+    with pytest.raises(RuntimeError, match="rows \\[M, k\\]"):
+        torch.ops.astrai_cpu.quant_linear(torch.randn(1, 32), packed, layout.ints(), None)
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), torch.tensor([32]), torch.float32)

@@ -1,0 +1,79 @@
+"""The default model with its GGUF weights kept quantized (``--weights gguf``) on the CPU kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGUFReader
+
+from astrai.model import load_model, quantized_kernels
+from astrai.model.cpu_linear import PackedLinear
+from astrai.model.quant import QuantizedEmbedding, QuantizedLinear
+from astrai.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+PROMPTS = ["Describe the water cycle.", "Write a haiku about the sea.", "def fibonacci(n):", "List three primes."]
+
+
+@pytest.fixture(scope="module")
+def gguf_bf16(default_model_path, cpu_kernels):
+    why = quantized_kernels("cpu", torch.bfloat16)
+    if why is not None:
+        pytest.skip(why)
+    return load_model(str(default_model_path), dtype=torch.bfloat16, weights="gguf")
+
+
+def test_one_copy_of_the_files_blocks_and_no_dense_linear(gguf_bf16, default_model_path):
+    model, _ = gguf_bf16
+    reader = GGUFReader(default_model_path)
+    quantized_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name in ("Q4_1", "Q8_0"))
+    packed = sum(b.numel() for b in model.buffers() if b.dtype == torch.uint8)
+    assert packed == quantized_bytes  # Q4_1 and Q8_0 keep the file's bits: the same bytes, rearranged
+    assert not [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, torch.nn.Embedding))]
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert model.lm_head.segments[0][0] is model.model.embed_tokens.packed  # the tied head shares the table
+    assert sum(p.numel() for p in model.parameters()) < 100_000  # the norms: every weight matrix is quantized
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and len(qkv.layouts) == 1 and qkv.out_features == 960
+
+
+def _greedy(engine, prompts, n=24):
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    results = [engine.submit(engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]), params) for p in prompts]
+    assert all(r.wait_completion(120) for r in results)
+    for r in results:
+        r.raise_for_error()
+    return [r.output_ids for r in results]
+
+
+def test_bf16_greedy_is_independent_of_the_batch(gguf_bf16, make_engine):
+    """Run together or alone, a request's greedy tokens are the same, on the whole-step decode
+    kernel running the quantized linears."""
+    from astrai.extension.fused import _table
+    from astrai_backend_cpu.stack import DecoderLayersKernel
+
+    model, tokenizer = gguf_bf16
+    engine = make_engine(model, tokenizer, max_batch_size=8)
+    together = _greedy(engine, PROMPTS)
+    alone = [_greedy(engine, [p])[0] for p in PROMPTS[:2]]
+    assert alone == together[:2]
+    stack_kernel = _table[("decoder_layers", "cpu")]
+    assert isinstance(stack_kernel, DecoderLayersKernel) and stack_kernel._stacks.get(model) is not None
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.qkv_proj", "model.layers.7.self_attn.o_proj",
+                                  "model.layers.12.mlp.gate_up_proj", "model.layers.29.mlp.down_proj", "lm_head"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_bf16_products_are_nearer_the_exact_ones_than_the_dense_bf16_path(gguf_bf16, name, rows):
+    """On the model's own Q4_1 and Q8_0 weights: the kernel sums the exact dequantized products in
+    float32, where the dense bf16 path first rounds every weight to bf16, so its error against the
+    exact product is smaller (both round the output to bf16 once)."""
+    model, _ = gguf_bf16
+    packed, layout = model.get_submodule(name).segments[0]
+    w = torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), None, torch.float32)
+    x = torch.randn(rows, layout.k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    exact = x.double() @ w.double().t()
+    quant = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), None).double()
+    dense = torch.nn.functional.linear(x, w.bfloat16()).double()
+    assert (quant - exact).abs().mean() < 0.85 * (dense - exact).abs().mean()

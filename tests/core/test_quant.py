@@ -1,0 +1,83 @@
+"""GGUF blocks kept quantized (astrai.model.quant): the values are gguf-py's, the tile layout round-trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from astrai.model.quant import NATIVE, QuantizedLinear, QuantLayout, dequantize, pack, split_blocks
+
+# bytes per block, block size, and the offsets of the float16 fields (kept finite below)
+BLOCKS = {
+    "Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q5_0": (22, 32, [0]), "Q5_1": (24, 32, [0, 2]),
+    "Q8_0": (34, 32, [0]), "Q4_K": (144, 256, [0, 2]), "Q5_K": (176, 256, [0, 2]), "Q6_K": (210, 256, [208]),
+}  # fmt: skip
+
+
+def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks of ``qtype`` for a ``[rows, k]`` tensor (every code and sub-scale bit
+    pattern possible; the float16 scales finite and of either sign)."""
+    size, block, halves = BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * k // block, size), dtype=np.uint8)
+    for off in halves:
+        raw[:, off:off + 2] = rng.uniform(-0.05, 0.05, size=len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(NATIVE))
+def test_split_blocks_gives_gguf_py_values_to_the_bit(qtype):
+    rows, k = 5, 512
+    raw = random_blocks(qtype, rows, k)
+    codes, scales, mins = split_blocks(raw, qtype)
+    spec = NATIVE[qtype]
+    assert codes.shape == (rows, k) and scales.shape == (rows, k // spec.group)
+    assert (mins is not None) == spec.has_min
+    # scale * code, rounded, then + min: gguf-py's order of operations
+    values = np.repeat(scales, spec.group, axis=1) * codes.astype(np.float32)
+    if mins is not None:
+        values = values + np.repeat(mins, spec.group, axis=1)
+    expected = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, k)
+    np.testing.assert_array_equal(values, expected)
+
+
+@pytest.mark.parametrize("qtype", sorted(NATIVE))
+@pytest.mark.parametrize("rows", [16, 37])  # whole tiles, and a last tile padded with zero rows
+def test_pack_and_the_reference_dequantize_round_trip(qtype, rows):
+    k = 256
+    raw = random_blocks(qtype, rows, k, seed=rows)
+    packed, layout = pack(*split_blocks(raw, qtype), NATIVE[qtype])
+    assert packed.dtype == torch.uint8 and packed.numel() == layout.nbytes
+    assert layout.ints() == [rows, k, NATIVE[qtype].bits, NATIVE[qtype].group, int(NATIVE[qtype].has_min),
+                             int(NATIVE[qtype].f16_scales), int(NATIVE[qtype].signed)]  # fmt: skip
+    expected = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, k)
+    np.testing.assert_array_equal(dequantize(packed, layout).numpy(), expected)
+
+
+def test_file_sized_formats_keep_the_files_bits_per_weight():
+    # Q4_0, Q4_1 and Q8_0 hold exactly the file's bytes (codes plus float16 scales)
+    for qtype, bpw in (("Q4_0", 4.5), ("Q4_1", 5.0), ("Q8_0", 8.5)):
+        size, block, _ = BLOCKS[qtype]
+        assert NATIVE[qtype].bits_per_weight == bpw == size * 8 / block
+        layout = QuantLayout(64, 1024, NATIVE[qtype])
+        assert layout.nbytes == 64 * 1024 // block * size
+
+
+def test_concat_merges_whole_tile_segments_of_one_format_and_keeps_others_apart():
+    k = 64
+    parts = []
+    for qtype, rows in (("Q4_1", 32), ("Q4_1", 16), ("Q6_K", 16)):
+        raw = random_blocks(qtype, rows, 256 if qtype == "Q6_K" else k, seed=rows)
+        codes, scales, mins = split_blocks(raw, qtype)
+        if qtype == "Q6_K":  # a Q6_K tensor of the same k: its first 64 columns
+            codes, scales = codes[:, :k].copy(), scales[:, : k // 16].copy()
+        parts.append(QuantizedLinear([pack(codes, scales, mins, NATIVE[qtype])]))
+    fused = QuantizedLinear.concat(parts)
+    assert [lay.n for lay in fused.layouts] == [48, 16] and fused.out_features == 64
+    x = torch.randn(3, k)
+    with torch.no_grad():  # the reference path: no kernel is installed for these CPU tensors under grad
+        ref = torch.cat([x @ dequantize(p, lay).t() for part in parts for p, lay in part.segments], dim=1)
+        torch.testing.assert_close(fused(x), ref)
