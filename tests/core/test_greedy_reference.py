@@ -22,6 +22,31 @@ _spec = importlib.util.spec_from_file_location("greedy_reference", ROOT / "scrip
 greedy = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(greedy)
 REFERENCE = json.loads(greedy.REFERENCE.read_text())
+#: nats between the two tokens at a bfloat16 divergence, in float32 (ties flipped on this
+#: project's machines were 0.06 to 0.16 apart; a real change of the model's numbers is not a tie)
+NEAR_TIE = 0.25
+
+
+def _far_from_tie(differing: list[int], outputs: list[list[int]], expected: list[list[int]]) -> list[str]:
+    """The divergences of ``differing`` prompts that are no near-tie in float32 (see the module doc)."""
+    import torch
+
+    from astrai.engine import InferenceEngine
+    from astrai.sampling import SamplingParams
+
+    far = []
+    with InferenceEngine.from_model(None, dtype=torch.float32) as engine:
+        for i in differing:
+            at = next(j for j, (a, b) in enumerate(zip(outputs[i], expected[i], strict=True)) if a != b)
+            ids = list(REFERENCE["prompts"][i]) + expected[i][:at]
+            r = engine.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
+            r.wait_completion()
+            r.raise_for_error()
+            top = dict(r.logprobs[0].top)
+            now, then = top.get(outputs[i][at]), top.get(expected[i][at])
+            if now is None or then is None or abs(now - then) > NEAR_TIE:
+                far.append(f"prompt {i} at token {at}: {outputs[i][at]} ({now}) vs recorded {expected[i][at]} ({then})")
+    return far
 
 
 @pytest.mark.parametrize("case", sorted(REFERENCE["outputs"]))
@@ -37,4 +62,9 @@ def test_greedy_ids_equal_the_recorded_ones(case, default_model_path):
     outputs = greedy.generate(dtype, backend, REFERENCE["prompts"])
     expected = REFERENCE["outputs"][case]
     differing = [i for i, (a, b) in enumerate(zip(outputs, expected, strict=True)) if a != b]
+    if dtype == "bfloat16" and differing:
+        far = _far_from_tie(differing, outputs, expected)
+        assert not far, f"{case}: ids differ from those recorded at {REFERENCE['commit']} away from a near-tie: {far}"
+        assert len(differing) <= len(outputs) // 4, f"{case}: prompts {differing} differ (near-ties, but so many?)"
+        return
     assert not differing, f"{case}: prompts {differing} differ from the ids recorded at {REFERENCE['commit']}"
