@@ -164,6 +164,50 @@ def test_declines_what_the_layers_must_run(spy):
     release(pool, rows)
 
 
+def verify_step(model, pool, rows, tokens, lens, drafts):
+    """A speculative verify step: row i brings its decode token and ``drafts[i]`` drafts after it
+    (``drafts[i]`` 0: a plain decode row); returns the logits at every position, in order."""
+    q_lens = [1 + len(d) for d in drafts]
+    for row, n, q in zip(rows, lens, q_lens, strict=True):
+        assert pool.extend(row, n + q)
+    kv = pool.bind_tasks(rows, q_lens, [n + q for n, q in zip(lens, q_lens, strict=True)])
+    kv.drafts_host = tuple(len(d) for d in drafts)
+    ids = torch.tensor([t for tok, d in zip(tokens, drafts, strict=True) for t in [tok, *d]])
+    positions = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, q_lens, strict=True)])
+    return model(ids, positions, kv, torch.arange(sum(q_lens)))
+
+
+def test_verify_steps_run_on_it_bit_for_bit(spy):
+    """Decode rows with drafts after them (tokens attending up to their own positions) run on the
+    stack, with the layers' logits and K/V; a step that also prefills is the layers'."""
+    model = bf16_model()
+    pool = new_pool(model)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in (17, 40, 63)]
+    rows, tokens = prefill(model, pool, prompts)
+    lens = [len(p) for p in prompts]
+    drafts = [[7, 8, 9, 10], [], [11, 12]]
+    k0, v0 = pool.k_buffer.clone(), pool.v_buffer.clone()
+    got = verify_step(model, pool, rows, tokens, lens, drafts), pool.k_buffer.clone(), pool.v_buffer.clone()
+    assert spy[-1] is True, "the stack declined a verify step"
+    pool.k_buffer.copy_(k0)
+    pool.v_buffer.copy_(v0)
+    with installed(None):
+        want = verify_step(model, pool, rows, tokens, lens, drafts), pool.k_buffer, pool.v_buffer
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    new = pool.task_alloc()  # a fresh prompt beside a verify row: the layers run that step
+    n0 = lens[0] + 1 + len(drafts[0])
+    assert pool.extend(rows[0], n0 + 3) and pool.extend(new, 30)
+    kv = pool.bind_tasks([rows[0], new], [3, 30], [n0 + 3, 30])
+    kv.drafts_host = (2, 0)
+    ids = torch.tensor([tokens[0], 1, 2] + [5] * 30)
+    model(ids, torch.cat([torch.arange(n0, n0 + 3), torch.arange(30)]), kv, torch.tensor([0, 1, 2, 32]))
+    assert spy[-1] is False
+    rows2 = [new]
+    release(pool, rows + rows2)
+
+
 @pytest.mark.parametrize("kind", ["float32", "unfused projections", "patched layer"])
 def test_declines_models_it_does_not_replicate(spy, kind):
     if kind == "float32":

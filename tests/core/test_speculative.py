@@ -75,8 +75,11 @@ def test_a_step_is_verified_only_when_the_drafts_pay_for_it() -> None:
     sure, unsure = NgramState(rate=1.0), NgramState(rate=0.05)
     assert NgramProposer.worth(1, [(sure, 4)])
     assert not NgramProposer.worth(1, [(unsure, 4)])
-    assert not NgramProposer.worth(8, [(sure, 4)])  # one row's drafts do not pay for the batch's slower step
     assert NgramProposer.worth(8, [(sure, 4)] * 8)
+    half = NgramState(rate=0.3)  # drafts pay at batch 1, where a step is mostly streaming the weights ...
+    assert NgramProposer.worth(1, [(half, 4)])
+    assert not NgramProposer.worth(8, [(half, 4)] * 8)  # ... not at batch 8, where each row costs its share
+    assert not NgramProposer.worth(8, [(half, 4), (unsure, 8)])
 
 
 @pytest.mark.parametrize("bad", [{"num_speculative_tokens": 0}, {"num_speculative_tokens": 16}, {"ngram_min": 0},

@@ -6,10 +6,17 @@ and another 1.5-2 ms dispatching the dozen small calls of each of its 30 layers.
 the GIL released: bit for bit the layers' result on this plugin's kernels.
 
 It runs a step only when the layer-by-layer path would run it on these same kernels: bf16,
-rows that all decode (no more than the ``linear`` kernel's ``max_rows``), the step's attention
+tokens that all decode (no more than the ``linear`` kernel's ``max_rows``), the step's attention
 backend this plugin's own (``KVCache.backend``), and a model whose ``decoder_stack()``
-describes stock layers with fused projections on bf16 ``PackedLinear``s; otherwise it returns
-``None`` and the model runs its layers.
+describes stock layers with fused projections on bf16 ``PackedLinear``s or GGUF weights kept
+quantized; otherwise it returns ``None`` and the model runs its layers.
+
+"Tokens that all decode" takes in a speculative verify step whose other rows decode: the CPU
+backend's plan (``backend._cpu_plan``) then lays every token out as a decode row over the
+positions up to its own (a row's drafts after its decode token, in order). The stack writes a
+layer's K/V for all tokens before it attends, so each draft sees the K/V of those before it: the
+layer-by-layer result, at the cost of a decode step of ``1 + drafts`` rows, where the layers run
+from Python cost half as much again as the whole decode step.
 """
 
 from __future__ import annotations
@@ -44,12 +51,18 @@ class DecoderLayersKernel:
         t = x.shape[0]
         if (
             x.dtype != torch.bfloat16
-            or kv_cache.max_q_len != 1
             or (self._linear.max_rows is not None and t > self._linear.max_rows)
             or kv_cache.k_buffer.dtype != torch.bfloat16
             or type(kv_cache.backend) is not self._backend
         ):
             return None
+        if kv_cache.max_q_len == 1:
+            rows, seq_lens = kv_cache.req_pool_indices, kv_cache.seq_lens
+        else:  # a verify step: every token a decode row of the backend's plan, or not the stack's
+            plan = kv_cache.plan.get(self._backend.name)
+            if plan is None or plan.tok_rows is not None or plan.native is not None or plan.chunks is not None:
+                return None
+            rows, seq_lens = plan.rows, plan.seq_lens
         try:
             stack = self._stacks[model]
         except KeyError:
@@ -58,7 +71,7 @@ class DecoderLayersKernel:
             return None
         return stack.forward(
             x, freqs.reshape(t, -1, 2), kv_cache.k_buffer, kv_cache.v_buffer, kv_cache.req_to_token,
-            kv_cache.req_pool_indices, kv_cache.seq_lens, kv_cache.out_cache_loc,
+            rows, seq_lens, kv_cache.out_cache_loc,
         )  # fmt: skip
 
     def _build(self, model) -> object | None:

@@ -13,10 +13,10 @@ drafts against the model's greedy tokens and ``BatchPolicy.update`` rolls the re
 Only requests whose next token is the argmax of the raw logits (``SamplingParams.plain_greedy``,
 without log-probs) speculate: for them the output is the one decoding without speculation gives.
 
-A draft costs: a verify step cannot take the whole-step decode kernel and computes ``1 + d``
-rows for such a request. ``worth`` keeps drafts to steps where the tokens they are expected to
-add (each request's recent acceptance rate times its draft length) pay for that; a request whose
-drafts keep being rejected drafts less and less often (``observe``).
+A draft costs: a verify step computes ``1 + d`` rows for such a request. ``worth`` keeps drafts
+to steps where the tokens they are expected to add (each request's recent acceptance rate times
+its draft length) pay for that; a request whose drafts keep being rejected drafts less and less
+often (``observe``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-#: A verify step's cost over a plain decode step of the same batch, as a share of that step:
-#: a fixed part (no whole-step decode kernel, the ragged layout) and a part per draft token.
-#: Measured on 2 AVX512-BF16 cores with SmolLM2-135M in bf16 at batch 1 and 8 (a decode step of
-#: 18 and 33 ms; verifying 4 drafts per row: 28 and 110 ms).
-VERIFY_OVERHEAD = 0.5
-DRAFT_TOKEN_COST = 0.06
+#: A step's cost that does not grow with its tokens (streaming the weights through the cores),
+#: in tokens' worth of the part that does: a step of T tokens costs about ``WEIGHT_TOKENS + T``.
+#: Measured on 2 AVX512-BF16 cores with SmolLM2-135M in bf16, verify rows on the whole-step decode
+#: kernel (``benchmarks/spec_bench.py``'s machine): batch 1: 12.2 ms plain, 13.4 ms with 4 drafts,
+#: 16.2 ms with 8; batch 8: 21.7 ms plain, 49.6 ms with 4 drafts per row.
+WEIGHT_TOKENS = 10.0
 #: Steps a request waits before it drafts again after a draft that was wholly rejected: doubles
 #: with each such draft, up to this many, and is back to 0 after a draft with an accepted token.
 MAX_COOLDOWN = 32
@@ -99,8 +99,9 @@ class NgramProposer:
     def worth(rows: int, drafts: Sequence[tuple[NgramState, int]], ragged: bool = False) -> bool:
         """Whether a step of ``rows`` decode rows gains from verifying ``drafts`` (each request's
         state and draft length): the tokens they are expected to add, as a share of the ``rows``
-        tokens the step gives anyway, must exceed what verifying them adds to its time
-        (``ragged``: the step has prefill rows, so it pays no fixed part)."""
+        tokens the step gives anyway, must exceed the share the drafted tokens add to the step's
+        cost (``WEIGHT_TOKENS + rows``; ``ragged``: the step has prefill rows too, which makes it
+        costlier, so the same drafts add a smaller share: the estimate without them is kept)."""
         expected = sum(state.rate * d for state, d in drafts)
-        cost = (0.0 if ragged else VERIFY_OVERHEAD) + DRAFT_TOKEN_COST * sum(d for _, d in drafts)
-        return expected > cost * rows
+        drafted = sum(d for _, d in drafts)
+        return expected * (WEIGHT_TOKENS + rows) > drafted * rows
