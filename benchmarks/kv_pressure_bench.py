@@ -13,7 +13,7 @@ float32 by default, so that greedy texts can be compared (in bfloat16 a row's ro
 the batch it shares). ``--policy PATH`` runs both engines with the ``BatchPolicy`` of another ``batching.py`` (a copy of an
 earlier version, to measure before and after a change; it must match this tree's scheduler).
 
-Usage: python benchmarks/kv_pressure_bench.py [--kv-tokens 2000] [--requests 32] [--quick]
+Usage: python benchmarks/kv_pressure_bench.py [--kv-tokens 2000] [--requests 32] [--dtype bfloat16] [--weights gguf] [--quick]
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--alone", type=int, default=4, help="requests rerun alone on the tight pool (most preempted first)")
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
                     help="float32 by default: in bfloat16 a row's greedy text depends on its batch")  # fmt: skip
+    ap.add_argument("--weights", default="dense", choices=["dense", "gguf"], help="load_model's: GGUF weights kept quantized or not")
     ap.add_argument("--policy", default=None, help="path of another batching.py whose BatchPolicy to measure")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests of 60-110 tokens, 16 new, 400 slots")
     args = ap.parse_args()
@@ -148,13 +149,13 @@ def main() -> None:
     policy_logger.addHandler(log)
     policy_logger.propagate = False  # the counts only; one INFO line per preemption is noise here
 
-    model, tokenizer = load_model(None, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(None, dtype=getattr(torch, args.dtype), weights=args.weights)
     batch = prompts(tokenizer, args.requests, args.prompt_min, args.prompt_max)
     out: dict = {
         "config": {
             "model": model.config.name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "requests": len(batch), "prompt_tokens": [min(map(len, batch)), max(map(len, batch))],
-            "max_tokens": args.max_tokens, "policy": args.policy or "this tree", "threads": torch.get_num_threads(),
+            "max_tokens": args.max_tokens, "weights": args.weights, "policy": args.policy or "this tree", "threads": torch.get_num_threads(),
         },
     }  # fmt: skip
     results = {}
