@@ -1,4 +1,4 @@
-"""``astrai_cpu::quant_linear`` / ``quant_weight_t`` / ``quant_dequant`` against astrai.model.quant's reference."""
+"""``astrai_cpu::quant_linear`` / ``quant_linear_wide`` / ``quant_weight_t`` / ``quant_dequant`` against astrai.model.quant's reference."""
 
 from __future__ import annotations
 
@@ -72,6 +72,22 @@ def test_weight_t_and_rows_are_the_reference_dequantization(qtype):
     assert torch.equal(torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), ids, torch.bfloat16), ref[ids].bfloat16())
 
 
+@QTYPES
+@pytest.mark.parametrize("rows", [65, 200])
+def test_wide_rows_are_the_dense_bf16_models_bit_for_bit(qtype, rows):
+    """``quant_linear_wide`` (prefill): every row against the weight as the bf16 model holds it,
+    on ``linear_packed``'s loops: equal to ``linear_packed`` on the dequantized bf16 weight."""
+    n, k = 53, 512  # an odd tile count, a padded last tile
+    packed, layout = packed_weight(qtype, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    got = torch.ops.astrai_cpu.quant_linear_wide(x, packed, layout.ints(), bias)
+    dense = torch.ops.astrai_cpu.linear_pack(dequantize(packed, layout).bfloat16())
+    assert torch.equal(got, torch.ops.astrai_cpu.linear_packed(x, dense, n, bias))
+    assert torch.equal(got[7:9], torch.ops.astrai_cpu.quant_linear_wide(x[7:9], packed, layout.ints(), bias))
+
+
 def test_bad_inputs_are_refused():
     packed, layout = packed_weight("Q4_1", 32, 64)
     with pytest.raises(RuntimeError, match="tile layout"):
@@ -80,3 +96,5 @@ def test_bad_inputs_are_refused():
         torch.ops.astrai_cpu.quant_linear(torch.randn(1, 32), packed, layout.ints(), None)
     with pytest.raises(RuntimeError, match="outside"):
         torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), torch.tensor([32]), torch.float32)
+    with pytest.raises(RuntimeError, match="bf16 rows"):
+        torch.ops.astrai_cpu.quant_linear_wide(torch.randn(70, 64), packed, layout.ints(), None)

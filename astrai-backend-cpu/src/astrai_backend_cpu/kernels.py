@@ -46,11 +46,22 @@ class QuantLinearKernel:
     """``astrai.extension.fused``'s ``quant_linear`` on ``astrai_cpu::quant_linear`` (see ``csrc/quant.cpp``).
 
     ``max_rows``: bf16 inputs up to 64 rows (decode steps) run on the kernel, which reads the
-    quantized weight once per step; larger ones (prefill) dequantize the weight once and take
-    oneDNN's GEMM (AMX where the CPU has it), whose throughput the dot-product kernel does not reach.
+    quantized weight once per step; larger ones (prefill) go to ``wide``
+    (``astrai_cpu::quant_linear_wide``: each pair of 16-row tiles dequantized to bf16 into a
+    buffer the size of the L2 cache, then ``linear_packed``'s loops for every row over it: the
+    dense model's weights, no copy of the whole weight). Where the CPU has AMX, ``wide`` is
+    ``None``: the weight is dequantized whole and oneDNN's tile GEMMs take it.
     """
 
     max_rows = 64
+
+    def __init__(self) -> None:
+        if torch.cpu._is_amx_tile_supported():
+            self.wide = None
+
+    @staticmethod
+    def wide(x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.astrai_cpu.quant_linear_wide(x, packed, layout, bias)
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.astrai_cpu.quant_linear(x, packed, layout, bias)

@@ -22,6 +22,11 @@ bool has_linear_packed();
 at::Tensor linear_pack(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias);
+// M rows of x (row stride ldx, 2 * K2 columns) against tiles [t0, t1) of a linear_pack layout
+// whose data starts at w (tile t0's), into out (row stride N, columns of those tiles): one
+// thread's share of linear_packed, for kernels that pack tiles of their own on the fly.
+void packed_rows(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, const at::BFloat16* bias,
+                 at::BFloat16* out, int64_t N, int64_t K2, int64_t t0, int64_t t1);
 
 // quant.cpp
 bool has_quant_linear();

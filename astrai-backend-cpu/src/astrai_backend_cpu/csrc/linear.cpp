@@ -34,15 +34,16 @@ constexpr int64_t TILE = 16;
 constexpr int64_t PF = 48;
 
 #if defined(__AVX512BF16__)
-// Tiles [t0, t1) of the output for M rows of x (row stride ldx, an even number of columns K2 * 2).
+// Tiles [t0, t1) of the output for M rows of x (row stride ldx, an even number of columns K2 * 2);
+// w: the packed data of tile t0, the others after it.
 template <int M>
-void tiles(const at::BFloat16* x, int64_t ldx, const at::BFloat16* packed, const at::BFloat16* bias,
+void tiles(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, const at::BFloat16* bias,
            at::BFloat16* out, int64_t N, int64_t K2, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; t += 2) {
     const int u_count = t + 1 < t1 ? 2 : 1;
     __m512 acc[2][M];
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
-    const at::BFloat16* w0 = packed + t * K2 * 2 * TILE;
+    const at::BFloat16* w0 = w + (t - t0) * K2 * 2 * TILE;
     const at::BFloat16* w1 = w0 + K2 * 2 * TILE;
     if (u_count == 2) {
       for (int64_t kp = 0; kp < K2; ++kp) {
@@ -136,25 +137,31 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   // first block and from the cache for the second.
   at::parallel_for(0, (n_tiles + 1) / 2, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
-      const int64_t t1 = std::min(n_tiles, t + 2);
-      for (int64_t r = 0; r < M; r += 8) {
-        const at::BFloat16* xr = xp + r * ldx;
-        at::BFloat16* orow = op + r * n;
-        switch (std::min<int64_t>(8, M - r)) {
-          case 1: tiles<1>(xr, ldx, wp, bp, orow, n, K2, t, t1); break;
-          case 2: tiles<2>(xr, ldx, wp, bp, orow, n, K2, t, t1); break;
-          case 3: tiles<3>(xr, ldx, wp, bp, orow, n, K2, t, t1); break;
-          case 4: tiles<4>(xr, ldx, wp, bp, orow, n, K2, t, t1); break;
-          case 5: tiles<5>(xr, ldx, wp, bp, orow, n, K2, t, t1); break;
-          case 6: tiles<6>(xr, ldx, wp, bp, orow, n, K2, t, t1); break;
-          case 7: tiles<7>(xr, ldx, wp, bp, orow, n, K2, t, t1); break;
-          default: tiles<8>(xr, ldx, wp, bp, orow, n, K2, t, t1); break;
-        }
-      }
+      packed_rows(xp, ldx, M, wp + t * K2 * 2 * TILE, bp, op, n, K2, t, std::min(n_tiles, t + 2));
     }
   });
 #endif
   return out;
+}
+
+void packed_rows(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, const at::BFloat16* bias,
+                 at::BFloat16* out, int64_t N, int64_t K2, int64_t t0, int64_t t1) {
+#if defined(__AVX512BF16__)
+  for (int64_t r = 0; r < M; r += 8) {
+    const at::BFloat16* xr = x + r * ldx;
+    at::BFloat16* orow = out + r * N;
+    switch (std::min<int64_t>(8, M - r)) {
+      case 1: tiles<1>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 2: tiles<2>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 3: tiles<3>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 4: tiles<4>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 5: tiles<5>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 6: tiles<6>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 7: tiles<7>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      default: tiles<8>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+    }
+  }
+#endif
 }
 
 }  // namespace astrai_cpu

@@ -490,6 +490,78 @@ at::Tensor quant_weight_t(const at::Tensor& packed, const std::vector<int64_t>& 
   return out;
 }
 
+at::Tensor quant_linear_wide(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                             const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_quant_linear() && has_linear_packed(), "quant_linear_wide: built without AVX512-BF16");
+  const Layout L = parse(layout, packed);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == L.k && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "quant_linear_wide: x must be bf16 rows [M, k] on the CPU");
+  const at::Tensor xs = x.contiguous();
+  const at::BFloat16* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == L.n && b.scalar_type() == at::kBFloat16, "quant_linear_wide: bias must be bf16 [n]");
+    bp = b.const_data_ptr<at::BFloat16>();
+  }
+  const int64_t M = xs.size(0), n = L.n, n_tiles = L.tiles(), K2 = L.k / 2;
+  auto out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+#if defined(__AVX512BF16__)
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const at::BFloat16* xp = xs.const_data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t G = L.group, n_groups = L.groups(), rec = L.record(), sb = L.scale_bytes();
+  alignas(64) float vals[16];
+  for (int i = 0; i < 16; ++i) vals[i] = static_cast<float>(L.sign && i >= 8 ? i - 16 : i);
+  const __m512 table = _mm512_load_ps(vals);
+  at::parallel_for(0, (n_tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    // two tiles in linear_pack's layout, [K2][16][2] bf16 each: 2 x 16 x k x 2 bytes (L2-sized)
+    std::vector<at::BFloat16> buf(2 * K2 * 2 * TILE);
+    uint32_t* wb = reinterpret_cast<uint32_t*>(buf.data());
+    for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
+      const int64_t t1 = std::min(n_tiles, t + 2);
+      for (int64_t u = t; u < t1; ++u) {
+        uint32_t* tile = wb + (u - t) * K2 * TILE;
+        // columns k and k + 1 of the tile's 16 rows (scale * code, rounded, + min, rounded: the
+        // dense model's float32 weights), rounded to bf16 and paired as linear_pack lays them out
+        auto put = [&](int64_t k, __m512 c0, __m512 c1, __m512 sc, __m512 mn) {
+          const auto w = [&](__m512 code) {
+            __m512 v = _mm512_mul_round_ps(code, sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (L.has_min) v = _mm512_add_round_ps(v, mn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+          };
+          _mm512_storeu_si512(tile + (k / 2) * TILE, _mm512_or_si512(w(c0), _mm512_slli_epi32(w(c1), 16)));
+        };
+        for (int64_t g = 0; g < n_groups; ++g) {
+          const uint8_t* r = wp + u * L.tile_bytes() + g * rec;
+          const __m512 sc = load_scales(r, L.f16);
+          const __m512 mn = L.has_min ? load_scales(r + sb, L.f16) : _mm512_setzero_ps();
+          const uint8_t* codes = r + sb * (1 + L.has_min);
+          const int64_t k0 = g * G;
+          if (L.bits == 4) {
+            for (int64_t dp = 0; dp < G / 4; ++dp) {
+              const __m512i d = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + dp * 32)));
+              put(k0 + 4 * dp, _mm512_permutexvar_ps(d, table), _mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), table), sc, mn);
+              put(k0 + 4 * dp + 2, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table),
+                  _mm512_permutexvar_ps(_mm512_srli_epi32(d, 20), table), sc, mn);
+            }
+          } else {
+            for (int64_t p = 0; p < G / 2; ++p) {
+              const __m512i d = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32)));
+              put(k0 + 2 * p, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 16), 16)),
+                  _mm512_cvtepi32_ps(_mm512_srai_epi32(d, 16)), sc, mn);
+            }
+          }
+        }
+      }
+      packed_rows(xp, L.k, M, buf.data(), bp, op, n, K2, t, t1);
+    }
+  });
+#endif
+  return out;
+}
+
 }  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
@@ -497,10 +569,12 @@ TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor packed, int[] layout, Tensor? bias) -> Tensor");
   m.def("quant_dequant(Tensor packed, int[] layout, Tensor? rows, ScalarType dtype) -> Tensor");
   m.def("quant_weight_t(Tensor packed, int[] layout, ScalarType dtype) -> Tensor");
+  m.def("quant_linear_wide(Tensor x, Tensor packed, int[] layout, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
   m.impl("quant_linear", &astrai_cpu::quant_linear);
   m.impl("quant_dequant", &astrai_cpu::quant_dequant);
   m.impl("quant_weight_t", &astrai_cpu::quant_weight_t);
+  m.impl("quant_linear_wide", &astrai_cpu::quant_linear_wide);
 }

@@ -258,10 +258,12 @@ class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` (no grad) whose weight stays in the tile layout: ``segments`` of rows, each
     ``(packed, layout)`` (a fused projection whose parts differ in type keeps one per part).
 
-    Rows up to the kernel's ``max_rows`` (decode) run on ``quant_linear``; more rows (prefill)
-    dequantize the weight to the input's dtype (``quant_weight_t``) and take oneDNN's GEMM, the
-    cost shared by the rows. Without a kernel for the input's device, the reference
-    ``dequantize``.
+    Rows up to the kernel's ``max_rows`` (decode) run on ``quant_linear``; more bf16 rows
+    (prefill) run on the kernel's ``wide`` where it has one (astrai-backend-cpu without AMX:
+    tiles of the weight dequantized in turn, as the bf16 model holds them, each used by every
+    row while it is in the cache), else dequantize the whole weight to the input's dtype
+    (``quant_weight_t``) and take oneDNN's GEMM. Without a kernel for the input's device, the
+    reference ``dequantize``.
     """
 
     def __init__(self, segments: list[tuple[torch.Tensor, QuantLayout]], bias: torch.Tensor | None = None) -> None:
@@ -308,6 +310,10 @@ class QuantizedLinear(nn.Module):
             n0 += lay.n
             if kernel is not None and (rows.shape[0] <= kernel.max_rows or rows.dtype != torch.bfloat16):
                 outs.append(kernel(rows, packed, lay.ints(), bias))  # the bias added before the one rounding
+                continue
+            wide = getattr(kernel, "wide", None) if kernel is not None else None
+            if wide is not None:  # many rows: tile after tile dequantized (as the bf16 model holds it)
+                outs.append(wide(rows, packed, lay.ints(), bias))
                 continue
             # many rows: the whole weight dequantized once (as the bf16 model holds it), oneDNN's GEMM
             wt = kernel.weight_t(packed, lay.ints(), rows.dtype) if kernel is not None else dequantize(packed, lay).to(rows.dtype).t()
