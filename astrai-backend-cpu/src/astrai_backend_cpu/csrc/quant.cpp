@@ -92,6 +92,47 @@ inline __m512 load_scales(const uint8_t* p, bool f16) {
              : _mm512_loadu_ps(reinterpret_cast<const float*>(p));
 }
 
+// The 4-bit codes' values as float32 (0..15, or -8..7 for signed layouts).
+inline __m512 code_table(const Layout& L) {
+  alignas(64) float vals[16];
+  for (int i = 0; i < 16; ++i) vals[i] = static_cast<float>(L.sign && i >= 8 ? i - 16 : i);
+  return _mm512_load_ps(vals);
+}
+
+// One tile's weights, column pair by column pair: put(k, a, b) for each even column k, a and b
+// the weights of columns k and k + 1 of the tile's 16 rows in float32, scale * code rounded, then
+// + min rounded (gguf-py's order, no fused multiply-add: the dense model's weights). table:
+// code_table(L).
+template <class Put>
+inline void tile_weights(const uint8_t* tile, const Layout& L, __m512 table, Put&& put) {
+  const int64_t G = L.group, rec = L.record(), sb = L.scale_bytes();
+  for (int64_t g = 0; g < L.groups(); ++g) {
+    const uint8_t* r = tile + g * rec;
+    const __m512 sc = load_scales(r, L.f16);
+    const __m512 mn = L.has_min ? load_scales(r + sb, L.f16) : _mm512_setzero_ps();
+    const auto w = [&](__m512 code) {
+      const __m512 v = _mm512_mul_round_ps(code, sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return L.has_min ? _mm512_add_round_ps(v, mn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) : v;
+    };
+    const uint8_t* codes = r + sb * (1 + L.has_min);
+    const int64_t k0 = g * G;
+    if (L.bits == 4) {  // dword j = byte 2j | byte 2j+1 << 16: nibbles at bits 0, 16, 4, 20 are columns 0-3
+      for (int64_t dp = 0; dp < G / 4; ++dp) {
+        const __m512i d = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + dp * 32)));
+        put(k0 + 4 * dp, w(_mm512_permutexvar_ps(d, table)), w(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), table)));
+        put(k0 + 4 * dp + 2, w(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table)),
+            w(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 20), table)));
+      }
+    } else {
+      for (int64_t p = 0; p < G / 2; ++p) {
+        const __m512i d = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32)));
+        put(k0 + 2 * p, w(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 16), 16))),
+            w(_mm512_cvtepi32_ps(_mm512_srai_epi32(d, 16))));
+      }
+    }
+  }
+}
+
 inline uint16_t bf16_bits(float f) {  // exact for the small integers of the tables
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -442,48 +483,25 @@ at::Tensor quant_weight_t(const at::Tensor& packed, const std::vector<int64_t>& 
   auto out = at::empty({L.k, L.n}, at::TensorOptions().dtype(dtype));
 #if defined(__AVX512BF16__)
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  const int64_t G = L.group, n_groups = L.groups(), rec = L.record(), sb = L.scale_bytes(), n = L.n;
-  alignas(64) float vals[16];
-  for (int i = 0; i < 16; ++i) vals[i] = static_cast<float>(L.sign && i >= 8 ? i - 16 : i);
-  const __m512 table = _mm512_load_ps(vals);
+  const int64_t n = L.n;
+  const __m512 table = code_table(L);
   const bool bf16 = dtype == at::kBFloat16;
   char* base = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, L.tiles(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * TILE, count = std::min<int64_t>(TILE, n - n0);
       const __mmask16 keep = count == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-      // one column k of the tile's 16 rows: scale * code, rounded, then + min, rounded (gguf-py's order)
-      auto put = [&](int64_t k, __m512 code, __m512 sc, __m512 mn) {
-        __m512 w = _mm512_mul_round_ps(code, sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        if (L.has_min) w = _mm512_add_round_ps(w, mn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const auto store = [&](int64_t k, __m512 w) {
         if (bf16) {
           _mm256_mask_storeu_epi16(base + 2 * (k * n + n0), keep, (__m256i)_mm512_cvtneps_pbh(w));
         } else {
           _mm512_mask_storeu_ps(base + 4 * (k * n + n0), keep, w);
         }
       };
-      for (int64_t g = 0; g < n_groups; ++g) {
-        const uint8_t* r = wp + t * L.tile_bytes() + g * rec;
-        const __m512 sc = load_scales(r, L.f16);
-        const __m512 mn = L.has_min ? load_scales(r + sb, L.f16) : _mm512_setzero_ps();
-        const uint8_t* codes = r + sb * (1 + L.has_min);
-        const int64_t k0 = g * G;
-        if (L.bits == 4) {
-          for (int64_t dp = 0; dp < G / 4; ++dp) {
-            const __m512i d = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + dp * 32)));
-            put(k0 + 4 * dp, _mm512_permutexvar_ps(d, table), sc, mn);
-            put(k0 + 4 * dp + 1, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), table), sc, mn);
-            put(k0 + 4 * dp + 2, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table), sc, mn);
-            put(k0 + 4 * dp + 3, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 20), table), sc, mn);
-          }
-        } else {
-          for (int64_t p = 0; p < G / 2; ++p) {
-            const __m512i d = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32)));
-            put(k0 + 2 * p, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 16), 16)), sc, mn);
-            put(k0 + 2 * p + 1, _mm512_cvtepi32_ps(_mm512_srai_epi32(d, 16)), sc, mn);
-          }
-        }
-      }
+      tile_weights(wp + t * L.tile_bytes(), L, table, [&](int64_t k, __m512 a, __m512 b) {
+        store(k, a);
+        store(k + 1, b);
+      });
     }
   });
 #endif
@@ -511,10 +529,7 @@ at::Tensor quant_linear_wide(const at::Tensor& x, const at::Tensor& packed, cons
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   const at::BFloat16* xp = xs.const_data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t G = L.group, n_groups = L.groups(), rec = L.record(), sb = L.scale_bytes();
-  alignas(64) float vals[16];
-  for (int i = 0; i < 16; ++i) vals[i] = static_cast<float>(L.sign && i >= 8 ? i - 16 : i);
-  const __m512 table = _mm512_load_ps(vals);
+  const __m512 table = code_table(L);
   at::parallel_for(0, (n_tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     // two tiles in linear_pack's layout, [K2][16][2] bf16 each: 2 x 16 x k x 2 bytes (L2-sized)
     std::vector<at::BFloat16> buf(2 * K2 * 2 * TILE);
@@ -523,37 +538,12 @@ at::Tensor quant_linear_wide(const at::Tensor& x, const at::Tensor& packed, cons
       const int64_t t1 = std::min(n_tiles, t + 2);
       for (int64_t u = t; u < t1; ++u) {
         uint32_t* tile = wb + (u - t) * K2 * TILE;
-        // columns k and k + 1 of the tile's 16 rows (scale * code, rounded, + min, rounded: the
-        // dense model's float32 weights), rounded to bf16 and paired as linear_pack lays them out
-        auto put = [&](int64_t k, __m512 c0, __m512 c1, __m512 sc, __m512 mn) {
-          const auto w = [&](__m512 code) {
-            __m512 v = _mm512_mul_round_ps(code, sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            if (L.has_min) v = _mm512_add_round_ps(v, mn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-          };
-          _mm512_storeu_si512(tile + (k / 2) * TILE, _mm512_or_si512(w(c0), _mm512_slli_epi32(w(c1), 16)));
-        };
-        for (int64_t g = 0; g < n_groups; ++g) {
-          const uint8_t* r = wp + u * L.tile_bytes() + g * rec;
-          const __m512 sc = load_scales(r, L.f16);
-          const __m512 mn = L.has_min ? load_scales(r + sb, L.f16) : _mm512_setzero_ps();
-          const uint8_t* codes = r + sb * (1 + L.has_min);
-          const int64_t k0 = g * G;
-          if (L.bits == 4) {
-            for (int64_t dp = 0; dp < G / 4; ++dp) {
-              const __m512i d = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + dp * 32)));
-              put(k0 + 4 * dp, _mm512_permutexvar_ps(d, table), _mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), table), sc, mn);
-              put(k0 + 4 * dp + 2, _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table),
-                  _mm512_permutexvar_ps(_mm512_srli_epi32(d, 20), table), sc, mn);
-            }
-          } else {
-            for (int64_t p = 0; p < G / 2; ++p) {
-              const __m512i d = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32)));
-              put(k0 + 2 * p, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 16), 16)),
-                  _mm512_cvtepi32_ps(_mm512_srai_epi32(d, 16)), sc, mn);
-            }
-          }
-        }
+        // columns k and k + 1, rounded to bf16 and paired as linear_pack lays them out
+        tile_weights(wp + u * L.tile_bytes(), L, table, [&](int64_t k, __m512 a, __m512 b) {
+          const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+          const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+          _mm512_storeu_si512(tile + (k / 2) * TILE, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        });
       }
       packed_rows(xp, L.k, M, buf.data(), bp, op, n, K2, t, t1);
     }
