@@ -16,6 +16,7 @@ request generates ``NEW_TOKENS`` tokens (``ignore_eos``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -57,19 +58,28 @@ def benchmark_prompts(tokenizer) -> list[list[int]]:
     return draw(32, 32, 512) + draw(1, 32, 32)
 
 
+@functools.cache
+def _model(dtype: str):
+    """The default model in ``dtype`` and its tokenizer, loaded once per process (each dtype's two
+    backend cases share it: the backend is the scheduler's, the model holds no state of a run)."""
+    from astrai.model import load_model
+
+    return load_model(None, dtype=getattr(torch, dtype))
+
+
 def generate(dtype: str, backend: str, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy ids of every prompt, all queued before the first step (the engine's default pool and
     prefill budget), the scheduler stepped on this thread: every step's batch is the same on every
     run, so even a kernel whose rounding depends on the batch gives reproducible ids."""
     from astrai.engine import EngineConfig, GenerateResult
     from astrai.kvcache import PagePool
-    from astrai.model import IncrementalDecoder, load_model
+    from astrai.model import IncrementalDecoder
     from astrai.request import Request
     from astrai.sampling import SamplingParams
     from astrai.scheduler import InferenceScheduler
     from astrai.stopping import StopChecker
 
-    model, tokenizer = load_model(None, dtype=getattr(torch, dtype))
+    model, tokenizer = _model(dtype)
     _load_backends()
     config, mc = EngineConfig(), model.config
     pool = PagePool(mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
