@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from astrai.batching import BatchPolicy
+from astrai.cpu_tuning import release_openmp_team
 from astrai.errors import EngineNotReady, Overloaded, RequestRejected
 from astrai.extension.backend.policy import requested_backend
 from astrai.request import FinishReason, Request
@@ -116,6 +117,7 @@ class InferenceScheduler:
     # ------------------------------------------------------------ other threads
     def start(self, warm_up: bool = False) -> None:
         """Start the loop thread; with ``warm_up``, return once a warm-up forward ran on it."""
+        release_openmp_team()  # this thread's team would throttle the loop's (astrai.cpu_tuning)
         self._publish_stats()
         self._warm = threading.Event() if warm_up else None
         self._thread.start()
@@ -130,8 +132,10 @@ class InferenceScheduler:
         """Queue ``req``; raises RequestRejected if it can never fit, EngineNotReady if stopped.
 
         The checks that depend on the model and the pool run here, once per request. The
-        attention-backend choice in force on the calling thread is kept with the request.
+        attention-backend choice in force on the calling thread is kept with the request. The
+        calling thread hands back any OpenMP team it formed since (``astrai.cpu_tuning``).
         """
+        release_openmp_team()
         if not req.prompt_ids:
             raise RequestRejected("empty prompt: at least one token is needed", param="prompt")
         if self.vocab_size is not None and not 0 <= min(req.prompt_ids) <= max(req.prompt_ids) < self.vocab_size:
