@@ -51,6 +51,26 @@ def test_float32_rows_are_the_float32_model(qtype, rows):
     assert ((got.double() - want).abs() <= (x.double().abs() @ w.abs().t()) * 1e-6).all()
 
 
+@QTYPES
+@pytest.mark.parametrize("rows", [1, 9, 70])  # 70: past max_rows, still this kernel
+def test_float_out_gives_bf16_rows_float32_sums_unrounded(qtype, rows):
+    """An LM head's logits: the same float32 sums as the bf16 outputs, before their rounding."""
+    n, k = 53, 512
+    packed, layout = packed_weight(qtype, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    got = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), bias, True)
+    rounded = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert torch.equal(got.bfloat16(), rounded)  # one rounding (to nearest even) of the very same sums
+    w = dequantize(packed, layout).double()
+    want = x.double() @ w.t() + bias.double()
+    scale = x.double().abs() @ w.abs().t() + bias.double().abs()
+    assert ((got.double() - want).abs() <= scale * 1e-5).all()
+    assert (got.double() - want).abs().max() < (rounded.double() - want).abs().max()
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_rows_result_does_not_depend_on_the_batch(qtype, dtype):

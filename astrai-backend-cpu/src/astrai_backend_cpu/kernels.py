@@ -63,8 +63,10 @@ class QuantLinearKernel:
     def wide(x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.astrai_cpu.quant_linear_wide(x, packed, layout, bias)
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.astrai_cpu.quant_linear(x, packed, layout, bias)
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None, float_out: bool = False
+    ) -> torch.Tensor:
+        return torch.ops.astrai_cpu.quant_linear(x, packed, layout, bias, float_out)
 
     @staticmethod
     def weight_t(packed: torch.Tensor, layout: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,7 @@ void packed_rows(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat
 // quant.cpp
 bool has_quant_linear();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
-                        const c10::optional<at::Tensor>& bias);
+                        const c10::optional<at::Tensor>& bias, bool float_out = false);
 
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,

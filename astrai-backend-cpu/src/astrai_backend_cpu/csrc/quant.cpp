@@ -10,7 +10,8 @@
 // quant_linear on bf16 rows: y[n] = sum_g (scale[n,g] * S[n,g] + min[n,g] * X[g]), where
 // S[n,g] = sum over the group of code * x (the codes expanded to bf16 exactly in registers by a
 // 32-entry table, dotted with the bf16 activations in float32: exact products) and X[g] = the
-// group's sum of x; then the bias, and one rounding to bf16. That is the dequantized model's
+// group's sum of x; then the bias, and one rounding to bf16 (none with float_out: an LM head's
+// logits, whose top two a bf16 rounding can tie). That is the dequantized model's
 // product up to the order of the float32 sums (no 8-bit activations, unlike llama.cpp's CPU
 // path), and a row's result never depends on the other rows. On float32 rows the same with the
 // codes expanded to float32 and fused multiply-adds (the float32 model, for the oracle tests).
@@ -28,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -146,9 +148,10 @@ inline uint16_t bf16_bits(float f) {  // exact for the small integers of the tab
 // stream of group records is prefetched PF_BYTES ahead: without it, one row read 96 MB of Q4_1
 // at about 12 GB/s on 2 cores, with it the 120 layer GEMMs of SmolLM2 take 1.5-1.8x less time
 // than the bf16 ones (they were 1.3x).
-template <int M, int U, int BITS>
+// The outputs are rounded to bf16 once, or stored in float32 (OutT float: an LM head's logits).
+template <int M, int U, int BITS, typename OutT>
 void tiles_bf16(const uint32_t* x32, int64_t ldx, const float* xsum, const uint8_t* packed, const Layout& L,
-                __m512i table, const at::BFloat16* bias, at::BFloat16* out, int64_t ldo, int64_t t) {
+                __m512i table, const at::BFloat16* bias, OutT* out, int64_t ldo, int64_t t) {
   const int64_t G = L.group, n_groups = L.groups(), rec = L.record(), sb = L.scale_bytes();
   // The running sums, touched once per group: in registers for up to 4 rows; for more, in memory
   // (L1), so that the registers hold the group's dots of both tiles (2 x 8 of them) without spills.
@@ -230,8 +233,12 @@ void tiles_bf16(const uint32_t* x32, int64_t ldx, const float* xsum, const uint8
       bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
     }
     for (int m = 0; m < M; ++m) {
-      const __m256bh rr = _mm512_cvtneps_pbh(_mm512_add_ps(acc(u, m), bv));
-      _mm256_mask_storeu_epi16(out + m * ldo + n0, keep, (__m256i)rr);
+      const __m512 v = _mm512_add_ps(acc(u, m), bv);
+      if constexpr (std::is_same_v<OutT, float>) {
+        _mm512_mask_storeu_ps(out + m * ldo + n0, keep, v);
+      } else {
+        _mm256_mask_storeu_epi16(out + m * ldo + n0, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      }
     }
   }
 }
@@ -313,9 +320,9 @@ void by_rows(int64_t rows, F&& f) {  // f(M) for blocks of up to 4 rows
   for (int64_t r = 0; r < rows; r += 4) f(r, std::min<int64_t>(4, rows - r));
 }
 
-template <int BITS>
+template <int BITS, typename OutT>
 void run_bf16(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const Layout& L, const at::BFloat16* bp,
-              at::BFloat16* op) {
+              OutT* op) {
   const int64_t M = xs.size(0), ldx = xs.size(1) / 2, n_tiles = L.tiles(), G = L.groups();
   const auto* x32 = reinterpret_cast<const uint32_t*>(xs.const_data_ptr<at::BFloat16>());
   alignas(64) uint16_t words[32];
@@ -333,10 +340,10 @@ void run_bf16(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const 
         const int64_t m = std::min<int64_t>(8, M - r);
         const uint32_t* xr = x32 + r * ldx;
         const float* sr = xsum == nullptr ? nullptr : xsum + r * G;
-        at::BFloat16* orow = op + r * L.n;
+        OutT* orow = op + r * L.n;
 #define ASTRAI_Q(MM)                                                                          \
-  if (pair) tiles_bf16<MM, 2, BITS>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);             \
-  else tiles_bf16<MM, 1, BITS>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);
+  if (pair) tiles_bf16<MM, 2, BITS, OutT>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);       \
+  else tiles_bf16<MM, 1, BITS, OutT>(xr, ldx, sr, wp, L, table, bp, orow, L.n, t);
         switch (m) {
           case 1: ASTRAI_Q(1) break;
           case 2: ASTRAI_Q(2) break;
@@ -396,7 +403,7 @@ bool has_quant_linear() {
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
-                        const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& bias, bool float_out) {
   TORCH_CHECK(has_quant_linear(), "quant_linear: built without AVX512-BF16");
   const Layout L = parse(layout, packed);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == L.k && x.device().is_cpu() &&
@@ -409,7 +416,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
     TORCH_CHECK(b.numel() == L.n && b.scalar_type() == x.scalar_type(), "quant_linear: bias must be [n] in x's dtype");
   }
   const int64_t M = xs.size(0), G = L.groups();
-  auto out = at::empty({M, L.n}, x.options());
+  // float_out: float32 outputs whatever x's dtype (bf16 rows: the sums are not rounded to bf16)
+  auto out = at::empty({M, L.n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (M == 0) return out;
 #if defined(__AVX512BF16__)
   std::vector<float> xsum;
@@ -428,8 +436,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   if (x.scalar_type() == at::kBFloat16) {
     const at::BFloat16* bp = b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr;
-    if (L.bits == 4) run_bf16<4>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>());
-    else run_bf16<8>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>());
+    if (float_out) {
+      if (L.bits == 4) run_bf16<4>(xs, sp, wp, L, bp, out.data_ptr<float>());
+      else run_bf16<8>(xs, sp, wp, L, bp, out.data_ptr<float>());
+    } else if (L.bits == 4) {
+      run_bf16<4>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>());
+    } else {
+      run_bf16<8>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>());
+    }
   } else {
     const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
     if (L.bits == 4) run_f32<4>(xs, sp, wp, L, bp, out.data_ptr<float>());
@@ -556,7 +570,7 @@ at::Tensor quant_linear_wide(const at::Tensor& x, const at::Tensor& packed, cons
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("has_quant_linear() -> bool", &astrai_cpu::has_quant_linear);
-  m.def("quant_linear(Tensor x, Tensor packed, int[] layout, Tensor? bias) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int[] layout, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("quant_dequant(Tensor packed, int[] layout, Tensor? rows, ScalarType dtype) -> Tensor");
   m.def("quant_weight_t(Tensor packed, int[] layout, ScalarType dtype) -> Tensor");
   m.def("quant_linear_wide(Tensor x, Tensor packed, int[] layout, Tensor? bias) -> Tensor");

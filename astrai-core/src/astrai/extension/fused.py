@@ -28,8 +28,9 @@ import torch.nn.functional as F
 #: ``None`` without side effects when it cannot run this model or step (the model then runs its
 #: layers one by one). Its result must be the layers' own on the same kernels.
 #: ``quant_linear`` runs ``QuantizedLinear`` (astrai.model.quant: GGUF weights kept in its tile
-#: layout): ``__call__(x, packed, layout, bias)`` for bf16 or float32 rows ``x [M, K]`` (the
-#: dequantized weight's product, summed in float32, the bias added, one rounding); ``max_rows``:
+#: layout): ``__call__(x, packed, layout, bias, float_out=False)`` for bf16 or float32 rows
+#: ``x [M, K]`` (the dequantized weight's product, summed in float32, the bias added, one rounding
+#: to x's dtype; with ``float_out``, float32 and any number of rows: an LM head); ``max_rows``:
 #: the most bf16 rows it takes (more go to ``weight_t(packed, layout, dtype)``, the weight
 #: dequantized and transposed ``[K, N]``, and oneDNN's GEMM); ``rows(packed, layout, ids, dtype)``:
 #: rows of the weight dequantized (embedding lookups).

@@ -258,7 +258,9 @@ class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` (no grad) whose weight stays in the tile layout: ``segments`` of rows, each
     ``(packed, layout)`` (a fused projection whose parts differ in type keeps one per part).
 
-    Rows up to the kernel's ``max_rows`` (decode) run on ``quant_linear``; more bf16 rows
+    ``float_out`` (an LM head): float32 outputs, every row on ``quant_linear`` (bf16 rows: the
+    float32 sums are not rounded to bf16, where two logits a few hundredths apart would tie).
+    Otherwise rows up to the kernel's ``max_rows`` (decode) run on ``quant_linear``; more bf16 rows
     (prefill) run on the kernel's ``wide`` where it has one (astrai-backend-cpu without AMX:
     tiles of the weight dequantized in turn, as the bf16 model holds them, each used by every
     row while it is in the cache), else dequantize the whole weight to the input's dtype
@@ -274,6 +276,7 @@ class QuantizedLinear(nn.Module):
         for i, (packed, _) in enumerate(segments):
             self.register_buffer(f"packed{i}", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.float_out = False
 
     @property
     def segments(self) -> list[tuple[torch.Tensor, QuantLayout]]:
@@ -308,6 +311,9 @@ class QuantizedLinear(nn.Module):
         for packed, lay in self.segments:
             bias = None if self.bias is None else self.bias[n0 : n0 + lay.n].to(rows.dtype)
             n0 += lay.n
+            if kernel is not None and self.float_out:
+                outs.append(kernel(rows, packed, lay.ints(), bias, float_out=True))
+                continue
             if kernel is not None and (rows.shape[0] <= kernel.max_rows or rows.dtype != torch.bfloat16):
                 outs.append(kernel(rows, packed, lay.ints(), bias))  # the bias added before the one rounding
                 continue
@@ -358,7 +364,7 @@ def install_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> dict
 
     A projection that is fused with others (q/k/v, gate/up) stays quantized only if they all
     are; otherwise its weight is dequantized to ``dtype`` with theirs. A tied LM head shares
-    the quantized embedding table.
+    the quantized embedding table; a quantized LM head gives float32 logits (``float_out``).
     """
     quant = {name: w for name, w in state.items() if isinstance(w, QuantWeight)}
     dense = {name: w for name, w in state.items() if not isinstance(w, QuantWeight)}
@@ -382,4 +388,6 @@ def install_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> dict
         if isinstance(embed, QuantizedEmbedding):
             model.lm_head = embed.as_linear()
         dense.pop("lm_head.weight", None)
+    if isinstance(model.lm_head, QuantizedLinear):  # logits in float32, as the kernel sums them
+        model.lm_head.float_out = True
     return dense
