@@ -6,7 +6,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from astrai.model import load_model, quantized_kernels
+from astrai.model import keeps_quantized, load_model, quantized_kernels
 from astrai.model.cpu_linear import PackedLinear
 from astrai.model.quant import QuantizedEmbedding, QuantizedLinear
 from astrai.sampling import SamplingParams
@@ -49,12 +49,14 @@ def _greedy(engine, prompts, n=24):
 
 def test_bf16_greedy_is_independent_of_the_batch(gguf_bf16, make_engine):
     """Run together or alone, a request's greedy tokens are the same, on the whole-step decode
-    kernel running the quantized linears."""
+    kernel running the quantized linears, with float32 logits. Every step stays within the
+    kernel's 64 rows (prefill chunks of 32 tokens): a larger step takes the bf16-rounded weights
+    of ``quant_linear_wide``, so a prompt prefilled among many tokens may continue differently."""
     from astrai.extension.fused import _table
     from astrai_backend_cpu.stack import DecoderLayersKernel
 
     model, tokenizer = gguf_bf16
-    engine = make_engine(model, tokenizer, max_batch_size=8)
+    engine = make_engine(model, tokenizer, max_batch_size=8, max_prefill_tokens=32)
     together = _greedy(engine, PROMPTS)
     alone = [_greedy(engine, [p])[0] for p in PROMPTS[:2]]
     assert alone == together[:2]
@@ -77,3 +79,23 @@ def test_bf16_products_are_nearer_the_exact_ones_than_the_dense_bf16_path(gguf_b
     quant = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), None).double()
     dense = torch.nn.functional.linear(x, w.bfloat16()).double()
     assert (quant - exact).abs().mean() < 0.85 * (dense - exact).abs().mean()
+
+
+def test_auto_weights_keep_the_blocks_in_bfloat16_on_the_cpu_only(gguf_bf16):
+    """``--weights auto`` (astrai serve's default): quantized where the kernels run with bf16
+    activations; dense in float32 (exact GEMMs on the file's values), in float16 and off the CPU,
+    where "gguf" is refused."""
+    assert keeps_quantized("auto", "cpu", torch.bfloat16)
+    assert keeps_quantized("gguf", "cpu", torch.bfloat16) and keeps_quantized("gguf", "cpu", torch.float32)
+    assert not keeps_quantized("auto", "cpu", torch.float32)
+    assert not keeps_quantized("dense", "cpu", torch.bfloat16)
+    for device, dtype in (("cpu", torch.float16), ("meta", torch.bfloat16)):
+        assert not keeps_quantized("auto", device, dtype)
+        with pytest.raises(ValueError, match="--weights gguf: "):
+            keeps_quantized("gguf", device, dtype)
+
+
+def test_serve_defaults_to_auto_weights():
+    from astrai_server.config import ServerSettings
+
+    assert ServerSettings().weights == "auto"

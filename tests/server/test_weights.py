@@ -1,4 +1,5 @@
-"""``astrai serve --weights gguf``: the default model served on its quantized blocks, through the OpenAI SDK."""
+"""``astrai serve --weights gguf`` and the default ``--weights auto`` in bf16: the default model served on its
+quantized blocks, through the OpenAI SDK."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the quantized kernels need AVX512-BF16")
 
 
-def test_chat_and_a_stream_on_quantized_weights(start_server):
-    served = start_server("--weights", "gguf", "--max-seq-len", "1024")
+@pytest.mark.parametrize(
+    "flags", [("--weights", "gguf"), ("--dtype", "bfloat16")], ids=["gguf-float32", "default-weights-bfloat16"]
+)
+def test_chat_and_a_stream_on_quantized_weights(start_server, flags):
+    """``--weights gguf``, and the default (``auto``) in bf16: the quantized blocks serve."""
+    served = start_server(*flags, "--max-seq-len", "1024")
     assert "quantized linears" in served.log()  # the load line names them: 90 layer projections and the head
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "What is the capital of France?"}]

@@ -65,7 +65,7 @@ class ServerSettings(BaseModel):
     served_model_name: str = "astrai"  # the name /v1/models lists
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: astrai.model.default_dtype
-    weights: Literal["auto", "gguf", "dense"] = "dense"  # a GGUF file's quantized weights: kept (gguf) or dequantized
+    weights: Literal["auto", "gguf", "dense"] = "auto"  # a GGUF file's quantized weights: kept (gguf), dequantized (dense), or auto
     attention_backend: str | None = None  # an astrai.attention_backends entry point: EngineConfig.attention_backend
     max_batch_size: int = Field(64, ge=1)
     max_seq_len: int | None = Field(None, ge=2)  # None: the model's context length

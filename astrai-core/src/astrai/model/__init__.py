@@ -85,8 +85,9 @@ def build_model(
 
 
 #: ``load_model``'s ``weights``: "gguf" keeps a GGUF file's quantized blocks (astrai.model.quant),
-#: "dense" (the default) dequantizes them into ``dtype`` at load; "auto" is "gguf" where the
-#: quantized kernels run, else "dense".
+#: "dense" (``load_model``'s default) dequantizes them into ``dtype`` at load; "auto" (``astrai
+#: serve``'s default) is "gguf" where the quantized kernels run and the activations are bfloat16,
+#: else "dense" (float32 asks for the file's values in exact float32 GEMMs: dense holds them).
 WEIGHTS = ("auto", "gguf", "dense")
 
 
@@ -104,6 +105,19 @@ def quantized_kernels(device: str | torch.device, dtype: torch.dtype) -> str | N
         if kernel_for("quant_linear", torch.empty(0)) is None:
             return "no quant_linear kernel is installed (astrai-backend-cpu on a CPU with AVX512-BF16)"
     return None
+
+
+def keeps_quantized(weights: str, device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``weights`` (``WEIGHTS``) keeps a GGUF file's quantized blocks on ``device`` in
+    ``dtype``; "gguf" where the kernels cannot run raises ValueError saying why."""
+    if weights == "dense":
+        return False
+    why_not = quantized_kernels(device, dtype)
+    if weights == "gguf":
+        if why_not is not None:
+            raise ValueError(f"--weights gguf: {why_not}")
+        return True
+    return why_not is None and dtype == torch.bfloat16  # auto
 
 
 def load_model(
@@ -187,12 +201,7 @@ def _load(
     from astrai.model.quant import QuantizedLinear, install_quantized
 
     start = time.perf_counter()
-    quantized = False
-    if weights_mode != "dense":
-        why_not = quantized_kernels(device, dtype)
-        if why_not is not None and weights_mode == "gguf":
-            raise ValueError(f"--weights gguf: {why_not}")
-        quantized = why_not is None
+    quantized = keeps_quantized(weights_mode, device, dtype)
     config, weights, kind, _path = read_checkpoint(name_or_path, dtype, quantized)
     tokenizer = load_tokenizer(name_or_path, config)
     model = build_model(config, dtype, device, random_init=False)  # load_weights sets every parameter
