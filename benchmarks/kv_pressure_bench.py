@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--alone", type=int, default=4, help="requests rerun alone on the tight pool (most preempted first)")
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
                     help="float32 by default: in bfloat16 a row's greedy text depends on its batch")  # fmt: skip
-    ap.add_argument("--weights", default="dense", choices=["dense", "gguf"], help="load_model's: GGUF weights kept quantized or not")
+    ap.add_argument("--weights", default="dense", choices=["dense", "gguf", "auto"], help="load_model's: GGUF weights kept quantized or not (auto: astrai serve's default)")
     ap.add_argument("--policy", default=None, help="path of another batching.py whose BatchPolicy to measure")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests of 60-110 tokens, 16 new, 400 slots")
     args = ap.parse_args()
