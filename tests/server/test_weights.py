@@ -13,12 +13,10 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the quantized kernels need AVX512-BF16")
 
 
-@pytest.mark.parametrize(
-    "flags", [("--weights", "gguf"), ("--dtype", "bfloat16")], ids=["gguf-float32", "default-weights-bfloat16"]
-)
-def test_chat_and_a_stream_on_quantized_weights(start_server, flags):
-    """``--weights gguf``, and the default (``auto``) in bf16: the quantized blocks serve."""
-    served = start_server(*flags, "--max-seq-len", "1024")
+def test_chat_and_a_stream_on_quantized_weights_by_default_in_bfloat16(start_server):
+    """The default ``--weights auto`` in bf16 serves on the quantized blocks (``--weights gguf`` in
+    float32 is the oracle tests' model, tests/integration/test_oracle.py)."""
+    served = start_server("--dtype", "bfloat16", "--max-seq-len", "1024")  # no --weights: the default
     assert "quantized linears" in served.log()  # the load line names them: 90 layer projections and the head
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
