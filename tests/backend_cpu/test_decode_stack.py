@@ -285,4 +285,4 @@ def test_the_engine_packs_and_builds_the_stack_before_the_first_request(make_eng
     assert all(m._onednn is None for m in linears)  # and no input went to oneDNN
     with torch.no_grad():
         stacks = fused.kernel_for("decoder_layers", torch.empty(0))._stacks
-    assert stacks.get(model) is not None
+    assert stacks[model][0] is not None

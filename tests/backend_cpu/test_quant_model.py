@@ -61,7 +61,7 @@ def test_bf16_greedy_is_independent_of_the_batch(gguf_bf16, make_engine):
     alone = [_greedy(engine, [p])[0] for p in PROMPTS[:2]]
     assert alone == together[:2]
     stack_kernel = _table[("decoder_layers", "cpu")]
-    assert isinstance(stack_kernel, DecoderLayersKernel) and stack_kernel._stacks.get(model) is not None
+    assert isinstance(stack_kernel, DecoderLayersKernel) and stack_kernel._stacks[model][0] is not None
 
 
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.qkv_proj", "model.layers.7.self_attn.o_proj",
@@ -99,3 +99,37 @@ def test_serve_defaults_to_auto_weights():
     from astrai_server.config import ServerSettings
 
     assert ServerSettings().weights == "auto"
+
+
+def test_the_decode_stack_takes_a_quantized_models_steps_up_to_the_quantized_kernels_rows(gguf_bf16, make_engine):
+    """The stack's row limit is that of the kernels its linears call: on quantized weights
+    ``quant_linear``'s ``max_rows``, not the dense ``linear`` kernel's (oneDNN's on an AMX CPU)."""
+    from astrai.extension import fused
+
+    model, tokenizer = gguf_bf16
+    with torch.no_grad():
+        real = fused.kernel_for("decoder_layers", torch.empty(0))
+        linear, quant = fused.kernel_for("linear", torch.empty(0)), fused.kernel_for("quant_linear", torch.empty(0))
+    decode_rows: list[tuple[int, bool]] = []  # (rows, whether the stack ran them) per decode step
+
+    def spy(model_, x, freqs, kv_cache):
+        out = real(model_, x, freqs, kv_cache)
+        if kv_cache.max_q_len == 1:
+            decode_rows.append((x.shape[0], out is not None))
+        return out
+
+    before = linear.max_rows
+    fused.register_kernel("decoder_layers", spy, "cpu")
+    try:
+        engine = make_engine(model, tokenizer, max_batch_size=4)
+        linear.max_rows = 1  # the dense kernel's limit: not this model's
+        _greedy(engine, PROMPTS, n=4)
+        assert (4, True) in decode_rows and all(ran for _, ran in decode_rows)
+        decode_rows.clear()
+        quant.max_rows = 2  # an instance attribute over the class's 64
+        _greedy(engine, PROMPTS, n=4)
+        assert (4, False) in decode_rows and all(ran == (rows <= 2) for rows, ran in decode_rows)
+    finally:
+        linear.max_rows = before
+        quant.__dict__.pop("max_rows", None)
+        fused.register_kernel("decoder_layers", real, "cpu")

@@ -6,7 +6,7 @@ and another 1.5-2 ms dispatching the dozen small calls of each of its 30 layers.
 the GIL released: bit for bit the layers' result on this plugin's kernels.
 
 It runs a step only when the layer-by-layer path would run it on these same kernels: bf16,
-tokens that all decode (no more than the ``linear`` kernel's ``max_rows``), the step's attention
+tokens that all decode (no more than its linears' kernels take: ``DecoderLayersKernel``), the step's attention
 backend this plugin's own (``KVCache.backend``), and a model whose ``decoder_stack()``
 describes stock layers with fused projections on bf16 ``PackedLinear``s or GGUF weights kept
 quantized; otherwise it returns ``None`` and the model runs its layers.
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from astrai.extension.fused import kernel_for
 from astrai.model.cpu_linear import PackedLinear
 from astrai.model.quant import QuantizedLinear
 
@@ -39,7 +40,9 @@ class DecoderLayersKernel:
     ``linear`` is the plugin's ``linear`` kernel: the stack shares the weights it packs for
     ``PackedLinear`` (no further copy). ``backend`` is the attention backend class whose steps
     it runs (``CpuBackend``; not a subclass, which may attend differently). One
-    ``DecodeStack`` per model, built on first use.
+    ``DecodeStack`` per model, built on first use. A step runs on it when it has no more rows
+    than each kind of its linears' kernels takes: ``linear``'s ``max_rows`` for dense ones
+    (16 on an AMX CPU, where oneDNN's tile GEMMs then win), ``quant_linear``'s for quantized ones.
     """
 
     def __init__(self, linear, backend: type) -> None:
@@ -49,12 +52,7 @@ class DecoderLayersKernel:
 
     def __call__(self, model, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
         t = x.shape[0]
-        if (
-            x.dtype != torch.bfloat16
-            or (self._linear.max_rows is not None and t > self._linear.max_rows)
-            or kv_cache.k_buffer.dtype != torch.bfloat16
-            or type(kv_cache.backend) is not self._backend
-        ):
+        if x.dtype != torch.bfloat16 or kv_cache.k_buffer.dtype != torch.bfloat16 or type(kv_cache.backend) is not self._backend:
             return None
         if kv_cache.max_q_len == 1:
             rows, seq_lens = kv_cache.req_pool_indices, kv_cache.seq_lens
@@ -64,35 +62,49 @@ class DecoderLayersKernel:
                 return None
             rows, seq_lens = plan.rows, plan.seq_lens
         try:
-            stack = self._stacks[model]
+            stack, kinds = self._stacks[model]
         except KeyError:
-            stack = self._stacks[model] = self._build(model)
-        if stack is None:
+            stack, kinds = self._stacks[model] = self._build(model)
+        if stack is None or any(limit is not None and t > limit for limit in self._row_limits(kinds, x)):
             return None
         return stack.forward(
             x, freqs.reshape(t, -1, 2), kv_cache.k_buffer, kv_cache.v_buffer, kv_cache.req_to_token,
             rows, seq_lens, kv_cache.out_cache_loc,
         )  # fmt: skip
 
-    def _build(self, model) -> object | None:
-        """The model's ``DecodeStack``, or ``None`` when its ``decoder_stack()`` is not what it runs."""
+    def _row_limits(self, kinds: frozenset[str], x: torch.Tensor) -> list[int | None]:
+        """The most rows each kind of linear kernel the stack calls takes (None: any number)."""
+        limits = []
+        if "dense" in kinds:
+            limits.append(self._linear.max_rows)
+        if "quant" in kinds:
+            quant = kernel_for("quant_linear", x)
+            limits.append(0 if quant is None else quant.max_rows)
+        return limits
+
+    def _build(self, model) -> tuple[object | None, frozenset[str]]:
+        """The model's ``DecodeStack`` (``None`` when its ``decoder_stack()`` is not what it runs)
+        and the kinds of its linears ("dense", "quant")."""
         describe = getattr(model, "decoder_stack", None)
         spec = describe() if callable(describe) else None
         if spec is None:
-            return None
-        packed, layouts = [], []
+            return None, frozenset()
+        packed, layouts, kinds = [], [], set()
         for lin in spec.linears:
             if isinstance(lin, PackedLinear) and lin.weight.dtype == torch.bfloat16:
                 packed.append(lin.packed_for(self._linear)[0])
                 layouts += [0] * 7
+                kinds.add("dense")
             elif isinstance(lin, QuantizedLinear) and len(lin.layouts) == 1:  # one format: one kernel call
                 packed.append(lin.segments[0][0])
                 layouts += lin.layouts[0].ints()
+                kinds.add("quant")
             else:
-                return None
+                return None, frozenset()
         norms = [w.detach().to(torch.bfloat16).contiguous() for w in spec.norms]
         biases = [b.detach().to(torch.bfloat16).contiguous() for b in spec.qkv_biases]
-        return torch.classes.astrai_cpu.DecodeStack(
+        stack = torch.classes.astrai_cpu.DecodeStack(
             spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.intermediate_size, spec.eps, spec.scale,
             norms, packed, biases, layouts,
         )  # fmt: skip
+        return stack, frozenset(kinds)
