@@ -13,7 +13,7 @@ serve_bench.py's OpenAI-streaming client with EOS ignored, and the script prints
 llama-server comes from ``../shared/peers`` (``setup.sh`` builds it, ``start.sh llamacpp`` runs it:
 2 threads, 8 slots, continuous batching, the GGUF's own Q4_1). ``--no-peer`` skips it.
 
-Usage: python benchmarks/quant_bench.py [--quick] [--no-peer] [--peers DIR]
+Usage: python benchmarks/quant_bench.py [--quick] [--no-peer] [--peers DIR] [--llama-arg=ARG ...]
 
 Reuses serve_bench.py, which must sit beside it.
 """
@@ -67,6 +67,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny workloads (smoke run)")
     ap.add_argument("--no-peer", action="store_true", help="without llama-server")
     ap.add_argument("--peers", type=Path, default=PEERS, help="the peers folder (setup.sh, start.sh)")
+    ap.add_argument("--llama-arg", action="append", default=[],
+                    help="an extra llama-server argument, repeatable (--llama-arg=--no-repack: its AMX repacking crashed at start on an AMX Xeon)")  # fmt: skip
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "astrai-bench")
     args = ap.parse_args()
     args.dtype = "bfloat16"
@@ -86,7 +88,7 @@ def main() -> int:
     }
     if not args.no_peer:
         systems["llama_server"] = lambda port: bench.System(
-            "llama_server", ["bash", str(args.peers / "start.sh"), "llamacpp", str(port)], "astrai",
+            "llama_server", ["bash", str(args.peers / "start.sh"), "llamacpp", str(port), *args.llama_arg], "astrai",
             {"ignore_eos": True}, port,
         )  # fmt: skip
     log_dir = Path(tempfile.mkdtemp(prefix="quant-bench-"))
