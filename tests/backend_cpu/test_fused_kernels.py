@@ -91,6 +91,35 @@ def test_linear_is_f_linear_and_batch_invariant(k, bias, rows):
             assert torch.equal(kernel(x[i : i + 1], packed, b)[0], got[i])
 
 
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 11, 70])  # 70: past the AMX limit, still the kernel
+def test_linear_float_out_is_the_unrounded_sum_for_an_lm_head(rows):
+    """``float_out``: the float32 sums the bf16 result rounds; PackedLinear takes it for the LM head
+    (prepack_linears), on the kernel for any number of rows."""
+    from astrai.model.cpu_linear import PackedLinear, prepack_linears
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    w = (torch.randn(1001, 96, generator=gen) / 96**0.5).bfloat16()
+    b = torch.randn(1001, generator=gen).bfloat16()
+    with torch.no_grad():
+        kernel = fused.kernel_for("linear", x)
+        packed = kernel.pack(w)
+        got = kernel(x, packed, b, float_out=True)
+        assert got.dtype == torch.float32
+        assert torch.equal(got.bfloat16(), kernel(x, packed, b))  # one rounding of the very same sums
+        exact = x.double() @ w.double().t() + b.double()
+        assert (got.double() - exact).abs().max() < (got.bfloat16().double() - exact).abs().max()
+
+        model = torch.nn.Module()
+        model.body, model.lm_head = torch.nn.Linear(96, 96, bias=False), torch.nn.Linear(96, 1001)
+        model.lm_head.weight.data, model.lm_head.bias.data = w, b
+        model.body.to(torch.bfloat16)
+        assert prepack_linears(model) == 2
+        assert isinstance(model.lm_head, PackedLinear) and model.lm_head.float_out and not model.body.float_out
+        assert torch.equal(model.lm_head(x), got)
+
+
 def test_linear_takes_any_number_of_rows_where_there_is_no_amx():
     kernel = fused._table[("linear", "cpu")]
     assert kernel.max_rows == (64 if torch.cpu._is_amx_tile_supported() else None)

@@ -42,8 +42,10 @@ class LinearKernel:
         """The ``[N, K]`` weight in 16-row tiles by pairs of k, and ``N``."""
         return torch.ops.astrai_cpu.linear_pack(weight.contiguous()), weight.shape[0]
 
-    def __call__(self, x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.astrai_cpu.linear_packed(x, packed[0], packed[1], bias)
+    def __call__(
+        self, x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None, float_out: bool = False
+    ) -> torch.Tensor:
+        return torch.ops.astrai_cpu.linear_packed(x, packed[0], packed[1], bias, float_out)
 
 
 class QuantLinearKernel:

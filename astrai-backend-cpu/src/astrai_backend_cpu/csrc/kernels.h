@@ -21,7 +21,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& freqs);
 bool has_linear_packed();
 at::Tensor linear_pack(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias);
+                         const c10::optional<at::Tensor>& bias, bool float_out = false);
 // M rows of x (row stride ldx, 2 * K2 columns) against tiles [t0, t1) of a linear_pack layout
 // whose data starts at w (tile t0's), into out (row stride N, columns of those tiles): one
 // thread's share of linear_packed, for kernels that pack tiles of their own on the fly.

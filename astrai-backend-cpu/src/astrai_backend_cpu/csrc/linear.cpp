@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -36,9 +37,10 @@ constexpr int64_t PF = 48;
 #if defined(__AVX512BF16__)
 // Tiles [t0, t1) of the output for M rows of x (row stride ldx, an even number of columns K2 * 2);
 // w: the packed data of tile t0, the others after it.
-template <int M>
+// The outputs are rounded to bf16 once, or stored in float32 (OutT float: an LM head's logits).
+template <int M, typename OutT>
 void tiles(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, const at::BFloat16* bias,
-           at::BFloat16* out, int64_t N, int64_t K2, int64_t t0, int64_t t1) {
+           OutT* out, int64_t N, int64_t K2, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; t += 2) {
     const int u_count = t + 1 < t1 ? 2 : 1;
     __m512 acc[2][M];
@@ -79,8 +81,12 @@ void tiles(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, const at::
         b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
       }
       for (int m = 0; m < M; ++m) {
-        const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(acc[u][m], b));  // round to nearest even
-        _mm256_mask_storeu_epi16(out + m * N + n0, keep, (__m256i)r);
+        const __m512 v = _mm512_add_ps(acc[u][m], b);
+        if constexpr (std::is_same_v<OutT, float>) {
+          _mm512_mask_storeu_ps(out + m * N + n0, keep, v);
+        } else {
+          _mm256_mask_storeu_epi16(out + m * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(v));  // round to nearest even
+        }
       }
     }
   }
@@ -109,7 +115,12 @@ at::Tensor linear_pack(const at::Tensor& weight) {
   return padded.view({Np / TILE, TILE, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+template <typename OutT>
+void packed_rows_as(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, const at::BFloat16* bias,
+                    OutT* out, int64_t N, int64_t K2, int64_t t0, int64_t t1);
+
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                         bool float_out) {
   TORCH_CHECK(has_linear_packed(), "linear_packed: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_packed: x must be bf16 rows [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == TILE && packed.size(3) == 2 && packed.is_contiguous() &&
@@ -126,50 +137,61 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   // an even number of contiguous columns: the pairs of k are read as 32-bit words
   const at::Tensor xs = x.size(1) % 2 ? at::constant_pad_nd(x, {0, 1}) : x.contiguous();
   const int64_t M = xs.size(0), K2 = packed.size(1), n_tiles = (n + TILE - 1) / TILE;
-  auto out = at::empty({M, n}, x.options());
+  // float_out: float32 outputs, the sums not rounded to bf16 (an LM head's logits)
+  auto out = at::empty({M, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
   const at::BFloat16* xp = xs.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t ldx = xs.stride(0);
   // in pairs of tiles; at least 8 pairs (256 outputs) per thread's share. Rows in blocks of 8: a
   // pair of tiles (two 16-row slices of the weight, K x 64 bytes) is read from memory for the
   // first block and from the cache for the second.
   at::parallel_for(0, (n_tiles + 1) / 2, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
-      packed_rows(xp, ldx, M, wp + t * K2 * 2 * TILE, bp, op, n, K2, t, std::min(n_tiles, t + 2));
+      if (float_out) {
+        packed_rows_as(xp, ldx, M, wp + t * K2 * 2 * TILE, bp, out.data_ptr<float>(), n, K2, t, std::min(n_tiles, t + 2));
+      } else {
+        packed_rows_as(xp, ldx, M, wp + t * K2 * 2 * TILE, bp, out.data_ptr<at::BFloat16>(), n, K2, t, std::min(n_tiles, t + 2));
+      }
     }
   });
 #endif
   return out;
 }
 
-void packed_rows(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, const at::BFloat16* bias,
-                 at::BFloat16* out, int64_t N, int64_t K2, int64_t t0, int64_t t1) {
+template <typename OutT>
+void packed_rows_as(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, const at::BFloat16* bias,
+                    OutT* out, int64_t N, int64_t K2, int64_t t0, int64_t t1) {
 #if defined(__AVX512BF16__)
   for (int64_t r = 0; r < M; r += 8) {
     const at::BFloat16* xr = x + r * ldx;
-    at::BFloat16* orow = out + r * N;
+    OutT* orow = out + r * N;
     switch (std::min<int64_t>(8, M - r)) {
-      case 1: tiles<1>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
-      case 2: tiles<2>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
-      case 3: tiles<3>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
-      case 4: tiles<4>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
-      case 5: tiles<5>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
-      case 6: tiles<6>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
-      case 7: tiles<7>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
-      default: tiles<8>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 1: tiles<1, OutT>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 2: tiles<2, OutT>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 3: tiles<3, OutT>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 4: tiles<4, OutT>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 5: tiles<5, OutT>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 6: tiles<6, OutT>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      case 7: tiles<7, OutT>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
+      default: tiles<8, OutT>(xr, ldx, w, bias, orow, N, K2, t0, t1); break;
     }
   }
 #endif
 }
+
+void packed_rows(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, const at::BFloat16* bias,
+                 at::BFloat16* out, int64_t N, int64_t K2, int64_t t0, int64_t t1) {
+  packed_rows_as(x, ldx, M, w, bias, out, N, K2, t0, t1);
+}
+
 
 }  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("has_linear_packed() -> bool", &astrai_cpu::has_linear_packed);
   m.def("linear_pack(Tensor weight) -> Tensor");
-  m.def("linear_packed(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("linear_packed(Tensor x, Tensor packed, int n, Tensor? bias, bool float_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 #: The ops a kernel may be registered for. ``linear`` is an object with ``pack(weight)`` (the
 #: ``[N, K]`` weight in the kernel's own layout, made once per weight), ``__call__(x, packed,
-#: bias)`` for bf16 rows ``x [M, K]``, ``F.linear``'s result (one rounding of the float32 sum,
-#: after the bias), and ``max_rows``: the most rows it takes (``None``: any number); ``PackedLinear``
-#: (astrai.model.cpu_linear) gives it every input up to that and larger ones to oneDNN.
+#: bias, float_out=False)`` for bf16 rows ``x [M, K]``, ``F.linear``'s result (one rounding of the
+#: float32 sum, after the bias; with ``float_out`` the float32 sums unrounded, any number of rows:
+#: an LM head's logits), and ``max_rows``: the most rows it takes (``None``: any number);
+#: ``PackedLinear`` (astrai.model.cpu_linear) gives it every input up to that and larger ones to oneDNN.
 #: ``decoder_layers`` is called by a model's forward as ``kernel(model,
 #: x, freqs, kv_cache)`` with the embeddings ``x [T, hidden]``, the rotary table rows ``freqs [1, T,
 #: head_dim / 2, 2]`` and the step's ``KVCache``: it runs all of ``model``'s decoder layers (writing

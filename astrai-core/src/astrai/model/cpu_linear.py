@@ -48,11 +48,16 @@ class PackedLinear(nn.Module):
         self._onednn: torch.Tensor | None = None  # oneDNN's layout of the weight, made when first needed
         self._small: tuple[object, object] | None = None  # (a plugin's linear kernel, the weight packed for it)
         self._op = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no overload resolution per call
+        # an LM head (prepack_linears): float32 outputs from the plugin's kernel, the sums unrounded
+        # (two logits a few hundredths apart would tie in bf16); oneDNN's bf16 result without one
+        self.float_out = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the model's [tokens, features]: no reshape
         kernel = kernel_for("linear", rows)
-        if kernel is not None and (kernel.max_rows is None or rows.shape[0] <= kernel.max_rows):
+        if kernel is not None and self.float_out:  # logits: float32, on the kernel whatever the rows
+            y = kernel(rows, self.packed_for(kernel), self.bias, float_out=True)
+        elif kernel is not None and (kernel.max_rows is None or rows.shape[0] <= kernel.max_rows):
             y = kernel(rows, self.packed_for(kernel), self.bias)
         else:
             y = self._op(rows, self.onednn_weight(), self.bias, "none", [], "")
@@ -77,11 +82,14 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many."""
+    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many. The LM
+    head's gives float32 logits (``float_out``) where a plugin's kernel runs it."""
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, PackedLinear(mod))
+    if isinstance(getattr(model, "lm_head", None), PackedLinear):
+        model.lm_head.float_out = True
     logger.debug("prepacked %d linear layers for oneDNN", len(targets))
     return len(targets)
