@@ -94,3 +94,16 @@ def test_chat_takes_sampling_defaults_and_plugin_options(plugin_engine: Any, tmp
     (line,) = log.read_text().splitlines()
     record = json.loads(line)
     assert record["finish_reason"] in ("stop", "length") and record["completion_tokens"] <= 12
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cpu._is_avx512_bf16_supported(), reason="the quantized kernels need AVX512-BF16"
+)
+@pytest.mark.parametrize("flags", [(), ("--weights", "dense")], ids=["default", "dense"])
+def test_chat_keeps_a_gguf_files_blocks_quantized_in_bfloat16_by_default(flags: tuple[str, ...]) -> None:
+    """``astrai chat`` takes ``--weights`` as ``astrai serve`` does, ``auto`` by default (the load line names
+    the quantized linears)."""
+    done = astrai("-v", "chat", "What is the capital of France?", "--dtype", "bfloat16", "--max-tokens", "8", *flags)
+    assert done.returncode == 0, done.stderr
+    assert ("quantized linears" in done.stderr) == (flags == ())
+    assert "Paris" in done.stdout

@@ -65,6 +65,10 @@ def _add_model_args(p: argparse.ArgumentParser, pm: PluginManager) -> None:
     p.add_argument("--model", default=None, help="model name, .gguf file or HF folder (default: smollm2-135m)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 where native, else fp32")
+    p.add_argument(
+        "--weights", choices=["auto", "gguf", "dense"], default="auto",
+        help="a GGUF file's quantized weights: kept (gguf), dequantized (dense), or auto (gguf in bf16 where the kernels run)",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -156,7 +160,9 @@ def _run(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     config = EngineConfig(sampling=dict(args.sampling), plugin_options=args.plugin_options.values(args))
-    engine = InferenceEngine.from_model(args.model, dtype=dtype, device=args.device, config=config, plugins=args.plugins)
+    engine = InferenceEngine.from_model(
+        args.model, dtype=dtype, device=args.device, config=config, plugins=args.plugins, weights=args.weights
+    )
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
