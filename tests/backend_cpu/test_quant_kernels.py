@@ -1,4 +1,4 @@
-"""``astrai_cpu::quant_linear`` / ``quant_linear_wide`` / ``quant_weight_t`` / ``quant_dequant`` against astrai.model.quant's reference."""
+"""``astrai_cpu::quant_linear`` / ``quant_linear_wide`` / ``quant_linear_amx`` / ``quant_weight_t`` / ``quant_dequant`` against astrai.model.quant's reference."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from astrai.model.quant import NATIVE, dequantize, pack, split_blocks
+from astrai_backend_cpu.kernels import QuantLinearKernel
 from tests.core.test_quant import random_blocks
 
 pytestmark = [
@@ -108,6 +109,51 @@ def test_wide_rows_are_the_dense_bf16_models_bit_for_bit(qtype, rows):
     assert torch.equal(got[7:9], torch.ops.astrai_cpu.quant_linear_wide(x[7:9], packed, layout.ints(), bias))
 
 
+def _needs_amx() -> None:
+    if not torch.ops.astrai_cpu.has_quant_linear_amx():
+        pytest.skip("quant_linear_amx needs a CPU with AMX (and the OS's leave to use its tiles)")
+
+
+@QTYPES
+@pytest.mark.parametrize(("rows", "n"), [(65, 53), (200, 16), (17, 40), (300, 100), (96, 32)])
+def test_amx_rows_are_the_bf16_weights_products(qtype, rows, n):
+    """``quant_linear_amx`` (prefill on an AMX CPU): the weight as the bf16 model holds it, float32
+    sums in the tiles' order, one rounding; a row's result does not depend on the other rows.
+    Tile counts 1-4 and 7 (groups of four and what is left), and partial 16-row blocks."""
+    _needs_amx()
+    k = 512
+    packed, layout = packed_weight(qtype, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    got = torch.ops.astrai_cpu.quant_linear_amx(x, packed, layout.ints(), bias)
+    w = dequantize(packed, layout).bfloat16().double()
+    want = x.double() @ w.t() + bias.double()
+    scale = x.double().abs() @ w.abs().t() + bias.double().abs()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + scale * 1e-5).all()
+    assert torch.equal(got[7:9], torch.ops.astrai_cpu.quant_linear_amx(x[7:9], packed, layout.ints(), bias))
+
+
+def test_wide_takes_amx_up_to_its_rows_then_the_whole_weight_into_onednn():
+    """QuantLinearKernel.wide: without AMX ``quant_linear_wide``; with it, ``quant_linear_amx`` up
+    to ``amx_rows`` rows and the weight dequantized whole into oneDNN's GEMM past them."""
+    n, k = 53, 512
+    packed, layout = packed_weight("Q4_1", n, k, seed=5)
+    x = torch.randn(80, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(6)).bfloat16()
+    kernel = QuantLinearKernel()
+    ops = torch.ops.astrai_cpu
+    if not torch.cpu._is_amx_tile_supported():
+        assert torch.equal(kernel.wide(x, packed, layout.ints(), bias), ops.quant_linear_wide(x, packed, layout.ints(), bias))
+        return
+    _needs_amx()
+    assert torch.equal(kernel.wide(x, packed, layout.ints(), bias), ops.quant_linear_amx(x, packed, layout.ints(), bias))
+    kernel.amx_rows = 79
+    whole = torch.addmm(bias, x, ops.quant_weight_t(packed, layout.ints(), torch.bfloat16))
+    assert torch.equal(kernel.wide(x, packed, layout.ints(), bias), whole)
+
+
 def test_bad_inputs_are_refused():
     packed, layout = packed_weight("Q4_1", 32, 64)
     with pytest.raises(RuntimeError, match="tile layout"):
@@ -118,3 +164,6 @@ def test_bad_inputs_are_refused():
         torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), torch.tensor([32]), torch.float32)
     with pytest.raises(RuntimeError, match="bf16 rows"):
         torch.ops.astrai_cpu.quant_linear_wide(torch.randn(70, 64), packed, layout.ints(), None)
+    if torch.ops.astrai_cpu.has_quant_linear_amx():
+        with pytest.raises(RuntimeError, match="bf16 rows"):
+            torch.ops.astrai_cpu.quant_linear_amx(torch.randn(70, 64), packed, layout.ints(), None)

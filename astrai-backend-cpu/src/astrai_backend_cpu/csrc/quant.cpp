@@ -35,6 +35,11 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define ASTRAI_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -397,6 +402,90 @@ void run_f32(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const L
 }
 #endif
 
+#if defined(ASTRAI_AMX)
+// AMX tile GEMMs for quant_linear_amx. Linux lets a process use the tile registers once it asks
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN asks the same, asking twice is harmless.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the float32 sums of `rows` rows x 16 outputs of up to four weight tiles; 4: `rows`
+// rows of x, 32 columns; 5-7: 16 pairs of columns x 16 outputs x 2 of a weight tile, in turn.
+inline void configure_tiles(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(t < 5 ? rows : 16);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Every row of x [M, 2 K2] (row stride ldx elements) against U weight tiles in linear_pack's
+// layout ([K2][16][2] bf16 each, one after the other in w): outputs n0 .. n0 + 16 U - 1 of out
+// [M, N], the float32 sums plus the bias rounded to bf16 once. K2 % 16 == 0. `configured`: the
+// rows this thread's tiles are configured for, updated. Four tiles a pass: each 16-row block of
+// x is loaded once per 4 tile products, and the sums leave the tiles once per 64 outputs.
+template <int U>
+void amx_rows(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, int64_t K2,
+              const at::BFloat16* bias, at::BFloat16* out, int64_t N, int64_t n0, int& configured) {
+  alignas(64) float c[U][16][TILE];
+  const int64_t step = K2 * 2 * TILE;  // elements from one weight tile to the next
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
+    if (rows != configured) {
+      configure_tiles(rows);
+      configured = rows;
+    }
+    _tile_zero(0);
+    if (U > 1) _tile_zero(1);
+    if (U > 2) _tile_zero(2);
+    if (U > 3) _tile_zero(3);
+    for (int64_t kp = 0; kp < K2; kp += 16) {
+      const at::BFloat16* b = w + kp * 2 * TILE;
+      _tile_loadd(4, x + m0 * ldx + 2 * kp, ldx * 2);
+      _tile_loadd(5, b, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (U > 1) {
+        _tile_loadd(6, b + step, 64);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (U > 2) {
+        _tile_loadd(7, b + 2 * step, 64);
+        _tile_dpbf16ps(2, 4, 7);
+      }
+      if (U > 3) {
+        _tile_loadd(5, b + 3 * step, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    if (U > 1) _tile_stored(1, c[1], 64);
+    if (U > 2) _tile_stored(2, c[2], 64);
+    if (U > 3) _tile_stored(3, c[3], 64);
+    for (int u = 0; u < U; ++u) {
+      const int64_t nu = n0 + u * TILE, count = std::min<int64_t>(TILE, N - nu);
+      const __mmask16 keep = count == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+      __m512 bv = _mm512_setzero_ps();
+      if (bias != nullptr) {
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + nu)), 16));
+      }
+      for (int r = 0; r < rows; ++r) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(c[u][r]), bv);
+        _mm256_mask_storeu_epi16(out + (m0 + r) * N + nu, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 namespace astrai_cpu {
@@ -529,18 +618,22 @@ at::Tensor quant_weight_t(const at::Tensor& packed, const std::vector<int64_t>& 
   return out;
 }
 
-at::Tensor quant_linear_wide(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
-                             const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_quant_linear() && has_linear_packed(), "quant_linear_wide: built without AVX512-BF16");
+namespace {
+
+// quant_linear_wide and quant_linear_amx: each thread's pairs of tiles dequantized in turn into
+// linear_pack's layout (the bf16 model's weights, L2-sized), then every row against them on
+// linear_packed's loops, or on AMX tile GEMMs (amx).
+at::Tensor wide(const char* name, const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                const c10::optional<at::Tensor>& bias, bool amx) {
   const Layout L = parse(layout, packed);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == L.k && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "quant_linear_wide: x must be bf16 rows [M, k] on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == L.k && x.device().is_cpu() && x.scalar_type() == at::kBFloat16, name,
+              ": x must be bf16 rows [M, k] on the CPU");
   const at::Tensor xs = x.contiguous();
   const at::BFloat16* bp = nullptr;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.numel() == L.n && b.scalar_type() == at::kBFloat16, "quant_linear_wide: bias must be bf16 [n]");
+    TORCH_CHECK(b.numel() == L.n && b.scalar_type() == at::kBFloat16, name, ": bias must be bf16 [n]");
     bp = b.const_data_ptr<at::BFloat16>();
   }
   const int64_t M = xs.size(0), n = L.n, n_tiles = L.tiles(), K2 = L.k / 2;
@@ -551,12 +644,14 @@ at::Tensor quant_linear_wide(const at::Tensor& x, const at::Tensor& packed, cons
   const at::BFloat16* xp = xs.const_data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const __m512 table = code_table(L);
-  at::parallel_for(0, (n_tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    // two tiles in linear_pack's layout, [K2][16][2] bf16 each: 2 x 16 x k x 2 bytes (L2-sized)
-    std::vector<at::BFloat16> buf(2 * K2 * 2 * TILE);
+  const int64_t G = amx ? 4 : 2;  // tiles dequantized at a time
+  at::parallel_for(0, (n_tiles + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+    // G tiles in linear_pack's layout, [K2][16][2] bf16 each: G x 16 x k x 2 bytes (L2-sized)
+    std::vector<at::BFloat16> buf(G * K2 * 2 * TILE);
     uint32_t* wb = reinterpret_cast<uint32_t*>(buf.data());
-    for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
-      const int64_t t1 = std::min(n_tiles, t + 2);
+    int configured = 0;  // the rows this thread's tiles are configured for (amx), none yet
+    for (int64_t t = begin * G; t < std::min(n_tiles, end * G); t += G) {
+      const int64_t t1 = std::min(n_tiles, t + G);
       for (int64_t u = t; u < t1; ++u) {
         uint32_t* tile = wb + (u - t) * K2 * TILE;
         // columns k and k + 1, rounded to bf16 and paired as linear_pack lays them out
@@ -566,11 +661,50 @@ at::Tensor quant_linear_wide(const at::Tensor& x, const at::Tensor& packed, cons
           _mm512_storeu_si512(tile + (k / 2) * TILE, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         });
       }
+#if defined(ASTRAI_AMX)
+      if (amx) {
+        const at::BFloat16* w = buf.data();
+        switch (t1 - t) {
+          case 1: amx_rows<1>(xp, L.k, M, w, K2, bp, op, n, t * TILE, configured); break;
+          case 2: amx_rows<2>(xp, L.k, M, w, K2, bp, op, n, t * TILE, configured); break;
+          case 3: amx_rows<3>(xp, L.k, M, w, K2, bp, op, n, t * TILE, configured); break;
+          default: amx_rows<4>(xp, L.k, M, w, K2, bp, op, n, t * TILE, configured); break;
+        }
+        continue;
+      }
+#endif
       packed_rows(xp, L.k, M, buf.data(), bp, op, n, K2, t, t1);
     }
+#if defined(ASTRAI_AMX)
+    if (configured) _tile_release();
+#endif
   });
 #endif
+  (void)amx;
   return out;
+}
+
+}  // namespace
+
+at::Tensor quant_linear_wide(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                             const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_quant_linear() && has_linear_packed(), "quant_linear_wide: built without AVX512-BF16");
+  return wide("quant_linear_wide", x, packed, layout, bias, false);
+}
+
+bool has_quant_linear_amx() {
+#if defined(ASTRAI_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor quant_linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_quant_linear_amx(), "quant_linear_amx: built without AMX, or the OS refused its tile registers");
+  TORCH_CHECK(layout.size() == 7 && layout[1] % 32 == 0, "quant_linear_amx: k must be a multiple of 32");
+  return wide("quant_linear_amx", x, packed, layout, bias, true);
 }
 
 }  // namespace astrai_cpu
@@ -581,6 +715,8 @@ TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("quant_dequant(Tensor packed, int[] layout, Tensor? rows, ScalarType dtype) -> Tensor");
   m.def("quant_weight_t(Tensor packed, int[] layout, ScalarType dtype) -> Tensor");
   m.def("quant_linear_wide(Tensor x, Tensor packed, int[] layout, Tensor? bias) -> Tensor");
+  m.def("has_quant_linear_amx() -> bool", &astrai_cpu::has_quant_linear_amx);
+  m.def("quant_linear_amx(Tensor x, Tensor packed, int[] layout, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
@@ -588,4 +724,5 @@ TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
   m.impl("quant_dequant", &astrai_cpu::quant_dequant);
   m.impl("quant_weight_t", &astrai_cpu::quant_weight_t);
   m.impl("quant_linear_wide", &astrai_cpu::quant_linear_wide);
+  m.impl("quant_linear_amx", &astrai_cpu::quant_linear_amx);
 }
