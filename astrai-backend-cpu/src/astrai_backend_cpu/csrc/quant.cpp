@@ -428,58 +428,82 @@ inline void configure_tiles(int rows) {
   _tile_loadconfig(&c);
 }
 
+// The most pairs of columns in a pass over the weight tiles: 128 (256 columns), so that four
+// tiles' share (4 x 8 KB) stays in L1 while every 16-row block of x passes over it; the passes
+// of a weight are made even (576 columns: three of 192).
+constexpr int64_t AMX_KC2 = 128;
+
 // Every row of x [M, 2 K2] (row stride ldx elements) against U weight tiles in linear_pack's
 // layout ([K2][16][2] bf16 each, one after the other in w): outputs n0 .. n0 + 16 U - 1 of out
-// [M, N], the float32 sums plus the bias rounded to bf16 once. K2 % 16 == 0. `configured`: the
-// rows this thread's tiles are configured for, updated. Four tiles a pass: each 16-row block of
-// x is loaded once per 4 tile products, and the sums leave the tiles once per 64 outputs.
+// [M, N], the float32 sums plus the bias rounded to bf16 once. K2 % 16 == 0. sums: [M][4][16]
+// float32 scratch, the running sums between passes. `configured`: the rows this thread's tiles
+// are configured for, updated. The columns go in passes of AMX_KC2 pairs, each over every 16-row
+// block (in alternate directions, so that a partial last block costs one reconfiguration a
+// pass): each block's rows of x are loaded once per U tile products, the tiles' share of the
+// weight comes from L1.
 template <int U>
 void amx_rows(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, int64_t K2,
-              const at::BFloat16* bias, at::BFloat16* out, int64_t N, int64_t n0, int& configured) {
-  alignas(64) float c[U][16][TILE];
+              const at::BFloat16* bias, at::BFloat16* out, int64_t N, int64_t n0, float* sums, int& configured) {
   const int64_t step = K2 * 2 * TILE;  // elements from one weight tile to the next
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
-    if (rows != configured) {
-      configure_tiles(rows);
-      configured = rows;
-    }
-    _tile_zero(0);
-    if (U > 1) _tile_zero(1);
-    if (U > 2) _tile_zero(2);
-    if (U > 3) _tile_zero(3);
-    for (int64_t kp = 0; kp < K2; kp += 16) {
-      const at::BFloat16* b = w + kp * 2 * TILE;
-      _tile_loadd(4, x + m0 * ldx + 2 * kp, ldx * 2);
-      _tile_loadd(5, b, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      if (U > 1) {
-        _tile_loadd(6, b + step, 64);
-        _tile_dpbf16ps(1, 4, 6);
+  const int64_t blocks = (M + 15) / 16;
+  constexpr int64_t LDS = 4 * TILE * sizeof(float);  // bytes from one row of sums to the next
+  const int64_t passes = (K2 + AMX_KC2 - 1) / AMX_KC2, kc2 = (K2 / 16 + passes - 1) / passes * 16;  // even passes
+  for (int64_t kc = 0, pass = 0; kc < K2; kc += kc2, ++pass) {
+    const int64_t kend = std::min(K2, kc + kc2);
+    const bool first = kc == 0, last = kend == K2;
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t m0 = 16 * (pass % 2 ? blocks - 1 - i : i);
+      const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
+      if (rows != configured) {
+        configure_tiles(rows);
+        configured = rows;
       }
-      if (U > 2) {
-        _tile_loadd(7, b + 2 * step, 64);
-        _tile_dpbf16ps(2, 4, 7);
+      float* sb = sums + m0 * 4 * TILE;
+      if (first) {
+        _tile_zero(0);
+        if (U > 1) _tile_zero(1);
+        if (U > 2) _tile_zero(2);
+        if (U > 3) _tile_zero(3);
+      } else {
+        _tile_loadd(0, sb, LDS);
+        if (U > 1) _tile_loadd(1, sb + TILE, LDS);
+        if (U > 2) _tile_loadd(2, sb + 2 * TILE, LDS);
+        if (U > 3) _tile_loadd(3, sb + 3 * TILE, LDS);
       }
-      if (U > 3) {
-        _tile_loadd(5, b + 3 * step, 64);
-        _tile_dpbf16ps(3, 4, 5);
+      for (int64_t kp = kc; kp < kend; kp += 16) {
+        const at::BFloat16* b = w + kp * 2 * TILE;
+        _tile_loadd(4, x + m0 * ldx + 2 * kp, ldx * 2);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (U > 1) {
+          _tile_loadd(6, b + step, 64);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (U > 2) {
+          _tile_loadd(7, b + 2 * step, 64);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (U > 3) {
+          _tile_loadd(5, b + 3 * step, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
       }
-    }
-    _tile_stored(0, c[0], 64);
-    if (U > 1) _tile_stored(1, c[1], 64);
-    if (U > 2) _tile_stored(2, c[2], 64);
-    if (U > 3) _tile_stored(3, c[3], 64);
-    for (int u = 0; u < U; ++u) {
-      const int64_t nu = n0 + u * TILE, count = std::min<int64_t>(TILE, N - nu);
-      const __mmask16 keep = count == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-      __m512 bv = _mm512_setzero_ps();
-      if (bias != nullptr) {
-        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + nu)), 16));
-      }
-      for (int r = 0; r < rows; ++r) {
-        const __m512 v = _mm512_add_ps(_mm512_load_ps(c[u][r]), bv);
-        _mm256_mask_storeu_epi16(out + (m0 + r) * N + nu, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      _tile_stored(0, sb, LDS);
+      if (U > 1) _tile_stored(1, sb + TILE, LDS);
+      if (U > 2) _tile_stored(2, sb + 2 * TILE, LDS);
+      if (U > 3) _tile_stored(3, sb + 3 * TILE, LDS);
+      if (!last) continue;
+      for (int u = 0; u < U; ++u) {
+        const int64_t nu = n0 + u * TILE, count = std::min<int64_t>(TILE, N - nu);
+        const __mmask16 keep = count == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias != nullptr) {
+          bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + nu)), 16));
+        }
+        for (int r = 0; r < rows; ++r) {
+          const __m512 v = _mm512_add_ps(_mm512_load_ps(sb + r * 4 * TILE + u * TILE), bv);
+          _mm256_mask_storeu_epi16(out + (m0 + r) * N + nu, keep, (__m256i)_mm512_cvtneps_pbh(v));
+        }
       }
     }
   }
@@ -650,6 +674,9 @@ at::Tensor wide(const char* name, const at::Tensor& x, const at::Tensor& packed,
     std::vector<at::BFloat16> buf(G * K2 * 2 * TILE);
     uint32_t* wb = reinterpret_cast<uint32_t*>(buf.data());
     int configured = 0;  // the rows this thread's tiles are configured for (amx), none yet
+    std::vector<float> sums;  // amx: the running sums of every row for four tiles, [M][4][16]
+    if (amx) sums.resize(((M + 15) / 16) * 16 * 4 * TILE + 16);
+    float* sp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t{63});
     for (int64_t t = begin * G; t < std::min(n_tiles, end * G); t += G) {
       const int64_t t1 = std::min(n_tiles, t + G);
       for (int64_t u = t; u < t1; ++u) {
@@ -665,10 +692,10 @@ at::Tensor wide(const char* name, const at::Tensor& x, const at::Tensor& packed,
       if (amx) {
         const at::BFloat16* w = buf.data();
         switch (t1 - t) {
-          case 1: amx_rows<1>(xp, L.k, M, w, K2, bp, op, n, t * TILE, configured); break;
-          case 2: amx_rows<2>(xp, L.k, M, w, K2, bp, op, n, t * TILE, configured); break;
-          case 3: amx_rows<3>(xp, L.k, M, w, K2, bp, op, n, t * TILE, configured); break;
-          default: amx_rows<4>(xp, L.k, M, w, K2, bp, op, n, t * TILE, configured); break;
+          case 1: amx_rows<1>(xp, L.k, M, w, K2, bp, op, n, t * TILE, sp, configured); break;
+          case 2: amx_rows<2>(xp, L.k, M, w, K2, bp, op, n, t * TILE, sp, configured); break;
+          case 3: amx_rows<3>(xp, L.k, M, w, K2, bp, op, n, t * TILE, sp, configured); break;
+          default: amx_rows<4>(xp, L.k, M, w, K2, bp, op, n, t * TILE, sp, configured); break;
         }
         continue;
       }
