@@ -56,12 +56,12 @@ class QuantLinearKernel:
     model holds it (each weight rounded to bf16 once), float32 sums. Without AMX that is
     ``astrai_cpu::quant_linear_wide`` (each pair of 16-row tiles dequantized to bf16 into a buffer
     the size of the L2 cache, then ``linear_packed``'s loops for every row over it: no copy of the
-    whole weight). With AMX, up to ``amx_rows`` rows it is ``astrai_cpu::quant_linear_amx`` (four
+    whole). With AMX, up to ``amx_rows`` rows it is ``astrai_cpu::quant_linear_amx`` (four
     tiles at a time dequantized so, then AMX tile products of every 16 rows); more rows take the
-    weight dequantized whole (``quant_weight_t``) into oneDNN's tile GEMMs, whose cache blocking
-    wins on large products. On 2 vCPUs of an AMX Xeon, the 120 layer linears of SmolLM2: 65 rows
-    27 against 65 ms, 128 rows 40 against 79 ms, 423 rows 104 against 122 ms, 2,048 rows 455
-    against 427 ms.
+    weight dequantized whole (``quant_weight_t``) into oneDNN's tile GEMMs, as before that kernel.
+    On 2 vCPUs of an AMX Xeon, the 120 layer linears of SmolLM2, against the whole weight into
+    oneDNN: 65 rows 22 against 76 ms, 128 rows 30 against 64 ms, 423 rows 75 against 99 ms, 2,048
+    rows 389 against 392 ms (even: oneDNN's cache blocking catches up on large products).
     """
 
     max_rows = 64
