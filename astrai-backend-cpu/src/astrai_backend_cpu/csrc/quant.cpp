@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -674,9 +675,9 @@ at::Tensor wide(const char* name, const at::Tensor& x, const at::Tensor& packed,
     std::vector<at::BFloat16> buf(G * K2 * 2 * TILE);
     uint32_t* wb = reinterpret_cast<uint32_t*>(buf.data());
     int configured = 0;  // the rows this thread's tiles are configured for (amx), none yet
-    std::vector<float> sums;  // amx: the running sums of every row for four tiles, [M][4][16]
-    if (amx) sums.resize(((M + 15) / 16) * 16 * 4 * TILE + 16);
-    float* sp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t{63});
+    // amx: the running sums of every row for four tiles, [M][4][16] (every one written before it is read)
+    const std::unique_ptr<float[]> sums(amx ? new float[((M + 15) / 16) * 16 * 4 * TILE + 16] : nullptr);
+    float* sp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.get()) + 63) & ~uintptr_t{63});
     for (int64_t t = begin * G; t < std::min(n_tiles, end * G); t += G) {
       const int64_t t1 = std::min(n_tiles, t + G);
       for (int64_t u = t; u < t1; ++u) {
