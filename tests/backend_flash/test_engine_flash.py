@@ -54,7 +54,7 @@ def test_engine_greedy_tokens_match_torch_native(make_engine, tiny_half_model, p
     # The batch's requests reach the scheduler thread one by one: now and then the first of them
     # starts a step alone, and in fp16 another batch composition can flip a near-tie. A numeric
     # difference between the backends differs every time; a race, once: one more pair of runs.
-    for attempt in range(2):
+    for _attempt in range(2):
         flash = make_engine(tiny_half_model, attention_backend="flash", **config)
         native = make_engine(tiny_half_model, attention_backend="torch_native", **config)
         got, want = run(flash), run(native)

@@ -59,9 +59,10 @@ class QuantLinearKernel:
     whole). With AMX, up to ``amx_rows`` rows it is ``astrai_cpu::quant_linear_amx`` (four
     tiles at a time dequantized so, then AMX tile products of every 16 rows); more rows take the
     weight dequantized whole (``quant_weight_t``) into oneDNN's tile GEMMs, as before that kernel.
-    On 2 vCPUs of an AMX Xeon, the 120 layer linears of SmolLM2, against the whole weight into
-    oneDNN: 65 rows 22 against 76 ms, 128 rows 30 against 64 ms, 423 rows 75 against 99 ms, 2,048
-    rows 389 against 392 ms (even: oneDNN's cache blocking catches up on large products).
+    On 2 vCPUs of an AMX Xeon (``benchmarks/quant_step_bench.py``), one-token requests of the
+    default model against every prefill step the old way: 100 prompt tokens 41 against 78 ms, 400
+    129 against 147 ms, 1,000 431 against 439 ms, 2,000 1,383 against 1,231 ms (oneDNN's cache
+    blocking wins on large products).
     """
 
     max_rows = 64
