@@ -56,7 +56,7 @@ class QuantLinearKernel:
     model holds it (each weight rounded to bf16 once), float32 sums. Without AMX that is
     ``astrai_cpu::quant_linear_wide`` (each pair of 16-row tiles dequantized to bf16 into a buffer
     the size of the L2 cache, then ``linear_packed``'s loops for every row over it: no copy of the
-    whole). With AMX, up to ``amx_rows`` rows it is ``astrai_cpu::quant_linear_amx`` (four
+    whole weight). With AMX, up to ``amx_rows`` rows it is ``astrai_cpu::quant_linear_amx`` (four
     tiles at a time dequantized so, then AMX tile products of every 16 rows); more rows take the
     weight dequantized whole (``quant_weight_t``) into oneDNN's tile GEMMs, as before that kernel.
     On 2 vCPUs of an AMX Xeon (``benchmarks/quant_step_bench.py``), one-token requests of the
