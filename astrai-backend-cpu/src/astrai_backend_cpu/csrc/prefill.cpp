@@ -38,6 +38,12 @@ namespace {
 constexpr int64_t ROWS = 8;   // query rows per work item
 constexpr int64_t BLOCK = 32;  // keys per softmax block: two tiles of 16
 
+// One prefill chunk as prefill_attention checked it (outside the #if: the checks run on every build).
+struct Chunk {
+  int64_t q0, n, start, keys, offset;  // first row of q, rows, prefix, keys (prefix + rows), offset in the packs
+  const int32_t* slots;
+};
+
 #if defined(__AVX512BF16__)
 // r[0..15] (16 x 16 int32) transposed in place: unpacks within 128-bit lanes, then lane shuffles.
 inline void transpose16(__m512i* r) {
@@ -184,11 +190,6 @@ void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, i
     }
   }
 }
-
-struct Chunk {
-  int64_t q0, n, start, keys, offset;  // first row of q, rows, prefix, keys (prefix + rows), offset in the packs
-  const int32_t* slots;
-};
 
 struct Item {
   int64_t chunk, r0, head, keys;
