@@ -21,11 +21,11 @@ def cached_paths(pool: PagePool) -> set[tuple[int, ...]]:
     return {node.token_path() for node in pool.radix.iter_nodes()}
 
 
-def run(pool: PagePool, tokens: list[int], *, share: bool = True, keep: bool = False) -> int:
+def run(pool: PagePool, tokens: list[int], *, share: bool = True, keep: bool = False, namespace: str | None = None) -> int:
     """One request: match (if share), compute every token, record, free (unless keep); returns row."""
     row = pool.task_alloc()
     if share:
-        pool.match_prefix(row, tokens)
+        pool.match_prefix(row, tokens, namespace)
     assert pool.extend(row, len(tokens))
     pool.record(row, tokens)
     check_pool_invariants(pool)
@@ -35,10 +35,10 @@ def run(pool: PagePool, tokens: list[int], *, share: bool = True, keep: bool = F
     return row
 
 
-def probe(pool: PagePool, tokens: list[int]) -> int:
+def probe(pool: PagePool, tokens: list[int], namespace: str | None = None) -> int:
     """Length the radix would give a new request for ``tokens`` (the probe leaves no trace)."""
     row = pool.task_alloc()
-    n = pool.match_prefix(row, tokens)
+    n = pool.match_prefix(row, tokens, namespace)
     pool.task_free(row)
     return n
 
@@ -231,3 +231,35 @@ def test_insert_rejects_a_page_already_cached_under_another_prefix():
         radix.insert(C, [page], pool.req_lock(row))
     assert cached_paths(pool) == {tuple(A)}
     check_pool_invariants(pool)
+
+
+def test_namespaces_never_share_a_page():
+    """A tenant's (or a cache_salt's) pages are found only in its own namespace; the same tokens
+    recorded in two namespaces are two copies, each evictable on its own."""
+    pool = make_pool()
+    run(pool, A + B + [0], namespace="tenant-a")
+    assert probe(pool, A + B + [0], "tenant-a") == 8
+    assert probe(pool, A + B + [0], "tenant-b") == 0
+    assert probe(pool, A + B + [0]) == 0  # the shared namespace of requests that name none
+    run(pool, A + B + [0])
+    run(pool, A + [0], namespace="tenant-b")
+    assert probe(pool, A + B + [0]) == 8 and probe(pool, A + B + [0], "tenant-b") == 4
+    assert pool.radix.num_pages == 5 and pool.radix.namespaces == 3
+    live = run(pool, A + B + C + [0], namespace="tenant-a", keep=True)  # holds tenant-a's A, B
+    assert pool.req_namespace(live) == "tenant-a"
+    assert pool.req_lock(live).namespace == "tenant-a"
+    pool.task_free(live)
+    check_pool_invariants(pool)
+
+
+def test_an_evicted_namespace_leaves_no_root_behind():
+    pool = make_pool(n_pages=4, rows=2)
+    for i in range(6):  # each namespace's page pushes out an older one
+        run(pool, A + [0], namespace=f"salt-{i}")
+    assert pool.radix.namespaces == 1 + pool.radix.num_pages  # the shared root, and one per namespace left
+    assert pool.radix.root_of("salt-0") is None and probe(pool, A + [0], "salt-0") == 0
+    assert probe(pool, A + [0], "salt-5") == 4
+    cached = pool.radix.num_pages
+    assert pool.radix.evict(pool.allocator.n_pages) == cached
+    check_pool_invariants(pool)
+    assert pool.radix.namespaces == 1 and pool.radix.root_of(None) is pool.radix.root

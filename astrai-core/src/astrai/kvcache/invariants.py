@@ -46,6 +46,8 @@ def _check_radix(pool: PagePool, live: list[int], holders: np.ndarray) -> None:
             _fail(f"radix node of page {node.page} is not its parent's child under its key")
         if node.depth != parent.depth + 1 or len(node.key) != pool.page_size:
             _fail(f"radix node of page {node.page}: depth {node.depth}, key {node.key}")
+        if node.namespace != parent.namespace:
+            _fail(f"radix node of page {node.page} is in namespace {node.namespace!r}, its parent in {parent.namespace!r}")
         if radix.node_of_page(node.page) is not node or mask[node.page]:
             _fail(f"page {node.page} is indexed twice or not at its node")
         mask[node.page] = True
@@ -63,6 +65,8 @@ def _check_radix(pool: PagePool, live: list[int], holders: np.ndarray) -> None:
             continue
         if lock is None or lock.page != pages[held[-1]]:
             _fail(f"row {row}: lock is not its deepest held radix page")
+        if lock.namespace != pool.req_namespace(row):  # a page never serves another namespace
+            _fail(f"row {row} of namespace {pool.req_namespace(row)!r} holds pages of namespace {lock.namespace!r}")
         path = []
         node = lock
         while node.parent is not None:
@@ -83,6 +87,10 @@ def _check_radix(pool: PagePool, live: list[int], holders: np.ndarray) -> None:
                 _fail(f"unpinned radix page {node.page} has refcount {refcount[node.page]}")
     if evictable != radix.evictable_pages:
         _fail(f"evictable_pages {radix.evictable_pages}, counted {evictable}")
+    for namespace in {n.namespace for n in nodes} | {None}:
+        root = radix.root_of(namespace)
+        if root is None or root.parent is not None or root.namespace != namespace:
+            _fail(f"namespace {namespace!r} has no root of its own")
     leaves = {n for n in nodes if not n.children and n.lock_count == 0}
     if leaves != set(radix.evictable_leaves()):
         _fail("evictable leaf set disagrees with the tree")

@@ -7,7 +7,7 @@ drafts rolled back, release) goes through the one class that keeps them consiste
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +100,7 @@ class PagePool:
         rows = config.max_batch_size
         self._pages = self.req_to_token_pool.pages  # paged: each row's page ids in position order
         self._locks: list[RadixNode | None] = [None] * rows  # deepest radix node each row holds
+        self._namespaces: list[Hashable] = [None] * rows  # the radix namespace each row matches and records in
         mode = ("paged, radix" if self.radix else "paged") if self.paged else "contiguous"
         logger.info("KV pool (%s): %d slots, page_size %d, %.1f MiB", mode, self.size, self.page_size,
                     self.storage.nbytes() / 2**20)
@@ -131,13 +132,18 @@ class PagePool:
         """The deepest radix node the request holds (it pins that node's root path), or None."""
         return self._locks[req_idx]
 
+    def req_namespace(self, req_idx: int) -> Hashable:
+        """The radix namespace the request matched its prefix in (and records its pages in)."""
+        return self._namespaces[req_idx]
+
     # ----------------------------------------------------------------- request lifecycle
     def task_alloc(self) -> int:
         """A free req_to_token row with no positions; raises CapacityExceeded if none is free."""
         return self.req_to_token_pool.alloc()
 
-    def match_prefix(self, req_idx: int, token_ids: Sequence[int]) -> int:
-        """Share the longest cached complete-page prefix of ``token_ids[:-1]``; returns its length.
+    def match_prefix(self, req_idx: int, token_ids: Sequence[int], namespace: Hashable = None) -> int:
+        """Share the longest complete-page prefix of ``token_ids[:-1]`` cached in ``namespace``; returns
+        its length. The row's later ``record`` calls insert into that namespace.
 
         The request takes a reference on each matched page and its positions
         ``[0, n)`` map to them. Must be called before any extend (ValueError otherwise).
@@ -145,10 +151,11 @@ class PagePool:
         self.req_to_token_pool.require_live(req_idx)
         if self.req_to_token_pool.lens[req_idx] or self._pages[req_idx]:
             raise ValueError(f"match_prefix on row {req_idx}, which already has positions")
+        self._namespaces[req_idx] = namespace
         if self.radix is None or len(token_ids) < 2:
             return 0
         # token_ids[:-1]: at least one token is left to compute, so no write lands in a shared page.
-        nodes = self.radix.match(token_ids, (len(token_ids) - 1) // self.page_size)
+        nodes = self.radix.match(token_ids, (len(token_ids) - 1) // self.page_size, namespace)
         if not nodes:
             return 0
         pages = [node.page for node in nodes]
@@ -227,7 +234,9 @@ class PagePool:
             return
         n = len(token_ids) // self.page_size
         if n:
-            self._locks[req_idx] = self.radix.insert(token_ids, self._pages[req_idx][:n], self._locks[req_idx])
+            self._locks[req_idx] = self.radix.insert(
+                token_ids, self._pages[req_idx][:n], self._locks[req_idx], self._namespaces[req_idx]
+            )
 
     def task_free(self, req_idx: int) -> None:
         """Drop the request's page references and release its row (ValueError if not live)."""
@@ -238,6 +247,7 @@ class PagePool:
                 self.radix.unlock(lock)
                 self._locks[req_idx] = None
             self.allocator.decref(self._pages[req_idx])
+        self._namespaces[req_idx] = None
         self.req_to_token_pool.free(req_idx)
 
     # ----------------------------------------------------------------- capacity

@@ -1,10 +1,16 @@
-"""RadixCache: exact, page-aligned prefix sharing over ref-counted pages."""
+"""RadixCache: exact, page-aligned prefix sharing over ref-counted pages, in separate namespaces.
+
+A namespace (a tenant's API key, a request's ``cache_salt``: see docs/http-api.md, "Isolation") is a
+tree of its own under its own root: a lookup in one never finds a page inserted in another, so no
+client can learn from its time to first token whether another sent the same prefix. Namespace
+``None`` is the shared tree of requests that name none.
+"""
 
 from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -16,7 +22,7 @@ logger = logging.getLogger(__name__)
 class RadixNode:
     """One complete page of the cache: an edge from ``parent`` labelled by the page's tokens."""
 
-    __slots__ = ("key", "page", "parent", "children", "depth", "last_access", "lock_count", "hash", "id")
+    __slots__ = ("key", "page", "parent", "children", "depth", "last_access", "lock_count", "hash", "id", "namespace")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: RadixNode | None, node_id: int) -> None:
         self.key = key  # exact token tuple of this page (page_size ids)
@@ -31,6 +37,7 @@ class RadixNode:
         # introspection only: lookups always compare ``key`` itself.
         self.hash = hash(key) if parent is None else hash((parent.hash, key))
         self.id = node_id
+        self.namespace: Hashable = None if parent is None else parent.namespace  # the tree it belongs to
 
     def token_path(self) -> tuple[int, ...]:
         """All tokens from the root down to and including this page."""
@@ -64,7 +71,9 @@ class RadixCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
-        self.root = RadixNode((), -1, None, 0)
+        self.root = RadixNode((), -1, None, 0)  # the shared namespace's (None)
+        # a root per namespace; a namespace's root goes once its last page is evicted
+        self._roots: dict[Hashable, RadixNode] = {None: self.root}
         self._next_id = 1
         self._tick = 0
         self._node_of_page: dict[int, RadixNode] = {}
@@ -87,9 +96,18 @@ class RadixCache:
     def evictable_leaves(self) -> frozenset[RadixNode]:
         return frozenset(self._evictable_leaves)
 
+    @property
+    def namespaces(self) -> int:
+        """Namespaces with at least one cached page (the shared one counts always)."""
+        return len(self._roots)
+
+    def root_of(self, namespace: Hashable) -> RadixNode | None:
+        """The root of ``namespace``'s tree (None: it holds no page)."""
+        return self._roots.get(namespace)
+
     def iter_nodes(self) -> Iterator[RadixNode]:
-        """Every non-root node, parents before children."""
-        stack = list(self.root.children.values())
+        """Every non-root node of every namespace, parents before children."""
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -106,14 +124,16 @@ class RadixCache:
             if node in self._evictable_leaves:
                 heapq.heappush(self._heap, (node.last_access, node.id, node))
 
-    def match(self, token_ids: Sequence[int], max_pages: int) -> list[RadixNode]:
-        """Nodes of the longest cached prefix of ``token_ids``, at most ``max_pages`` pages.
+    def match(self, token_ids: Sequence[int], max_pages: int, namespace: Hashable = None) -> list[RadixNode]:
+        """Nodes of the longest prefix of ``token_ids`` cached in ``namespace``, at most ``max_pages`` pages.
 
         Pure lookup plus an LRU touch; takes no reference and no lock.
         """
         max_pages = min(max_pages, len(token_ids) // self.page_size)
         path: list[RadixNode] = []
-        node = self.root
+        node = self._roots.get(namespace)
+        if node is None:
+            return path
         for i in range(max_pages):
             child = node.children.get(self._key(token_ids, i))
             if child is None:
@@ -124,8 +144,10 @@ class RadixCache:
         return path
 
     # ----------------------------------------------------------------- insertion
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int], lock: RadixNode | None) -> RadixNode | None:
-        """Insert the complete pages of one request; returns its new lock node.
+    def insert(
+        self, token_ids: Sequence[int], pages: Sequence[int], lock: RadixNode | None, namespace: Hashable = None
+    ) -> RadixNode | None:
+        """Insert the complete pages of one request into ``namespace``'s tree; returns its new lock node.
 
         ``pages[i]`` is the request's page holding tokens ``token_ids[i*ps:(i+1)*ps]``
         (``len(pages)`` complete pages; any partial tail of ``token_ids`` is ignored).
@@ -139,17 +161,24 @@ class RadixCache:
         ps = self.page_size
         n = min(len(pages), len(token_ids) // ps)
         keys = [self._key(token_ids, i) for i in range(n)]
+        root = self._roots.get(namespace)
+        if root is None:
+            if n == 0:
+                return lock
+            root = RadixNode((), -1, None, 0)
+            root.hash, root.namespace = hash(("namespace", namespace)), namespace
         # validation pass: read-only, so a bad call changes nothing.
-        node = self.root
+        node = root
         for i in range(n):
             child = node.children.get(keys[i]) if node is not None else None
             owner = self._node_of_page.get(int(pages[i]))
             if owner is not None and owner is not child:
                 raise ValueError(f"page {int(pages[i])} is cached under another prefix than position {i * ps}")
             node = child
+        self._roots[namespace] = root
         deepest = lock
         path: list[RadixNode] = []
-        node = self.root
+        node = root
         for i in range(n):
             page = int(pages[i])
             child = node.children.get(keys[i])
@@ -223,6 +252,8 @@ class RadixCache:
                 raise RuntimeError(f"evicted radix page {node.page} is still referenced")
             freed += 1
             self._refresh(parent)
+            if parent.parent is None and not parent.children and parent is not self.root:
+                del self._roots[parent.namespace]  # an empty namespace keeps no root
         if len(self._heap) > 2 * len(self._evictable_leaves) + 64:
             self._heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
             heapq.heapify(self._heap)
