@@ -94,3 +94,63 @@ def test_stop_string_of_multibyte_characters(tiny_tokenizer):
     ids = tiny_tokenizer.encode("x\u4e2d\u6587y")
     pieces, matched, _ = feed(checker(tiny_tokenizer, ["\u6587"]), ids)
     assert (matched, "".join(pieces)) == ("\u6587", "x\u4e2d")
+
+
+class _Pieces:
+    """An ``IncrementalDecoder`` stand-in that returns the given pieces, one per push."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = iter(pieces)
+
+    def push(self, token_id: int) -> str:
+        return next(self.pieces)
+
+    def flush(self) -> str:
+        return ""
+
+
+def _reference(pieces: list[str], stops: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """What the checker emits per piece, by ``find_stop`` and ``held_suffix_len`` over the held and new
+    text (the definition the automaton must reproduce)."""
+    out, helds, held = [], [], ""
+    for piece in pieces:
+        text = held + piece
+        hit = find_stop(text, stops)
+        if hit is not None:
+            out.append(text[: hit[0]])
+            helds.append("")
+            return out, hit[1], helds
+        k = held_suffix_len(text, stops)
+        held = text[len(text) - k :] if k else ""
+        out.append(text[: len(text) - k])
+        helds.append(held)
+    return out, None, helds
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.text("abcd", max_size=5), max_size=12),
+    stops=st.lists(st.text("abcd", min_size=1, max_size=5), min_size=1, max_size=6),
+)
+def test_the_automaton_matches_what_find_stop_defines(pieces, stops):
+    """Several stop strings sharing prefixes and suffixes (``ab``, ``abc``, ``bc``, ...), pieces of any
+    length: the same emitted text, held text and match as the per-string definition."""
+    chk = StopChecker(_Pieces(pieces), stops)
+    got, matched, helds = [], None, []
+    for i in range(len(pieces)):
+        piece, matched = chk.push(i)
+        got.append(piece)
+        helds.append(chk.held)
+        if matched is not None:
+            break
+    assert (got, matched, helds) == _reference(pieces, stops)
+
+
+def test_many_stop_strings_cost_what_the_text_costs():
+    """10,000 stop strings: each character read walks the automaton once (failure links amortised), so
+    a token's work does not grow with the strings' number; the states are their shared prefixes."""
+    stops = [f"stop-{i:05d}" for i in range(10_000)]
+    automaton = StopChecker(_Pieces([]), stops)._automaton
+    assert len(automaton.goto) == 1 + len("stop-") + sum(10**k for k in range(5))  # a trie of 0xxxx
+    state, hit = automaton.scan(0, "xx stop-0999 and stop-04321 yy")
+    assert hit == (17, "stop-04321") and automaton.depth[state] == 0
