@@ -112,7 +112,10 @@ class BatchPolicy:
     """The waiting queue, the running batch and every choice between them, over ``pool``.
 
     ``running`` and ``waiting`` are sorted by ``order``: arrival (fcfs), or with ``priority``
-    (a smaller ``Request.priority`` first) priority, then arrival. The last running request is
+    (a smaller ``Request.priority`` first) priority, then arrival; in both, ahead of arrival, the
+    request's index among those submitted together (``Request.sibling``: the choices of one HTTP
+    request), so that a request of many choices is served round-robin with the others, not before
+    them; under fcfs a request that was preempted orders before every one that never was. The last running request is
     preemption's first victim (under ``priority``: the newest of the lowest priority). The
     pool's ``max_batch_size`` bounds the batch; ``max_prefill_tokens`` the prefill tokens
     of one step. ``eos_token_ids`` end a request in ``update`` (unless it ignores EOS).
@@ -143,11 +146,9 @@ class BatchPolicy:
 
     # ------------------------------------------------------------ the step
     def add(self, req: Request) -> None:
-        """Queue ``req`` behind the waiting ones (under ``priority``: behind those of its priority or a higher one)."""
-        if self.priority:
-            self.waiting.insert(bisect.bisect_right(self.waiting, self.order(req), key=self.order), req)
-        else:
-            self.waiting.append(req)
+        """Queue ``req`` by ``order``: behind the waiting ones of its sibling index (under ``priority``: of its
+        priority, then sibling index) or a smaller one, before those of a larger one."""
+        self.waiting.insert(bisect.bisect_right(self.waiting, self.order(req), key=self.order), req)
 
     def schedule(self) -> StepPlan:
         """Cleanup, refill, decode rows, prefill rows: the next step (see the module doc).
@@ -378,7 +379,7 @@ class BatchPolicy:
         idx = self.pool.task_alloc()
         # prompt log-probs need the logits of every position not scored yet: those are not taken from the cache
         scored = req.tokens if req.params.prompt_logprobs is None else req.tokens[: len(req.prompt_logprobs) + 1]
-        hit = self.pool.match_prefix(idx, scored)
+        hit = self.pool.match_prefix(idx, scored, req.cache_namespace)
         need = self._reserve(req) - hit  # the whole (re)prefill, its first decode and a share of its output
         if self.running and need + reserved > self.pool.available_tokens():
             self.pool.task_free(idx)  # only drops the references match_prefix took
@@ -415,8 +416,8 @@ class BatchPolicy:
         if self.pool.radix is None:
             return False
         for other in self.running:
-            if other.remaining <= 1:  # decoding: its prompt's pages are recorded already
-                continue
+            if other.remaining <= 1 or other.cache_namespace != req.cache_namespace:
+                continue  # decoding (its prompt's pages are recorded already), or pages req may not reuse
             shared = self.pool.common_pages(req.tokens, other.tokens) * self.pool.page_size
             if 2 * shared >= len(req.tokens) and other.num_computed < shared:
                 return True
@@ -442,10 +443,9 @@ class BatchPolicy:
         req.num_computed = 0
         req.preemptions += 1
         self.running.remove(req)
-        if self.priority:  # first among those of its priority (it arrived before those waiting)
-            self.waiting.insert(bisect.bisect_left(self.waiting, self.order(req), key=self.order), req)
-        else:
-            self.waiting.appendleft(req)
+        # fcfs: at the front (a preempted request orders before those that never ran); priority: first
+        # among those of its priority and sibling index (it arrived before those waiting)
+        self.waiting.insert(bisect.bisect_left(self.waiting, self.order(req), key=self.order), req)
         self.counters["preemptions"] += 1
         self.counters["max_preemptions"] = max(self.counters["max_preemptions"], req.preemptions)
 
@@ -464,9 +464,9 @@ def _backend_name(req: Request) -> str | None:
     return req.backend.name if req.backend is not None else None
 
 
-def _by_arrival(req: Request) -> int:
-    return req.arrival
+def _by_arrival(req: Request) -> tuple[bool, int, int]:
+    return req.preemptions == 0, req.sibling, req.arrival
 
 
-def _by_priority(req: Request) -> tuple[int, int]:
-    return req.priority, req.arrival
+def _by_priority(req: Request) -> tuple[int, int, int]:
+    return req.priority, req.sibling, req.arrival

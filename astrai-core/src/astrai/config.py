@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from astrai.grammar.cache import GrammarConfig
 from astrai.kvcache import KVConfig
 from astrai.kvcache.storage import KVStorage
+from astrai.limits import RequestLimits
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +47,7 @@ class EngineConfig:
     ranks (``astrai.distributed``), whose collectives wait at most ``tp_timeout`` seconds.
     ``speculative="ngram"``: greedy requests speculate up to ``num_speculative_tokens`` tokens
     per step from their last ``ngram_min`` to ``ngram_max`` tokens (``astrai.speculative``).
+    ``limits``: what one request's stop strings and ``logit_bias`` may hold (``astrai.limits``).
     """
 
     max_batch_size: int = 64
@@ -59,6 +62,7 @@ class EngineConfig:
     attention_backend: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     grammar_backend: str | None = None  # astrai.grammars entry point for constrained decoding; None: xgrammar
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # compile workers, time-out, size and cache bounds
     plugin_options: dict[str, Any] = field(default_factory=dict)
     max_queued_requests: int | None = None
     queue_timeout: float | None = None
@@ -69,6 +73,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # drafts per request and step
     ngram_min: int = 2  # shortest suffix matched against the request's earlier tokens
     ngram_max: int = 4  # longest (tried first)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # stop strings, logit_bias: checked at submit
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -92,7 +92,7 @@ class InferenceEngine:
         load_backends()
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
         # compiled grammars of constrained requests, compiled on the submitting thread (never the scheduler's)
-        self.grammars = GrammarCache(tokenizer, mc.vocab_size, sorted(eos), self.config.grammar_backend)
+        self.grammars = GrammarCache(tokenizer, mc.vocab_size, sorted(eos), self.config.grammar_backend, self.config.grammar)
         # Built only when someone listens: the scheduler then just queues a small record per request.
         self._hooks = HookThread(self.plugins) if self.plugins.has_impls("astrai_request_finished") else None
         self.scheduler = InferenceScheduler(
@@ -154,22 +154,39 @@ class InferenceEngine:
         on_done: Callable[[GenerateResult], None] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_namespace: str | None = None,
+        sibling: int = 0,
+        grammar: Any = None,
     ) -> GenerateResult:
         """Queue one request of token ids; returns its handle at once (see GenerateResult).
 
         ``request_id`` (default: a new uuid) names it in logs and hooks; RequestRejected if a request of
         that id is in flight. ``priority`` (smaller first) needs ``scheduling_policy="priority"``.
-        Raises Overloaded when ``max_queued_requests`` requests wait already."""
+        ``cache_namespace``: the prefix cache's namespace this request reuses and leaves pages in
+        (a tenant, a ``cache_salt``); None: the shared one. ``sibling``: this request's index among
+        those submitted together (an HTTP request's choices): admission serves every caller's first
+        request before anyone's second. ``grammar``: ``params.grammar`` compiled already
+        (``self.grammars.compile``; None: compiled here unless cached). Raises Overloaded when
+        ``max_queued_requests`` requests wait already."""
+        self.config.limits.check(params)
         rid = uuid.uuid4().hex if request_id is None else request_id
         result = GenerateResult(rid, len(prompt_ids), on_piece, on_done)
         stopper = StopChecker(IncrementalDecoder(self.tokenizer), params.stop)
         # submitted on this thread: the scheduler keeps the attn_backend() choice in force here
-        req = Request(rid, list(prompt_ids), params, result, stopper, priority=priority)
-        if params.grammar is not None:  # compiled here unless cached (RequestRejected for a bad one)
-            req.matcher = self.grammars.matcher(params.grammar)
+        req = Request(
+            rid, list(prompt_ids), params, result, stopper, priority=priority, cache_namespace=cache_namespace,
+            sibling=sibling,
+        )
+        if params.grammar is not None:  # compiled here unless given or cached (RequestRejected for a bad one)
+            req.matcher = self.grammars.matcher(params.grammar, grammar)
         result.bind(req)
         self.scheduler.submit(req)
         return result
+
+    def check_room(self, count: int) -> None:
+        """Overloaded when ``count`` more requests would pass ``max_queued_requests``: a request of many
+        choices is refused whole, before any of it is submitted."""
+        self.scheduler.check_room(count)
 
     def abort(self, request_id: str) -> None:
         """End a request within one step (finish reason "abort"); its KV is freed."""
@@ -250,6 +267,7 @@ class InferenceEngine:
             self._stopped = True
         if self._hooks is not None:
             self._hooks.close()
+        self.grammars.close()  # its compile workers
         close = getattr(self.model, "close", None)  # a tensor-parallel model stops its ranks
         if close is not None:
             close()
@@ -299,7 +317,7 @@ class InferenceEngine:
         try:
             for i, prompt_ids in enumerate(ids):
                 cbs = {k: (lambda *a, f=f, i=i: f(i, *a)) for k, f in callbacks.items()}
-                results.append(self.submit(prompt_ids, params, **cbs))
+                results.append(self.submit(prompt_ids, params, sibling=i, **cbs))
         except BaseException:  # one rejected: withdraw the ones already queued
             for r in results:
                 self.abort(r.request_id)

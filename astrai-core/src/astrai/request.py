@@ -58,6 +58,12 @@ class Request:
     stopper: StopChecker
     arrival: int = -1  # submission order; preemption takes the newest
     priority: int = 0  # under the "priority" scheduling policy: smaller is served first
+    # its index among the requests submitted together (the choices of one HTTP request): admission
+    # takes every caller's first request before anyone's second, so a fan-out waits behind itself
+    sibling: int = 0
+    # the prefix cache's namespace (a tenant, a cache_salt): pages are matched and recorded only
+    # there (astrai.kvcache.radix); None: the shared namespace of requests that name none
+    cache_namespace: str | None = None
     tokens: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     req_idx: int = -1  # pool row, -1 while waiting

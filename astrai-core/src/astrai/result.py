@@ -22,7 +22,8 @@ class GenerateResult:
     ``on_done(result)`` run on the scheduler thread and must not block; an
     exception from ``on_piece`` fails this request only. After completion:
     ``text``, ``output_ids`` (EOS included when generated), ``prompt_tokens``,
-    ``completion_tokens``, ``finish_reason``, ``stop_sequence``, ``error``.
+    ``completion_tokens``, ``finish_reason``, ``stop_sequence``, ``error``, ``cached_tokens`` (prompt
+    tokens its prefix cache namespace served at its first admission).
 
     Log-probs, when ``SamplingParams.logprobs`` / ``prompt_logprobs`` asked for them:
     ``logprobs`` (one ``TokenLogprob`` per generated token, growing as tokens are accepted,
@@ -48,6 +49,7 @@ class GenerateResult:
         self.finish_reason: FinishReason | None = None
         self.stop_sequence: str | None = None
         self.error: BaseException | None = None
+        self.cached_tokens = 0
         self._on_piece, self._on_done = on_piece, on_done
         self._pieces: list[str] = []
         self._done = False
@@ -87,6 +89,7 @@ class GenerateResult:
             self._prompt_logprobs()
             self.finish_reason, self.stop_sequence = request.finish_reason, request.stop_sequence
             self.error = request.error
+            self.cached_tokens = max(request.cached_tokens, 0)
             self._done = True
             self._cond.notify_all()
             self._event.set()

@@ -167,6 +167,15 @@ class InferenceScheduler:
             self._total_tasks += 1
             self._inbox.put(req)
 
+    def check_room(self, count: int) -> None:
+        """Overloaded when ``count`` more requests would pass ``max_queued`` (a fan-out is refused whole,
+        before any of it is submitted); each ``submit`` still checks its own."""
+        if self.max_queued is not None and self.queued + count > self.max_queued:
+            raise Overloaded(
+                f"the server is overloaded: {self.queued} requests are waiting and this one brings {count} more "
+                f"(at most {self.max_queued} may wait); retry later"
+            )
+
     def abort(self, request_id: str) -> None:
         """Ask the loop to end ``request_id`` (finish reason "abort"); unknown ids are ignored."""
         self._inbox.put(request_id)

@@ -140,9 +140,9 @@ class SamplingBatch:
         )
         # One host-to-device copy per dtype instead of one per field.
         ints, floats = ints.to(device), floats.to(device)
-        bias = [(i, t, v) for i, p in enumerate(params) for t, v in p.logit_bias.items()]
+        bias_rows, bias_tokens, bias_values = _bias(params, device)
         bans = [(i, t) for i, row in enumerate(banned or ()) for t in row]
-        pairs = torch.tensor([(i, t) for i, t, _ in bias] + bans, dtype=torch.int64).reshape(-1, 2).to(device)
+        pairs = torch.tensor(bans, dtype=torch.int64).reshape(-1, 2).to(device)
 
         sampled = [p for p in params if not p.greedy]
         top_p_rows = [p for p in sampled if p.top_p < 1.0]
@@ -164,11 +164,11 @@ class SamplingBatch:
             presence_penalty=floats[3],
             repetition_penalty=floats[5],
             greedy=floats[0] == 0.0,
-            bias_rows=pairs[: len(bias), 0],
-            bias_tokens=pairs[: len(bias), 1],
-            bias_values=torch.tensor([v for _, _, v in bias], dtype=torch.float32).to(device),
-            ban_rows=pairs[len(bias) :, 0],
-            ban_tokens=pairs[len(bias) :, 1],
+            bias_rows=bias_rows,
+            bias_tokens=bias_tokens,
+            bias_values=bias_values,
+            ban_rows=pairs[:, 0],
+            ban_tokens=pairs[:, 1],
             output_ids=_output_ids(counted, output_ids, device) if any(counted) else None,
             seen_ids=seen,
             all_greedy=not sampled,
@@ -182,7 +182,7 @@ class SamplingBatch:
             needs_min_p=any(p.min_p > 0.0 for p in sampled),
             needs_penalties=any(counted),
             needs_repetition=any(repetition),
-            has_logit_bias=bool(bias),
+            has_logit_bias=bias_rows.numel() > 0,
             has_bans=bool(bans),
         )
 
@@ -202,6 +202,33 @@ class SamplingBatch:
                     raise RequestRejected(f"extra[{key!r}] must be a number, got {v!r}")
             self._extra[cache_key] = torch.tensor(values, dtype=dtype).to(self.device)
         return self._extra[cache_key]
+
+
+def _bias(params: tuple[SamplingParams, ...], device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """Every row's ``logit_bias`` flattened: ``(rows, tokens, values)``, ``[N]`` each. A request's entries
+    become tensors once (kept on its ``SamplingParams``), so a step costs a concatenation per row,
+    not a Python loop over every entry of every row."""
+    biased = [(i, _bias_of(p)) for i, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty, torch.empty(0, dtype=torch.float32, device=device)
+    counts = torch.tensor([len(t) for _, (t, _) in biased], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.tensor([i for i, _ in biased], dtype=torch.int64), counts)
+    tokens = torch.cat([t for _, (t, _) in biased])
+    values = torch.cat([v for _, (_, v) in biased])
+    return rows.to(device), tokens.to(device), values.to(device)
+
+
+def _bias_of(p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p.logit_bias`` as host tensors ``(tokens int64, values f32)``, made at the first step that needs them."""
+    cached = p.__dict__.get("_bias_tensors")
+    if cached is None or cached[0] is not p.logit_bias:
+        tensors = (
+            torch.tensor(list(p.logit_bias), dtype=torch.int64),
+            torch.tensor(list(p.logit_bias.values()), dtype=torch.float32),
+        )
+        cached = p.__dict__["_bias_tensors"] = (p.logit_bias, tensors)
+    return cached[1]
 
 
 def _output_ids(
