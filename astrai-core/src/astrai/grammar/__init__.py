@@ -10,6 +10,9 @@ from astrai.grammar.base import (
     GrammarSpec,
     check_grammar_backend,
 )
-from astrai.grammar.cache import GrammarCache
+from astrai.grammar.cache import GrammarCache, GrammarConfig
 
-__all__ = ["GRAMMARS", "KINDS", "GrammarBackend", "GrammarCache", "GrammarMatcher", "GrammarSpec", "check_grammar_backend"]
+__all__ = [
+    "GRAMMARS", "KINDS", "GrammarBackend", "GrammarCache", "GrammarConfig", "GrammarMatcher", "GrammarSpec",
+    "check_grammar_backend",
+]

@@ -1,8 +1,9 @@
 """Constrained decoding: what a request asks for (``GrammarSpec``) and the ABCs a grammar library implements.
 
 A ``GrammarBackend`` (entry-point group ``astrai.grammars``) compiles a spec once per tokenizer
-(slow: off the scheduler thread, cached by ``GrammarCache``) and makes one ``GrammarMatcher`` per
-request from it. Each step the runner has every constrained row's matcher fill its row of one
+(slow: off the scheduler thread, cached by ``GrammarCache``; in a worker process of
+``astrai.grammar.pool`` when the backend can ``export`` itself, so that a compile can be bounded
+in time, cancelled and its memory returned) and makes one ``GrammarMatcher`` per request from it. Each step the runner has every constrained row's matcher fill its row of one
 token bitmask and applies the bitmask to those rows' logits in one operation, before the
 sampling pipeline; ``Request.accept`` advances the matcher by the sampled token.
 """
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from astrai.errors import RequestRejected
+from astrai.errors import PluginError, RequestRejected
 from astrai.plugins import check_class
 
 if TYPE_CHECKING:
@@ -114,6 +115,32 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled``."""
+
+    # ------------------------------------------------------------ compile workers (optional)
+    def export(self) -> Any:
+        """Picklable state from which ``restore`` makes this backend again in a compile worker process,
+        or None (the default): the backend then compiles on the requesting thread, where a compile can be
+        neither bounded in time nor cancelled. A backend that exports must implement ``restore``,
+        ``serialize`` and ``deserialize``."""
+        return None
+
+    @classmethod
+    def restore(cls, state: Any) -> GrammarBackend:
+        """The backend that ``export`` described, in a compile worker (no tokenizer object there)."""
+        raise PluginError(f"grammar backend {cls.__qualname__} exports no state for compile workers")
+
+    def serialize(self, compiled: Any) -> bytes | str:
+        """``compiled`` as bytes or text, sent from a compile worker to the engine's process."""
+        raise PluginError(f"grammar backend {type(self).__qualname__} cannot serialize a compiled grammar")
+
+    def deserialize(self, data: bytes | str) -> Any:
+        """The compiled grammar ``serialize`` wrote, for ``matcher`` in this process."""
+        raise PluginError(f"grammar backend {type(self).__qualname__} cannot deserialize a compiled grammar")
+
+    def compiled_bytes(self, compiled: Any) -> int:
+        """Memory ``compiled`` holds, for the cache's byte bound (default: 0, unknown; the cache's count
+        bound still holds)."""
+        return 0
 
     @abstractmethod
     def allocate_bitmask(self, rows: int) -> torch.Tensor:

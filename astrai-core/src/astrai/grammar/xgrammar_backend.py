@@ -47,7 +47,6 @@ class XGrammarBackend(GrammarBackend):
         super().__init__(tokenizer, vocab_size, stop_token_ids)
         import xgrammar as xgr
 
-        self._xgr = xgr
         stops = list(stop_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size, stop_token_ids=stops)
         # from_huggingface lets added special tokens (<|im_start|>, ...) appear as text inside a JSON string:
@@ -60,8 +59,37 @@ class XGrammarBackend(GrammarBackend):
                     encoded[i] = "" if i in special else token
             info = xgr.TokenizerInfo(encoded, info.vocab_type, vocab_size=vocab_size, stop_token_ids=stops,
                                      add_prefix_space=info.add_prefix_space)  # fmt: skip
+        self._use(info)
+
+    def _use(self, info: Any) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
         self.tokenizer_info = info
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # xgrammar's own cache is off: GrammarCache keeps the compiled grammars, bounded in bytes
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def export(self) -> tuple[str, int, tuple[int, ...]]:
+        return self.tokenizer_info.serialize_json(), self.vocab_size, self.stop_token_ids
+
+    @classmethod
+    def restore(cls, state: tuple[str, int, tuple[int, ...]]) -> XGrammarBackend:
+        import xgrammar as xgr
+
+        info_json, vocab_size, stops = state
+        backend = cls.__new__(cls)
+        GrammarBackend.__init__(backend, None, vocab_size, stops)
+        backend._use(xgr.TokenizerInfo.deserialize_json(info_json))
+        return backend
+
+    def serialize(self, compiled: Any) -> str:
+        return compiled.serialize_json()
+
+    def deserialize(self, data: bytes | str) -> Any:
+        return self._xgr.CompiledGrammar.deserialize_json(data, self.tokenizer_info)
+
+    def compiled_bytes(self, compiled: Any) -> int:
+        return int(compiled.memory_size_bytes)
 
     @classmethod
     def is_available(cls) -> bool:
