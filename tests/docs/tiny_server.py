@@ -76,7 +76,8 @@ def shut_down(engine: Any) -> None:
 @contextlib.contextmanager
 def serve(engine: Any, api_key: str | None = API_KEY) -> Iterator[Any]:
     """A FastAPI TestClient on ``create_app`` over ``engine`` (built-in protocols, no hook
-    plugins), sending ``api_key`` as ``x-api-key`` when the server requires one."""
+    plugins), sending ``api_key`` as ``x-api-key`` when the server requires one (an operator's key:
+    /stats answers it)."""
     from fastapi.testclient import TestClient
 
     from astrai.plugins import PluginManager
@@ -86,7 +87,7 @@ def serve(engine: Any, api_key: str | None = API_KEY) -> Iterator[Any]:
 
     builders = [OpenAIResponseBuilder(), AnthropicResponseBuilder()]
     with TestClient(
-        create_app(ServerSettings(api_key=api_key), engine, builders, plugins=PluginManager())
+        create_app(ServerSettings(admin_api_key=api_key), engine, builders, plugins=PluginManager())
     ) as c:
         if api_key:
             c.headers["x-api-key"] = api_key

@@ -7,8 +7,9 @@
 - Keys are compared as UTF-8 bytes in constant time: a non-ASCII key (this one ends in "à",
   whose UTF-8 ends in the byte 0xA0 that latin-1 reads as a no-break space) works from a client
   that sends it in UTF-8, and only then.
-- (Issue 17) Several keys: ``--api-key`` repeated; any of them opens every guarded route,
-  ``/metrics`` included, and ``/health`` needs none.
+- (Issue 17) Several keys: ``--api-key`` repeated; any of them opens every guarded route, and
+  ``/health`` needs none; (issue 29) but ``/stats`` and ``/metrics``, which show every tenant's
+  traffic, answer only an operator's key (``--admin-api-key``, none here): 403.
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ def test_anything_but_the_keys_utf8_is_refused(keyed: Any, sent: bytes) -> None:
 def test_each_key_opens_every_guarded_route(keyed: Any) -> None:
     for key in (KEY.encode("utf-8"), SECOND.encode()):
         for header in ({"authorization": b"Bearer " + key}, {"x-api-key": key}):
-            for path in ("/v1/models", "/stats", "/metrics", "/openapi.json"):
+            for path in ("/v1/models", "/openapi.json"):
                 assert httpx.get(keyed.url + path, headers=header, timeout=10).status_code == 200, (path, header)
+            for path in ("/stats", "/metrics"):
+                r = httpx.get(keyed.url + path, headers=header, timeout=10)
+                assert r.status_code == 403 and "--admin-api-key" in r.json()["detail"], (path, header)
     for header in ({}, {"x-api-key": f"{KEY},{SECOND}".encode()}, {"x-api-key": SECOND.encode() + b"x"}):
         r = httpx.get(keyed.url + "/metrics", headers=header, timeout=10)
         assert (r.status_code, r.json()) == (401, {"detail": UNAUTHORIZED}), header

@@ -158,11 +158,16 @@ class FakeEngine:
         self.results: list[FakeResult] = []
         self.healthy = True
         self.compiled: list[Any] = []  # grammars the server compiled before submitting (the real cache's API)
-        self.grammars = SimpleNamespace(compile=self.compiled.append)
+        self.grammars = SimpleNamespace(compile_async=self._compile, check=lambda spec: None)
+
+    async def _compile(self, spec: Any) -> Any:
+        self.compiled.append(spec)
+        return spec
 
     def submit(
         self, prompt_ids: list[int], params: Any, on_piece: Any = None, on_done: Any = None,
-        request_id: str | None = None, priority: int = 0,
+        request_id: str | None = None, priority: int = 0, cache_namespace: str | None = None, sibling: int = 0,
+        grammar: Any = None,
     ) -> FakeResult:  # fmt: skip
         vocab = self.model.config.vocab_size  # the model-dependent check the engine makes at submit
         if any(t >= vocab for t in params.logit_bias):

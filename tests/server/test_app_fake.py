@@ -46,7 +46,7 @@ def test_n_choices_with_consecutive_seeds_stream_interleaved(fakes: Any) -> None
     text = {i: "".join(c[0]["delta"].get("content", "") for c in chunks if c[0]["index"] == i) for i in (0, 1)}
     assert text == {0: "ab", 1: "c"}
     assert chunks[-2:] == [[{"index": 0, "delta": {}, "finish_reason": "stop"}], [{"index": 1, "delta": {}, "finish_reason": "length"}]]
-    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6} and events[-1] == "[DONE]"
+    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}} and events[-1] == "[DONE]"
 
 
 def test_streamed_tool_call_is_never_sent_as_text(fakes: Any) -> None:

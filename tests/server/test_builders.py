@@ -186,7 +186,7 @@ def test_openai_stream_frames_are_the_spec_sequence_with_a_standard_usage_chunk(
         f'data: {head}[{{"index":0,"delta":{{"role":"assistant"}},"finish_reason":null}}]}}\n\n'
         f'data: {head}[{{"index":0,"delta":{{"content":"Hi"}},"finish_reason":null}}]}}\n\n'
         f'data: {head}[{{"index":0,"delta":{{}},"finish_reason":"stop"}}]}}\n\n'
-        f'data: {head}[],"usage":{{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}}}\n\n'
+        f'data: {head}[],"usage":{{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{{"cached_tokens":0}}}}}}\n\n'
         "data: [DONE]\n\n"
     )
     no_usage = _frames(b.format_stream_end(_prepared(b, include_usage=False), result))
@@ -204,7 +204,7 @@ def test_openai_tool_calls_in_response_and_stream() -> None:
         "message": {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function", "function": fn}]},
     }  # fmt: skip
     assert body["choices"][1]["message"] == {"role": "assistant", "content": "x"}
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}
     frames = _frames(b.format_stream_end(_prepared(b, n=2, include_usage=True), result))
     assert [f["choices"] if isinstance(f, dict) else f for f in frames] == [
         [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_9", "type": "function", "function": fn}]}, "finish_reason": None}],

@@ -318,7 +318,7 @@ def test_any_of_several_keys_opens_and_every_key_is_compared(fakes: Any, tmp_pat
     keys = tmp_path / "keys.txt"
     keys.write_text("# keys of the test\n\n  file-key-1  \r\nfile-key-2\n#file-key-3\n", encoding="utf-8")
     app = create_app(ServerSettings(api_key=["flag-a", "clé-b"], api_key_file=str(keys)), fakes.FakeEngine())
-    assert app.state.api_keys == (b"flag-a", "clé-b".encode(), b"file-key-1", b"file-key-2")
+    assert app.state.keys.keys == (b"flag-a", "clé-b".encode(), b"file-key-1", b"file-key-2")
     compared: list[bytes] = []
     real = edge.hmac.compare_digest
     monkeypatch.setattr(edge.hmac, "compare_digest", lambda a, b: compared.append(b) or real(a, b))
@@ -326,10 +326,10 @@ def test_any_of_several_keys_opens_and_every_key_is_compared(fakes: Any, tmp_pat
         for key in (b"flag-a", "clé-b".encode(), b"file-key-1", b"file-key-2"):
             for header in ({"authorization": b"Bearer " + key}, {"x-api-key": key}):
                 compared.clear()
-                assert c.get("/stats", headers=header).status_code == 200, header
-                assert compared == list(app.state.api_keys)  # all four, the first one matching or not
+                assert c.get("/openapi.json", headers=header).status_code == 200, header
+                assert compared == list(app.state.keys.keys)  # all four, the first one matching or not
         for wrong in (b"#file-key-3", b"file-key-3", b"# keys of the test", "flag-a,clé-b".encode(), b"", b"flag-"):
-            assert c.get("/stats", headers={"x-api-key": wrong}).status_code == 401, wrong
+            assert c.get("/openapi.json", headers={"x-api-key": wrong}).status_code == 401, wrong
         assert c.get("/health").status_code == 200
 
 
@@ -542,7 +542,7 @@ def edge_server(start_server: Any, pki: dict[str, Path], tmp_path_factory: pytes
     config.write_text("server:\n  served_model_name: from-yaml\n  log_format: text\n  max_batch_size: 2\n")
     env = {
         "ASTRAI_API_KEY": "env-key-1, env-key-2", "ASTRAI_SERVED_MODEL_NAME": "from-env", "ASTRAI_LOG_FORMAT": "json",
-        "ASTRAI_PORT": "1", "ASTRAI_ALLOWED_ORIGINS": "https://other.example",
+        "ASTRAI_PORT": "1", "ASTRAI_ALLOWED_ORIGINS": "https://other.example", "ASTRAI_ADMIN_API_KEY": "operator-key",
     }  # fmt: skip
     return start_server(
         "--config", str(config), "--ssl-certfile", str(pki["server_cert"]), "--ssl-keyfile", str(pki["server_key"]),
@@ -610,10 +610,16 @@ def test_keys_from_the_environment_and_a_file(client: httpx.Client) -> None:
         for header in ({"authorization": f"Bearer {key}"}, {"x-api-key": key}):
             r = client.get("/v1/models", headers=header)
             assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["from-env"], (header, r.text)  # env over YAML
-            assert client.get("/metrics", headers=header).status_code == 200
+            for route in ("/metrics", "/stats"):  # every tenant's traffic: the operator's key only
+                r = client.get(route, headers=header)
+                assert r.status_code == 403 and "--admin-api-key" in r.json()["detail"], (route, header)
     for wrong in ("file-key-3", "# file-key-3", "# the file's keys", "env-key-1, env-key-2", "from-env"):
         assert client.get("/v1/models", headers={"x-api-key": wrong}).status_code == 401, wrong
     assert (client.get("/metrics").status_code, client.get("/health").status_code) == (401, 200)
+    operator = {"authorization": "Bearer operator-key"}
+    assert client.get("/metrics", headers=operator).status_code == 200
+    assert client.get("/stats", headers=operator).json()["active_tasks"] >= 0
+    assert client.get("/v1/models", headers=operator).status_code == 200  # and every other route
 
 
 @pytest.mark.slow

@@ -23,6 +23,14 @@ def _normalise(body: str) -> str:
     return re.sub(r'"created":\d+', '"created":0', body)
 
 
+def _cached(body: str, n_prompt: int) -> int:
+    """The prompt tokens the prefix cache served (the shared server may have seen the prompt): whole pages
+    of it, at least one token left to compute."""
+    cached = int(re.search(r'"cached_tokens":(\d+)', body).group(1))
+    assert cached % 16 == 0 and 0 <= cached < n_prompt
+    return cached
+
+
 def _text(piece: str) -> str:
     return json.dumps(piece, ensure_ascii=False)
 
@@ -39,7 +47,8 @@ def test_openai_sse_transcript_is_exact(base_url: str, engine: Any) -> None:
         f'{head}[{{"index":0,"delta":{{"role":"assistant"}},"finish_reason":null}}]}}\n\n'
         + "".join(f'{head}[{{"index":0,"delta":{{"content":{_text(p)}}},"finish_reason":null}}]}}\n\n' for p in pieces)
         + f'{head}[{{"index":0,"delta":{{}},"finish_reason":"stop"}}]}}\n\n'
-        + f'{head}[],"usage":{{"prompt_tokens":{n_prompt},"completion_tokens":8,"total_tokens":{n_prompt + 8}}}}}\n\n'
+        + f'{head}[],"usage":{{"prompt_tokens":{n_prompt},"completion_tokens":8,"total_tokens":{n_prompt + 8},'
+        + f'"prompt_tokens_details":{{"cached_tokens":{_cached(r.text, n_prompt)}}}}}}}\n\n'
         + "data: [DONE]\n\n"
     )
     assert _normalise(r.text) == expected

@@ -169,7 +169,7 @@ def successes(snapshot: dict) -> float:
 @pytest.fixture(scope="module")
 def served(start_server: Any) -> Any:
     """One server for the module, with n-gram speculation on (greedy output is the same with it)."""
-    return start_server("--api-key", KEY, "--served-model-name", MODEL, "--speculative", "ngram", "--ngram-max", "3")
+    return start_server("--admin-api-key", KEY, "--served-model-name", MODEL, "--speculative", "ngram", "--ngram-max", "3")
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from astrai.chat_prompt import chat_prompt_ids
 from astrai.errors import PluginError
@@ -38,9 +38,14 @@ if TYPE_CHECKING:
     from astrai.sampling import SamplingParams
 
 __all__ = [
-    "PROTOCOLS", "ChatResult", "Choice", "Prepared", "ResponseBuilder", "ToolCall", "chat_prompt_ids",
+    "PROTOCOLS", "CacheSalt", "ChatResult", "Choice", "Prepared", "ResponseBuilder", "ToolCall", "chat_prompt_ids",
     "check_builder_class", "error_type_for", "load_protocols", "new_id", "plugin_sampling", "sse", "value_or_default",
 ]  # fmt: skip
+
+#: vLLM's ``cache_salt`` request field, on every protocol: the prefix cache reuses a page only for a
+#: request of the same salt (and tenant); any text of 1 to 1024 characters.
+CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]
+
 
 @dataclass
 class ToolCall:
@@ -73,6 +78,7 @@ class ChatResult:
 
     choices: list[Choice]
     prompt_tokens: int  # prompt tokens after templating (of every prompt), counted once whatever n is
+    cached_tokens: int = 0  # of those, the tokens the prefix cache served (the caller's own namespace)
 
     @property
     def completion_tokens(self) -> int:
@@ -98,7 +104,9 @@ class Prepared:
     tool when ``tools`` holds just one, so that the answer is a call.
     ``prompts`` holds several prompts when one request completes each (``/v1/completions``
     with a list): choice ``k`` completes prompt ``k // n``; ``None`` means ``[prompt_ids]``.
-    ``state`` is the builder's own per-request scratch space.
+    ``cache_salt`` (vLLM's field): the prefix cache reuses only pages of requests with the same salt
+    (and the same tenant: the server adds the API key's). ``state`` is the builder's own
+    per-request scratch space.
     """
 
     request: BaseModel
@@ -113,6 +121,7 @@ class Prepared:
     response_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     model: str = "astrai"
+    cache_salt: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
 
 
@@ -205,6 +214,14 @@ class ResponseBuilder(ABC):
     @abstractmethod
     def format_response(self, prepared: Prepared, result: ChatResult) -> dict[str, Any]:
         """The JSON body of a non-streaming response."""
+
+    def fan_out(self, request: BaseModel) -> list[tuple[str, int]]:
+        """The fields that multiply the engine requests of ``request``, with their values, read before it is
+        prepared: the server refuses a request whose product passes its bound (``--max-choices``) before
+        templating anything, and names these fields. Default: ``n`` when the request model declares it."""
+        if "n" not in type(request).model_fields:
+            return []
+        return [("n", value_or_default(request, "n"))]
 
     def get_routes(self) -> dict[str, Callable[..., dict[str, Any]]]:
         """GET routes the protocol adds besides its POST route (e.g. a model listing).

@@ -3,8 +3,9 @@
 Mounts one POST route per protocol builder (every ``astrai.protocols`` entry
 point unless ``settings.protocols`` names some) and the GET and JSON POST routes
 builders declare (OpenAI's ``/v1/models``, ``/tokenize``; Anthropic's token counting),
-plus ``GET /health``, ``GET /stats``, ``GET /metrics`` (``metrics.py``: Prometheus) and
-``GET /openapi.json`` (behind the API key like the rest); then hook plugins extend the app
+plus ``GET /health``, ``GET /stats``, ``GET /metrics`` (``metrics.py``: Prometheus; both an
+operator's routes once keys are set: ``--admin-api-key``) and ``GET /openapi.json`` (behind the API
+key like the rest); then hook plugins extend the app
 (``astrai_server_app``). The engine hangs off ``app.state.engine`` and may arrive later
 (``astrai serve`` loads it after the socket is open): until then /health is 503 and protocol
 routes answer 503 in their own shape.
@@ -24,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +46,7 @@ from astrai_server.body import (
 )
 from astrai_server.config import ServerSettings
 from astrai_server.edge import authorized as _authorized
+from astrai_server.edge import caller as _caller
 from astrai_server.edge import install as install_edge
 from astrai_server.errors import RETRY_AFTER_SECONDS, HTTPProblem, public_message, status_for
 from astrai_server.fit import TextBound, refuse_oversized, text_bound
@@ -55,8 +57,10 @@ if TYPE_CHECKING:
     from astrai.engine import InferenceEngine
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 NOT_READY = {"detail": "Engine not initialized"}
 UNAUTHORIZED = "invalid or missing API key (Authorization: Bearer or x-api-key)"
+OPERATORS_ONLY = "this route answers only an operator key (--admin-api-key): it shows every tenant's traffic"
 
 
 def create_app(
@@ -93,7 +97,7 @@ def create_app(
             app.add_api_route(path, _json_endpoint(builder, model, body), methods=["POST"], name=f"{builder.name}:{path}")
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
     app.add_api_route("/health", _health, methods=["GET"])
-    app.add_api_route("/stats", _get_endpoint(lambda engine: engine.get_stats()), methods=["GET"])
+    app.add_api_route("/stats", _stats, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)
     plugins.notify("astrai_server_app", app=app, settings=settings)
@@ -101,8 +105,24 @@ def create_app(
 
 
 def _check_key(request: Request) -> None:
-    if not _authorized(request):
+    """HTTPProblem 401 unless the request's key is accepted; the caller's prefix-cache tenant is left in
+    ``request.state.cache_tenant`` (None: the shared namespace, when no key is set or
+    ``--shared-prefix-cache``)."""
+    who = _caller(request)
+    if who is None:
         raise HTTPProblem(401, UNAUTHORIZED)
+    shared = request.app.state.settings.shared_prefix_cache
+    request.state.cache_tenant = None if shared else who.tenant
+
+
+def _check_operator(request: Request) -> None:
+    """HTTPProblem 401 for a missing or unknown key, 403 for a tenant's key: routes that show every
+    tenant's traffic (``/stats``, ``/metrics``) answer an operator only, once keys are configured."""
+    who = _caller(request)
+    if who is None:
+        raise HTTPProblem(401, UNAUTHORIZED)
+    if not who.admin:
+        raise HTTPProblem(403, OPERATORS_ONLY)
 
 
 def _ready_engine(request: Request) -> Any:
@@ -116,6 +136,27 @@ async def _wait_disconnect(request: Request) -> None:
     """Return once the client has closed the connection (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """``work``'s result, or None once the client has gone first (``work`` is then cancelled: a grammar
+    compile it waits for is stopped, requests it submitted are withdrawn)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    logger.info("client of request %s left before its request was submitted: abandoned",
+                getattr(request.state, "request_id", "?"))  # fmt: skip
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return None
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -219,9 +260,12 @@ def _protocol_endpoint(builder: ResponseBuilder) -> Any:
             raw = await _read(request)
             parsed = await _in_thread(_parse, builder, raw, None, request.app.state.engine)
             del raw
-            handler = ProtocolHandler(builder, _ready_engine(request), request.state)
-            run = await handler.start(parsed)
+            settings = request.app.state.settings
+            handler = ProtocolHandler(builder, _ready_engine(request), request.state, settings.max_choices)
+            run = await _unless_gone(handler.start(parsed), request)
             del parsed
+            if run is None:
+                return Response(status_code=499)  # never sent: the client left while it was prepared
             if run.prepared.stream and request.app.state.settings.queue_timeout is not None:
                 # the status line waits for the first output, so that a queue timeout is still a 429
                 if not await handler.admitted(run, lambda: _wait_disconnect(request)):
@@ -265,22 +309,33 @@ async def _openapi(request: Request) -> JSONResponse:
     return JSONResponse(request.app.openapi())
 
 
+async def _stats(request: Request) -> JSONResponse:
+    """The engine's counters (``InferenceEngine.get_stats``): an operator's route (``_check_operator``)."""
+    try:
+        _check_operator(request)
+        return JSONResponse(_ready_engine(request).get_stats())
+    except Exception as exc:
+        return _plain_error(exc)
+
+
 async def _metrics(request: Request) -> Response:
-    """Prometheus exposition (``astrai_server.metrics``), behind the API key like every route but /health."""
-    if not _authorized(request):
-        return _plain_error(HTTPProblem(401, UNAUTHORIZED))
+    """Prometheus exposition (``astrai_server.metrics``): an operator's route (``_check_operator``)."""
+    try:
+        _check_operator(request)
+    except HTTPProblem as exc:
+        return _plain_error(exc)
     body, content_type = request.app.state.metrics.exposition(request.headers.get("accept"))
     return Response(body, headers={"Content-Type": content_type})
 
 
-def _get_endpoint(body: Callable[..., dict[str, Any]], builder: ResponseBuilder | None = None) -> Any:
-    """A GET route: ``body(engine, **path parameters)``; errors in ``builder``'s shape (plain without one)."""
+def _get_endpoint(body: Callable[..., dict[str, Any]], builder: ResponseBuilder) -> Any:
+    """A builder's GET route: ``body(engine, **path parameters)``; errors in ``builder``'s shape."""
 
     async def endpoint(request: Request) -> JSONResponse:
         try:
             return JSONResponse(body(_guarded(request), **request.path_params))
         except Exception as exc:
-            return _plain_error(exc) if builder is None else _error(builder, exc)
+            return _error(builder, exc)
 
     return endpoint
 

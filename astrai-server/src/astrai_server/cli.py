@@ -53,9 +53,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "max_prefill_tokens", "prefill tokens per step (chunked prefill)", type=int)
     _flag(p, "max_request_bytes", "largest request body accepted, e.g. 32MiB (413 beyond)")
     _flag(p, "max_queued_requests", "requests that may wait for admission; beyond, 429 (Anthropic: 529) with Retry-After", type=int)
+    _flag(p, "max_choices", "engine requests one HTTP request may make (prompts x n); beyond, 400", type=int)
     _flag(p, "queue_timeout", "seconds a request may wait for admission before it is refused like a full queue", type=float)
     _flag(p, "scheduling_policy", "admission order: fcfs, or priority (the request's priority field, smaller first)",
           choices=["fcfs", "priority"])  # fmt: skip
+    _flag(p, "max_stop_sequences", "stop strings one request may send; beyond, 400", type=int)
+    _flag(p, "max_stop_length", "characters of one stop string; beyond, 400", type=int)
+    _flag(p, "max_logit_bias", "logit_bias entries one request may send; beyond, 400", type=int)
+    _flag(p, "grammar_workers", "grammar compile processes (0: compile on the request's thread, without time-out)", type=int)
+    _flag(p, "grammar_queue", "grammar compiles that may wait for a worker; beyond, 429", type=int)
+    _flag(p, "grammar_compile_timeout", "seconds one grammar compile may take; then it is stopped and the request gets 400",
+          type=float)
+    _flag(p, "max_grammar_bytes", "largest JSON schema, regex, choice list, grammar or tool set compiled, e.g. 256KiB")
+    _flag(p, "grammar_cache_memory", "memory the compiled grammars kept for reuse may hold, e.g. 256MiB")
     _flag(p, "speculative", "speculative decoding of greedy requests: ngram (prompt lookup); default: off", choices=["ngram"])
     _flag(p, "num_speculative_tokens", "with --speculative: drafts per request and step, 1 to 15", type=int)
     _flag(p, "ngram_min", "with --speculative ngram: shortest suffix n-gram looked up in the request's tokens", type=int)
@@ -68,6 +78,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "gateway_metrics_port", "port of the gateway's own Prometheus /metrics, on 127.0.0.1; default: a free one", type=int)
     _flag(p, "api_key", "require this key (Authorization: Bearer or x-api-key); repeat it for several keys; never empty", action="append")
     _flag(p, "api_key_file", "file of API keys, one a line (blank lines and # comments skipped), read at start")
+    _flag(p, "admin_api_key", "operator key: every route, and the only key /stats and /metrics accept once keys are set; repeatable",
+          action="append")
+    _flag(p, "shared_prefix_cache", "with API keys: one prefix cache for every key (a single trusted tenant); "
+          "by default each key has its own", action=argparse.BooleanOptionalAction)
     _flag(p, "allowed_origins", "CORS: origins browsers may call from, comma-separated (*: any); default: none", type=_comma_list)
     _flag(p, "allowed_methods", "CORS: methods cross-origin requests may use, comma-separated (*: any)", type=_comma_list)
     _flag(p, "allowed_headers", "CORS: headers cross-origin requests may send, comma-separated (*: any)", type=_comma_list)

@@ -75,9 +75,20 @@ class ServerSettings(BaseModel):
     kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
     max_prefill_tokens: int = Field(2048, ge=1)
     max_request_bytes: int = Field(32 * 2**20, ge=1)  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
-    max_queued_requests: int | None = Field(None, ge=1)  # requests waiting for admission; beyond: 429 (None: no limit)
+    # requests waiting for admission (a request's choices count one each); beyond: 429 (None: no limit). The
+    # engine's own default is None (a library caller bounds itself); a server takes clients it cannot trust
+    max_queued_requests: int | None = Field(512, ge=1)
+    max_choices: int = Field(128, ge=1)  # engine requests one HTTP request may make (prompts x n); beyond: 400
     queue_timeout: float | None = Field(None, gt=0)  # seconds a request may wait for admission; then 429
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # "priority": the body's priority field orders requests
+    max_stop_sequences: int = Field(64, ge=1)  # stop strings of one request (astrai.limits.RequestLimits)
+    max_stop_length: int = Field(256, ge=1)  # characters of one stop string
+    max_logit_bias: int = Field(300, ge=1)  # logit_bias entries of one request (OpenAI's API takes 300)
+    grammar_workers: int = Field(1, ge=0)  # grammar compile processes (0: on the request's thread, unbounded)
+    grammar_queue: int = Field(8, ge=0)  # compiles that may wait for a worker; beyond: 429
+    grammar_compile_timeout: float = Field(15.0, gt=0)  # seconds one compile may take; then 400
+    max_grammar_bytes: int = Field(256 * 2**10, ge=1)  # largest schema, regex, choices, grammar or tool set (YAML/CLI: "256KiB")
+    grammar_cache_memory: int = Field(256 * 2**20, ge=0)  # compiled grammars kept for reuse (YAML/CLI: "256MiB")
     speculative: Literal["ngram"] | None = None  # "ngram": prompt-lookup speculative decoding of greedy requests
     num_speculative_tokens: int = Field(4, ge=1, le=15)  # drafts per request and step
     ngram_min: int = Field(2, ge=1)  # shortest suffix n-gram matched against the request's earlier tokens
@@ -90,6 +101,8 @@ class ServerSettings(BaseModel):
     gateway_metrics_port: int | None = Field(None, ge=1, le=65535)  # the gateway's own Prometheus port (127.0.0.1); None: free
     api_key: list[ApiKey] | None = Field(None, min_length=1)  # accepted keys (a string: one key); never empty: check_key
     api_key_file: str | None = None  # more keys, one a line (# comments): edge.read_key_file, at start
+    admin_api_key: list[ApiKey] | None = Field(None, min_length=1)  # operator keys: every route, /stats and /metrics too
+    shared_prefix_cache: bool = False  # with keys: one prefix cache for every key (a single trusted tenant)
     allowed_origins: list[str] = []  # CORS: origins browsers may call from ("*": any); []: no cross-origin access
     allowed_methods: list[str] = ["GET", "POST"]  # CORS: methods of cross-origin requests
     allowed_headers: list[str] = ["*"]  # CORS: request headers of cross-origin requests ("*": any)
@@ -104,7 +117,7 @@ class ServerSettings(BaseModel):
     sampling: dict[str, Any] = {}  # plugin sampling parameters for every request: {"typical_p": 0.9}
     plugin_options: dict[str, Any] = {}  # values of hook plugins' options, by dest
 
-    @field_validator("kv_memory", "max_request_bytes", mode="before")
+    @field_validator("kv_memory", "max_request_bytes", "max_grammar_bytes", "grammar_cache_memory", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_bytes(value)
@@ -124,7 +137,7 @@ class ServerSettings(BaseModel):
             raise ValueError("tensor parallelism shards dense weights: --weights gguf needs --tensor-parallel-size 1")
         return value
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "admin_api_key", mode="before")
     @classmethod
     def _keys(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value  # one key, as it used to be written
@@ -148,6 +161,8 @@ class ServerSettings(BaseModel):
     def engine_config(self) -> Any:
         """The ``astrai.engine.EngineConfig`` these settings describe."""
         from astrai.engine import EngineConfig
+        from astrai.grammar import GrammarConfig
+        from astrai.limits import RequestLimits
 
         return EngineConfig(
             max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, paged=self.paged,
@@ -158,6 +173,11 @@ class ServerSettings(BaseModel):
             scheduling_policy=self.scheduling_policy, tensor_parallel_size=self.tensor_parallel_size,
             tp_timeout=self.tp_timeout, speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
             ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+            limits=RequestLimits(self.max_stop_sequences, self.max_stop_length, self.max_logit_bias),
+            grammar=GrammarConfig(
+                workers=self.grammar_workers, max_pending=self.grammar_queue, timeout=self.grammar_compile_timeout,
+                max_bytes=self.max_grammar_bytes, cache_bytes=self.grammar_cache_memory,
+            ),
         )  # fmt: skip
 
 

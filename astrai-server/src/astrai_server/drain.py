@@ -5,7 +5,9 @@ uvicorn alone closes its listening socket on SIGTERM, so a load balancer's healt
 grace period ends. Here the first SIGTERM or SIGINT instead:
 
 1. sets ``app.state.draining``: generation routes answer 503 in their protocol's shape and
-   ``/health`` answers 503 ``{"status": "draining"}``, while the socket stays open;
+   ``/health`` answers 503 ``{"status": "draining"}``, while the socket stays open; grammar
+   compiles under way are stopped (their requests get 503: a compile may take many seconds and
+   was not going to be served anyway);
 2. waits up to ``shutdown_timeout`` seconds for the requests in flight (``app.state.in_flight``,
    kept by ``astrai_server.edge``) to finish;
 3. aborts those still running (``engine.abort_all()``): each ends with finish reason
@@ -51,6 +53,9 @@ class DrainingServer(uvicorn.Server):
             logger.warning("second %s: exiting now", signal.Signals(sig).name)
             os._exit(128 + sig)
         self.app.state.draining = True  # from now on: 503 for new requests and for /health
+        engine = self.app.state.engine
+        if engine is not None:
+            engine.grammars.cancel_all()  # compiles under way end now (their workers are killed)
         # not recorded as uvicorn's captured signal: it would raise it again once the server is down
         self._drain = self._loop.create_task(self.drain(signal.Signals(sig).name))
 

@@ -16,13 +16,16 @@ and Starlette's ``CORSMiddleware`` inside it when ``settings.allowed_origins`` l
   path, route, status, duration, request id, client, and the token counts an endpoint left in
   ``scope["state"]["usage"]``.
 
-``authorized(request)`` checks the API keys (``app.state.api_keys``, from ``api_keys(settings)``:
-the ``api_key`` list and the lines of ``api_key_file``). ``uvicorn_options(settings)`` is the
+``caller(request)`` checks the API keys (``app.state.keys``, a ``KeyRing`` from ``key_ring(settings)``:
+the ``api_key`` list, the lines of ``api_key_file`` and the operator keys of ``admin_api_key``) and
+says who calls: the tenant (a digest of the key, never the key) and whether it is an operator;
+``authorized(request)`` is whether any key matched. ``uvicorn_options(settings)`` is the
 keyword arguments for uvicorn: TLS (its files checked first) and ``logs.log_config(settings)``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import re
@@ -30,6 +33,7 @@ import secrets
 import ssl
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,10 @@ from astrai_server.config import ServerSettings, check_key
 from astrai_server.errors import ConfigError
 from astrai_server.logs import RequestIdFilter, _current, current_request_id, log_config
 
-__all__ = ["EdgeMiddleware", "RequestIdFilter", "authorized", "current_request_id", "install", "uvicorn_options"]
+__all__ = [
+    "Caller", "EdgeMiddleware", "KeyRing", "RequestIdFilter", "authorized", "caller", "current_request_id", "install",
+    "uvicorn_options",
+]
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("astrai_server.access")
@@ -51,7 +58,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 def install(app: Any, settings: ServerSettings) -> None:
     """The edge of ``app``: its API keys, the in-flight count and live ids, CORS, ``EdgeMiddleware``.
     Raises ConfigError for an unreadable ``api_key_file``."""
-    app.state.api_keys = api_keys(settings)
+    app.state.keys = key_ring(settings)
     app.state.in_flight = 0
     app.state.request_ids = set()
     if settings.allowed_origins:
@@ -156,11 +163,45 @@ def _log_access(scope: dict[str, Any], rid: str, status: int | None, duration: f
 
 
 def api_keys(settings: ServerSettings) -> tuple[bytes, ...] | None:
-    """Every accepted key as UTF-8 (``api_key``, then ``api_key_file``'s), None when there is none."""
+    """Every accepted key as UTF-8 (``api_key``, ``api_key_file``'s, then ``admin_api_key``), None when
+    there is none."""
     keys = list(settings.api_key or [])
     if settings.api_key_file is not None:
         keys += read_key_file(settings.api_key_file)
+    keys += settings.admin_api_key or []
     return tuple(dict.fromkeys(k.encode("utf-8") for k in keys)) or None
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    """The accepted keys (UTF-8), and per key whether it is an operator's and its tenant id."""
+
+    keys: tuple[bytes, ...]
+    admin: tuple[bool, ...]
+    tenants: tuple[str, ...]  # a digest of the key: what the prefix cache's namespaces and logs may hold
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request that passed the key check."""
+
+    tenant: str | None  # the tenant id of its key; None when no key is configured (one tenant)
+    admin: bool  # an operator key (``admin_api_key``), or no key configured at all
+
+
+#: The caller when no key is configured: everyone is the one tenant, and an operator.
+OPEN = Caller(None, True)
+
+
+def key_ring(settings: ServerSettings) -> KeyRing | None:
+    """The keys of ``settings`` (``api_keys``), None when there is none. Raises ConfigError for an
+    unreadable ``api_key_file``."""
+    keys = api_keys(settings)
+    if keys is None:
+        return None
+    admin = {k.encode("utf-8") for k in settings.admin_api_key or ()}
+    tenants = tuple(hashlib.sha256(b"astrai-tenant\0" + k).hexdigest()[:16] for k in keys)
+    return KeyRing(keys, tuple(k in admin for k in keys), tenants)
 
 
 def read_key_file(path: str | Path) -> list[str]:
@@ -184,27 +225,40 @@ def read_key_file(path: str | Path) -> list[str]:
     return keys
 
 
+def key_index(given: bytes, keys: Sequence[bytes]) -> int:
+    """The index of ``given`` in ``keys`` (-1: none): each compared in constant time, all of them always."""
+    found = -1
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(given, key):
+            found = i
+    return found
+
+
 def key_matches(given: bytes, keys: Sequence[bytes]) -> bool:
-    """Whether ``given`` is one of ``keys``: each compared in constant time, all of them always."""
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(given, key)
-    return matched
+    """Whether ``given`` is one of ``keys`` (``key_index``)."""
+    return key_index(given, keys) >= 0
 
 
-def authorized(request: Any) -> bool:
-    """No key configured, or ``Authorization: Bearer <key>`` / ``x-api-key: <key>`` matches one.
+def caller(request: Any) -> Caller | None:
+    """Who calls (``OPEN`` when no key is configured); None when a key is required and the request's
+    ``Authorization: Bearer <key>`` / ``x-api-key: <key>`` matches none.
 
     Compared in constant time as bytes: the header's bytes as the client sent them (Starlette
     decodes them as latin-1, which encoding back undoes) against each key's UTF-8, so a non-ASCII
     key matches a client that sends it in UTF-8."""
-    keys = request.app.state.api_keys
-    if keys is None:
-        return True
+    ring: KeyRing | None = request.app.state.keys
+    if ring is None:
+        return OPEN
     auth = request.headers.get("authorization", "")
     # only HTTP's own blanks: str.strip() would also eat latin-1 0x85 and 0xA0, the last byte of "à" in UTF-8
     given = auth[7:].strip(" \t") if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    return key_matches(given.encode("latin-1"), keys)
+    i = key_index(given.encode("latin-1"), ring.keys)
+    return None if i < 0 else Caller(ring.tenants[i], ring.admin[i])
+
+
+def authorized(request: Any) -> bool:
+    """No key configured, or the request's key matches one (see ``caller``)."""
+    return caller(request) is not None
 
 
 # ---------------------------------------------------------------- uvicorn and TLS

@@ -1,8 +1,10 @@
 """``ProtocolHandler``: runs one request of any protocol through the engine (no HTTP here).
 
-The handler owns everything protocol-neutral: refusing request fields nobody
-implements (``refuse_unknown``), preparing a request on a worker thread (templating and
-tokenizing never run on the event loop), fitting a defaulted ``max_tokens`` to
+The handler owns everything protocol-neutral: bounding a request's fan-out (``--max-choices``) and
+refusing request fields nobody implements (``refuse_unknown``), preparing a request on a worker
+thread (templating and tokenizing never run on the event loop), the cheap checks before a grammar
+compiles in the engine's compile workers (``RequestLimits``, the context, the grammar's size),
+the prefix cache's namespace of the caller (``cache_namespace``), fitting a defaulted ``max_tokens`` to
 ``engine.context_limit`` (the engine checks the rest at submit: ``logit_bias`` ids
 against the vocabulary, an explicit ``max_tokens`` against the context), the ``n``
 choices of each prompt, bridging the engine's scheduler-thread callbacks into the event
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -42,26 +45,64 @@ class ProtocolHandler:
     and on cancellation.
     """
 
-    def __init__(self, builder: ResponseBuilder, engine: Any, state: Any = None) -> None:
+    def __init__(self, builder: ResponseBuilder, engine: Any, state: Any = None, max_choices: int | None = None) -> None:
         if engine is None:
             raise EngineNotReady()
         self.builder, self.engine = builder, engine
-        # the HTTP request's state (Starlette's request.state): its request_id names the engine requests;
-        # usage (prompt and completion tokens) is left there for the access log
+        # the HTTP request's state (Starlette's request.state): its request_id names the engine requests,
+        # its cache_tenant (edge.py) namespaces their prefix cache; usage (prompt and completion tokens)
+        # is left there for the access log
         self.state = state
+        self.max_choices = max_choices  # engine requests one request may fan out to (None: no bound)
 
     async def start(self, request: BaseModel) -> _Run:
-        """Prepare and submit every choice. Raises RequestRejected (400: an unknown field, the
-        builder's, an invalid grammar, or the engine's at submit) or EngineNotReady (503).
+        """Prepare and submit every choice. Raises RequestRejected (400: too many choices, an unknown
+        field, the builder's, a bound of ``RequestLimits``, a prompt too long, an invalid or oversized
+        grammar, one whose compile outlasted its time-out, or the engine's at submit), Overloaded (429:
+        the queue, or the grammar compiles, are full) or EngineNotReady (503).
 
-        Preparing (the chat template, tokenizing, compiling a constrained request's grammar,
-        cached by spec) runs on a worker thread, so neither the event loop nor the scheduler
-        waits for it; submitting runs in the loop, whose queue the engine's callbacks feed."""
+        Every cheap check comes first, counts before anything is templated; then preparing (the
+        chat template, tokenizing) runs on a worker thread and a grammar compiles in the engine's
+        compile workers (``GrammarCache.compile_async``: cancelling this coroutine, as a client that
+        leaves does, stops it), so neither the event loop nor the scheduler waits for either; a
+        request of several choices is submitted off the event loop too."""
         loop = asyncio.get_running_loop()
+        count = self._check_fan_out(request)
+        check_room = getattr(self.engine, "check_room", None)
+        if check_room is not None:
+            check_room(count)  # a fan-out that the queue cannot take is refused whole, now
         prepared, opening = await loop.run_in_executor(None, self._prepare, request)
-        run = _Run(self.engine, prepared, loop, opening)
-        run.submit(getattr(self.state, "request_id", None), getattr(request, "priority", None) or 0)
+        compiled = None
+        if prepared.params.grammar is not None:
+            compiled = await self.engine.grammars.compile_async(prepared.params.grammar)
+        run = _Run(self.engine, prepared, loop, opening, compiled)
+        args = (getattr(self.state, "request_id", None), getattr(request, "priority", None) or 0,
+                cache_namespace(getattr(self.state, "cache_tenant", None), prepared.cache_salt))  # fmt: skip
+        if count == 1:
+            run.submit(*args)
+            return run
+        submitted = loop.run_in_executor(None, run.submit, *args)  # many choices: not on the event loop
+        try:
+            await asyncio.shield(submitted)
+        except asyncio.CancelledError:  # the client left while they were submitted: withdraw them once they are
+            submitted.add_done_callback(lambda _: run.abort())
+            raise
         return run
+
+    def _check_fan_out(self, request: BaseModel) -> int:
+        """The engine requests ``request`` makes (the product of the builder's ``fan_out``); RequestRejected
+        naming the fields when it passes ``max_choices``."""
+        factors = self.builder.fan_out(request)
+        count = 1
+        for _, value in factors:
+            count *= max(int(value), 1)
+        if self.max_choices is not None and count > self.max_choices:
+            named = " and ".join(f"{name} {value}" for name, value in factors)
+            raise RequestRejected(
+                f"{named} make {count} choices; at most {self.max_choices} are served per request "
+                "(--max-choices): send them in several requests", param=max(factors, key=lambda f: f[1])[0],
+            )
+        return count
 
     async def admitted(self, run: _Run, disconnected: Disconnect) -> bool:
         """Wait for ``run``'s first output (a piece, or an end); raise its error when a choice ended in
@@ -85,12 +126,17 @@ class ProtocolHandler:
         return True
 
     def _prepare(self, request: BaseModel) -> tuple[Prepared, str]:
+        """Template and tokenize, then every check that costs nothing: the sampling bounds, the context,
+        the grammar's size. Runs on a worker thread."""
         refuse_unknown(request, self.engine)
         prepared = self.builder.prepare(request, self.engine)
         opening = open_tool_call(prepared, self.engine.tokenizer)  # a required call is a grammar too
-        if prepared.params.grammar is not None:
-            self.engine.grammars.compile(prepared.params.grammar)
+        limits = getattr(getattr(self.engine, "config", None), "limits", None)
+        if limits is not None:
+            limits.check(prepared.params)
         self._check_limits(prepared)
+        if prepared.params.grammar is not None:
+            self.engine.grammars.check(prepared.params.grammar)
         return prepared, opening
 
     def _check_limits(self, p: Prepared) -> None:
@@ -162,6 +208,14 @@ def refuse_unknown(request: BaseModel, engine: Any) -> None:
             )
 
 
+def cache_namespace(tenant: str | None, salt: str | None) -> str | None:
+    """The prefix cache's namespace of a request: its tenant (a digest of its API key, None when keys are
+    shared or absent) and its ``cache_salt``; None (the shared namespace) when it has neither."""
+    if tenant is None and salt is None:
+        return None
+    return hashlib.sha256(f"{tenant or ''}\0{salt or ''}".encode()).hexdigest()[:32]
+
+
 async def _abort_on(disconnected: Disconnect, run: _Run) -> None:
     await disconnected()
     logger.info("client of %s disconnected: aborting", run.prepared.response_id)
@@ -171,8 +225,11 @@ async def _abort_on(disconnected: Disconnect, run: _Run) -> None:
 class _Run:
     """The engine requests of one HTTP request (``n`` per prompt), and their events on the event loop."""
 
-    def __init__(self, engine: Any, prepared: Prepared, loop: asyncio.AbstractEventLoop, opening: str = "") -> None:
+    def __init__(
+        self, engine: Any, prepared: Prepared, loop: asyncio.AbstractEventLoop, opening: str = "", grammar: Any = None
+    ) -> None:
         self.engine, self.prepared, self.loop = engine, prepared, loop
+        self.grammar = grammar  # prepared.params.grammar compiled (None: none)
         self.queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
         self._peeked: list[tuple[int, str | None]] = []  # taken off the queue by peek(), not yet by events()
         self.results: list[Any] = []
@@ -195,8 +252,10 @@ class _Run:
         except RuntimeError:
             pass
 
-    def submit(self, request_id: str | None = None, priority: int = 0) -> None:
-        """Submit every choice: named ``request_id`` (one choice) or ``request_id-i`` (None: the engine names them)."""
+    def submit(self, request_id: str | None = None, priority: int = 0, namespace: str | None = None) -> None:
+        """Submit every choice: named ``request_id`` (one choice) or ``request_id-i`` (None: the engine names
+        them), in the prefix cache's ``namespace``, choice ``i`` as the ``i``-th sibling (admission serves
+        other requests' first choices before this one's second)."""
         p, count = self.prepared, len(self._pieces)
         try:
             for i in range(count):
@@ -208,7 +267,7 @@ class _Run:
                         self.prompts[i // p.n], params,
                         on_piece=lambda piece, i=i: self._post((i, piece)),
                         on_done=lambda _r, i=i: self._post((i, None)),
-                        request_id=rid, priority=priority,
+                        request_id=rid, priority=priority, cache_namespace=namespace, sibling=i, grammar=self.grammar,
                     )
                 )  # fmt: skip
         except BaseException:
@@ -280,7 +339,9 @@ class _Run:
                     logprobs_streamed=self._sent[i],
                 )
             )  # fmt: skip
-        return ChatResult(choices=choices, prompt_tokens=sum(map(len, self.prompts)))
+        n = self.prepared.n  # a prompt's cached tokens: its first choice's (the others may hit what it computed)
+        cached = sum(getattr(self.results[k * n], "cached_tokens", 0) for k in range(len(self.prompts)))
+        return ChatResult(choices=choices, prompt_tokens=sum(map(len, self.prompts)), cached_tokens=cached)
 
     def abort(self) -> None:
         """Abort every choice still running (idempotent; finished ones are left alone)."""

@@ -27,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from astrai.errors import RequestRejected
 from astrai.protocol import (
+    CacheSalt,
     ChatResult,
     Choice,
     Prepared,
@@ -247,6 +248,7 @@ class MessagesRequest(MessagesInput):
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     inference_geo: str | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shares pages only within a salt
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters for this request: null is the field's default (for ``top_k``: off).
@@ -345,7 +347,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
         return Prepared(
             request=request, prompt_ids=prompt_ids, params=request.sampling_params(), stream=bool(request.stream),
             tools=tools, tool_call_required=required, max_tokens_explicit="max_tokens" in request.model_fields_set,
-            response_id=new_id("msg_"), model=request.model, state={"one_call": one_call},
+            cache_salt=request.cache_salt, response_id=new_id("msg_"), model=request.model, state={"one_call": one_call},
         )  # fmt: skip
 
     def post_routes(self) -> dict[str, tuple[type[BaseModel], Callable[[Any, Any], dict[str, Any]]]]:

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astrai.errors import RequestRejected
 from astrai.protocol import (
+    CacheSalt,
     ChatResult,
     Choice,
     Prepared,
@@ -90,6 +91,7 @@ class CompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None  # vLLM accepts it on completions too
     structured_outputs: dict[str, Any] | None = None  # vLLM's
     user: str | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shares pages only within a salt
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters: null is the field's default (``top_k``: off); ``echo`` with
@@ -172,6 +174,10 @@ class CompletionsResponseBuilder(ResponseBuilder):
     format_error = OpenAIResponseBuilder.format_error
     format_stream_error = OpenAIResponseBuilder.format_stream_error
 
+    def fan_out(self, request: CompletionRequest) -> list[tuple[str, int]]:
+        """Every prompt of the list, times ``n``."""
+        return [("prompt", len(request._items())), ("n", value_or_default(request, "n"))]
+
     def prepare(self, request: CompletionRequest, engine: Any) -> Prepared:
         n = value_or_default(request, "n")
         if request.suffix is not None:
@@ -190,7 +196,7 @@ class CompletionsResponseBuilder(ResponseBuilder):
         }  # fmt: skip
         return Prepared(
             request=request, prompt_ids=prompts[0], params=request.sampling_params(), prompts=prompts,
-            stream=bool(request.stream), n=n, max_tokens_explicit=request.max_tokens_explicit,
+            stream=bool(request.stream), n=n, max_tokens_explicit=request.max_tokens_explicit, cache_salt=request.cache_salt,
             response_id=new_id("cmpl-"), model=request.model, state=state,
         )  # fmt: skip
 

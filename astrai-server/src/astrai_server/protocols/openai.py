@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from astrai.errors import ModelNotFound, RequestRejected
 from astrai.protocol import (
+    CacheSalt,
     ChatResult,
     Choice,
     Prepared,
@@ -250,6 +251,7 @@ class ChatCompletionRequest(BaseModel):
     priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shares pages only within a salt
 
     @model_validator(mode="before")
     @classmethod
@@ -419,7 +421,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
         return Prepared(
             request=request, prompt_ids=list(prompt_ids), params=params, stream=bool(request.stream),
             n=value_or_default(request, "n"), tools=tools, tool_call_required=required,
-            max_tokens_explicit=request.max_tokens_explicit,
+            max_tokens_explicit=request.max_tokens_explicit, cache_salt=request.cache_salt,
             response_id=new_id("chatcmpl-"), model=request.model, state=state,
         )  # fmt: skip
 
@@ -505,11 +507,14 @@ class OpenAIResponseBuilder(ResponseBuilder):
         return [sse(self.format_error(status, message))]  # the SDK raises on a data line with "error"
 
 
-def _usage(result: ChatResult) -> dict[str, int]:
+def _usage(result: ChatResult) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache served
+    in the caller's own namespace (its API key's, its ``cache_salt``'s)."""
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
 
 

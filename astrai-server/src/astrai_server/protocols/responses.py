@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from astrai.errors import RequestRejected
 from astrai.protocol import (
+    CacheSalt,
     ChatResult,
     Choice,
     Prepared,
@@ -213,6 +214,7 @@ class ResponsesRequest(BaseModel):
     background: bool | None = False
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = "disabled"
+    cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shares pages only within a salt
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -323,7 +325,7 @@ class ResponsesBuilder(ResponseBuilder):
         return Prepared(
             request=request, prompt_ids=prompt_ids, params=params, stream=bool(request.stream),
             tools=tools, tool_call_required=bool(tools) and request.tool_choice not in ("auto", None),
-            max_tokens_explicit=request.max_output_tokens is not None,
+            max_tokens_explicit=request.max_output_tokens is not None, cache_salt=request.cache_salt,
             response_id=new_id("resp_"), model=request.model, state=state,
         )  # fmt: skip
 
@@ -439,7 +441,7 @@ def _function_call(call: ToolCall, status: str) -> dict[str, Any]:
 def _usage(result: ChatResult) -> dict[str, Any]:
     return {
         "input_tokens": result.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": result.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": result.total_tokens,
