@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,16 +121,22 @@ def test_from_model_loads_through_load_model(monkeypatch, tiny_model, tiny_token
     import astrai.model
 
     calls = []
+    checkpoint = SimpleNamespace(config=tiny_model.config)  # what open_checkpoint reads from the header
 
-    def fake_load(name_or_path=None, dtype=None, device="cpu", weights="dense"):
-        calls.append((name_or_path, dtype, device, weights))
+    def fake_load(name_or_path, dtype, device, weights, max_seq_len, reserve):
+        calls.append((name_or_path, dtype, device, weights, max_seq_len, list(reserve.values())))
         return tiny_model, tiny_tokenizer
 
+    monkeypatch.setattr(astrai.model, "open_checkpoint", lambda name: checkpoint if name == "tiny" else None)
     monkeypatch.setattr(astrai.model, "load_model", fake_load)
-    with InferenceEngine.from_model("tiny", dtype=torch.float32, config=EngineConfig(n_tokens=256)) as engine:
+    config = EngineConfig(n_tokens=256, max_seq_len=100)
+    with InferenceEngine.from_model("tiny", dtype=torch.float32, config=config) as engine:
         pool_guard(engine.pool)
         assert engine.generate("hi", max_tokens=3) is not None
-    assert calls == [("tiny", torch.float32, "cpu", "dense")]
+    # built for the context served, the pool's bytes counted in the memory check before loading
+    pool = config.kv_config(tiny_model.config, torch.float32).nbytes(2, 2, 16, torch.float32)
+    assert calls == [(checkpoint, torch.float32, "cpu", "dense", 100, [pool])]
+    assert pool == 256 * 2 * 2 * 2 * 16 * 4 + 64 * 100 * 4  # K and V of every slot, and req_to_token
     assert not engine.is_healthy()
 
 

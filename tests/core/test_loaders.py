@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +15,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
-from astrai.errors import ModelNotFound
+from astrai.config import EngineConfig
+from astrai.errors import InsufficientMemory, ModelFormatError, ModelNotFound
+from astrai.model import open_checkpoint, read_config
 from astrai.model.gguf_loader import load_gguf
 from astrai.model.hf_loader import interleave_rope_rows, load_hf
 
@@ -461,3 +467,288 @@ def test_interleaved_rows_preserve_attention_scores():
     assert torch.equal(wq2, interleave_reference(wq, n_head))
     bias = torch.arange(n_head * d, dtype=torch.float32)
     assert torch.equal(interleave_rope_rows(bias, n_head), interleave_reference(bias, n_head))
+
+
+# ---------------------------------------------------------------- metadata checked against the tensors
+
+BLOCK_SHAPES = {  # GGUF tensor kind -> shape (numpy order) in write_checked_gguf's model
+    "attn_norm.weight": (HIDDEN,),
+    "attn_q.weight": (HIDDEN, HIDDEN),
+    "attn_k.weight": (HIDDEN // HEADS * KV_HEADS, HIDDEN),
+    "attn_v.weight": (HIDDEN // HEADS * KV_HEADS, HIDDEN),
+    "attn_output.weight": (HIDDEN, HIDDEN),
+    "ffn_norm.weight": (HIDDEN,),
+    "ffn_gate.weight": (FFN, HIDDEN),
+    "ffn_up.weight": (FFN, HIDDEN),
+    "ffn_down.weight": (HIDDEN, FFN),
+}
+
+
+def write_checked_gguf(
+    path, meta: dict | None = None, drop: tuple[str, ...] = (), vocab_rows: int = VOCAB
+) -> None:
+    """A 2-layer F32 llama GGUF (zeros) whose metadata ``meta`` overrides (key after ``llama.``);
+    the tensors named in ``drop`` are left out."""
+    values = {
+        "block_count": LAYERS,
+        "context_length": 512,
+        "embedding_length": HIDDEN,
+        "feed_forward_length": FFN,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV_HEADS,
+    }
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in (values | (meta or {})).items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    shapes = {"token_embd.weight": (vocab_rows, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    for i in range(LAYERS):
+        shapes |= {f"blk.{i}.{kind}": shape for kind, shape in BLOCK_SHAPES.items()}
+    for name, shape in shapes.items():
+        if name not in drop:
+            writer.add_tensor(name, np.zeros(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_consistent_gguf_passes_the_checks(tmp_path):
+    write_checked_gguf(tmp_path / "ok.gguf")
+    config, state = load_gguf(tmp_path / "ok.gguf", torch.float32)
+    assert (config.num_hidden_layers, config.head_dim, config.vocab_size) == (LAYERS, HIDDEN // HEADS, VOCAB)
+    assert len(state) == 2 + LAYERS * len(BLOCK_SHAPES)
+
+
+GGUF_CASES = [  # metadata overrides, tensors left out, embedding rows; what the error says
+    pytest.param(
+        {"block_count": 10**6},
+        (),
+        VOCAB,
+        r"\.block_count is 1000000, but the file holds the tensors "
+        r"of 2 blocks \(0-1\)",
+        id="blocks-1e6",
+    ),
+    pytest.param(
+        {"block_count": 1},
+        (),
+        VOCAB,
+        r"\.block_count is 1, but the file holds the tensors of 2 blocks",
+        id="blocks-fewer",
+    ),
+    pytest.param(
+        {"attention.head_count": 0},
+        (),
+        VOCAB,
+        r"\.attention\.head_count is 0: it must be positive",
+        id="heads-0",
+    ),
+    pytest.param(
+        {"attention.head_count_kv": 0},
+        (),
+        VOCAB,
+        r"\.head_count_kv is 0: it must be positive",
+        id="kv-heads-0",
+    ),
+    pytest.param(
+        {"attention.head_count_kv": 3},
+        (),
+        VOCAB,
+        r"head_count_kv 3 does not divide llama\."
+        r"attention\.head_count 4",
+        id="kv-heads-no-divisor",
+    ),
+    pytest.param(
+        {"attention.head_count": 3, "attention.head_count_kv": 3},
+        (),
+        VOCAB,
+        r"head_count 3 does not divide llama\.embedding_length 256, and no head dim",
+        id="heads-no-divisor",
+    ),
+    pytest.param(
+        {"attention.key_length": 32},
+        (),
+        VOCAB,
+        r"head_count 4 x head dim 32 makes 128 rows, but "
+        r"blk\.0\.attn_q\.weight has 256",
+        id="head-dim-vs-q",
+    ),
+    pytest.param(
+        {"attention.key_length": 63},
+        (),
+        VOCAB,
+        r"\.key_length is 63: rotary embeddings need an even",
+        id="head-dim-odd",
+    ),
+    pytest.param(
+        {"embedding_length": 128},
+        (),
+        VOCAB,
+        r"\.embedding_length is 128, but token_embd\.weight has "
+        r"shape \[32, 256\]",
+        id="hidden-vs-embedding",
+    ),
+    pytest.param(
+        {"feed_forward_length": 512},
+        (),
+        VOCAB,
+        r"\.feed_forward_length is 512, but blk\.0\.ffn_gate",
+        id="ffn-vs-gate",
+    ),
+    pytest.param(
+        {"context_length": 0}, (), VOCAB, r"\.context_length is 0: it must be positive", id="context-0"
+    ),
+    pytest.param(
+        {},
+        (),
+        40,
+        r"vocab size \(the entries of tokenizer\.ggml\.tokens\) is 32, but token_embd",
+        id="vocab-vs-embedding",
+    ),
+    pytest.param(
+        {},
+        ("blk.1.ffn_up.weight",),
+        VOCAB,
+        r"tensors missing: model\.layers\.1\.mlp\.up_proj\.weight",
+        id="missing-tensor",
+    ),
+]
+
+
+@pytest.mark.parametrize(("meta", "drop", "vocab_rows", "message"), GGUF_CASES)
+def test_gguf_metadata_that_contradicts_the_tensors_is_refused_naming_the_field(
+    tmp_path, meta, drop, vocab_rows, message
+):
+    path = tmp_path / "bad.gguf"
+    write_checked_gguf(path, meta, drop, vocab_rows)
+    with pytest.raises(ModelFormatError, match=message) as info:
+        load_gguf(path, torch.float32)
+    assert str(info.value).startswith(f"{path}: ")
+    with pytest.raises(
+        ModelFormatError, match=message
+    ):  # the header alone says it (read_config, open_checkpoint)
+        read_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "keep", [0.01, 0.3, 0.9999], ids=["in-the-metadata", "in-the-data", "the-last-bytes"]
+)
+def test_a_truncated_gguf_is_refused_naming_the_file(tmp_path, default_gguf, keep):
+    data = default_gguf.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(
+        ModelFormatError, match=rf"^{re.escape(str(path))}: truncated: the file has \d+ bytes"
+    ):
+        open_checkpoint(str(path))
+
+
+def test_parameter_shapes_are_the_shapes_of_the_model_built(tiny_model):
+    from astrai.model import build_model
+
+    for config in (
+        tiny_model.config,
+        dataclasses.replace(tiny_model.config, attention_bias=True, tie_word_embeddings=True),
+    ):
+        model = build_model(config, torch.float32)
+        built = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        if config.tie_word_embeddings:
+            built.pop("lm_head.weight", None)
+        assert type(model).parameter_shapes(config) == built
+
+
+def test_the_rotary_table_is_sized_by_the_context_served(tiny_model):
+    from astrai.model import build_model
+
+    huge = dataclasses.replace(tiny_model.config, max_position_embeddings=2**31 - 1)
+    model = build_model(huge, torch.float32, max_seq_len=64)  # 2**31 positions would be 512 GiB of table
+    assert model.rotary.freqs_cis.shape == (64, huge.head_dim // 2, 2)
+    assert model.config.max_position_embeddings == 64 and huge.max_position_embeddings == 2**31 - 1
+    # paged, the context is also capped by the pool's slots: a request never holds more positions
+    kv = EngineConfig(kv_memory_bytes=1 << 20, max_batch_size=2).kv_config(huge, torch.float32)
+    per_token = 2 * huge.num_hidden_layers * huge.num_key_value_heads * huge.head_dim * 4
+    assert kv.max_seq_len == (1 << 20) // per_token // 16 * 16
+
+
+def test_the_memory_check_refuses_before_reading_a_weight(tmp_path, monkeypatch):
+    import astrai.model
+    from astrai.model import budget
+
+    write_checked_gguf(tmp_path / "ok.gguf")
+    monkeypatch.setattr(budget, "available_memory", lambda device="cpu": (2**30, "a test's 1 GiB"))
+    monkeypatch.setattr(
+        astrai.model, "read_weights", lambda *a, **k: pytest.fail("weights read before the check")
+    )
+    with pytest.raises(
+        InsufficientMemory,
+        match=r"needs about 1\.0 TiB .*1\.0 TiB KV pool.* the 1\.0 GiB available \(a test's",
+    ):
+        astrai.model.load_model(str(tmp_path / "ok.gguf"), torch.float32, reserve={"KV pool": 2**40})
+    assert budget.weight_bytes(
+        open_checkpoint(str(tmp_path / "ok.gguf")).tensors, torch.bfloat16, lambda n, i: False
+    )[0] == ((VOCAB * HIDDEN + HIDDEN + LAYERS * sum(math.prod(s) for s in BLOCK_SHAPES.values())) * 2)
+
+
+def test_available_memory_is_at_most_memavailable():
+    from astrai.model.budget import available_memory
+
+    room, where = available_memory()
+    meminfo = Path("/proc/meminfo").read_text()
+    total = int(next(line for line in meminfo.splitlines() if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert 0 <= room <= total and where
+
+
+def _checked_hf_folder(tmp_path, **config):
+    model = _random_hf_model("llama")
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"num_hidden_layers": 1000000},
+            r"num_hidden_layers is 1000000, but the file holds the tensors of 2 blocks",
+        ),
+        ({"num_attention_heads": 0}, r"num_attention_heads is 0: it must be positive"),
+        (
+            {"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": None},
+            r"num_attention_heads 3 does not divide hidden_size 64, and no head dim is given",
+        ),
+        ({"num_key_value_heads": 3}, r"num_key_value_heads 3 does not divide num_attention_heads 4"),
+        (
+            {"num_key_value_heads": 4},
+            r"num_key_value_heads 4 x head dim 16 makes 64 rows, but model\.layers\.0\.self_attn",
+        ),
+        ({"vocab_size": 65}, r"vocab_size is 65, but model\.embed_tokens\.weight has shape \[64, 64\]"),
+        ({"max_position_embeddings": -1}, r"max_position_embeddings is -1: it must be positive"),
+        ({"hidden_size": "big"}, r"config\.json: invalid literal"),
+    ],
+    ids=[
+        "layers",
+        "heads-0",
+        "heads-no-divisor",
+        "kv-heads-no-divisor",
+        "kv-heads-vs-k",
+        "vocab",
+        "context",
+        "not-a-number",
+    ],
+)
+def test_hf_config_that_contradicts_the_tensors_is_refused_naming_the_field(tmp_path, config, message):
+    path = _checked_hf_folder(tmp_path, **config)
+    with pytest.raises(ModelFormatError, match=message) as info:
+        load_hf(tmp_path, torch.float32)
+    assert str(info.value).startswith(f"{path}: ")
+
+
+def test_a_truncated_safetensors_file_is_refused_naming_the_file(tmp_path):
+    _checked_hf_folder(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ModelFormatError, match=rf"^{re.escape(str(weights))}: truncated"):
+        load_hf(tmp_path, torch.float32)

@@ -100,7 +100,7 @@ def test_sampling_defaults_and_plugin_options_from_yaml_and_flags(tmp_path: Path
 
 
 def test_attention_backend_goes_to_the_engine_config_never_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from astrai_server import cli, drain
+    from astrai_server import cli, drain, loader
 
     assert ServerSettings().engine_config().attention_backend is None
     s = settings_from_args(_parse(["--attention-backend", "torch_native"]))
@@ -108,11 +108,24 @@ def test_attention_backend_goes_to_the_engine_config_never_the_environment(monke
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
     built: list[Any] = []
     monkeypatch.setattr(drain.DrainingServer, "run", lambda self, sockets=None: None)
-    monkeypatch.setattr(cli, "_load_engine", lambda settings, app, pm: built.append(settings.engine_config()))
+    def start(self: loader.EngineLoader, server: Any) -> None:
+        built.append(self.settings.engine_config())
+
+    monkeypatch.setattr(loader.EngineLoader, "start", start)
     environ = dict(os.environ)
     cli.serve(s, PluginManager())
     assert dict(os.environ) == environ
     assert [c.attention_backend for c in built] == ["torch_native"]
+
+
+def test_on_load_failure_is_exit_unless_asked_to_stay_up_unhealthy() -> None:
+    assert settings_from_args(_parse([])).on_load_failure == "exit"
+    assert settings_from_args(_parse(["--on-load-failure", "unhealthy"])).on_load_failure == "unhealthy"
+    assert load_settings({}, environ={"ASTRAI_ON_LOAD_FAILURE": "unhealthy"}).on_load_failure == "unhealthy"
+    with pytest.raises(ConfigError, match="ASTRAI_ON_LOAD_FAILURE"):
+        load_settings({}, environ={"ASTRAI_ON_LOAD_FAILURE": "retry"})
+    with pytest.raises(SystemExit):
+        _parse(["--on-load-failure", "retry"])
 
 
 def test_parse_bytes() -> None:

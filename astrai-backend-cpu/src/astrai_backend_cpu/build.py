@@ -7,7 +7,9 @@ compiler, ``-march=native``) into ``$ASTRAI_CPU_CACHE`` or
 ``~/.cache/astrai/cpu-kernels/<torch>-<machine>-<cpu flags hash>``; torch rebuilds only
 when a source or a flag changes, so only the first use on a machine pays the compile
 (about 20 seconds). The cache is per instruction set: a build for one CPU never loads on
-another.
+another. The build and load run under ``astrai.extension.build_lock``: processes sharing a
+cache (replicas on one volume) build one at a time, and a build killed half-way (its torch
+``lock`` file left behind) holds up no later start.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from astrai.errors import KernelUnavailable
+from astrai.extension.build_lock import build_lock
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +74,17 @@ def load_kernels() -> str:
         try:
             from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
-            build.mkdir(parents=True, exist_ok=True)
             logger.info("loading the astrai CPU kernels from %s (built on first use)", build)
-            load(
-                name=EXTENSION_NAME,
-                sources=[str(p) for p in SOURCES],
-                extra_cflags=CXX_FLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build),
-                is_python_module=False,
-                verbose=logger.isEnabledFor(logging.DEBUG),
-            )
+            with build_lock(build):  # torch's own lock file would outlive a killed builder
+                load(
+                    name=EXTENSION_NAME,
+                    sources=[str(p) for p in SOURCES],
+                    extra_cflags=CXX_FLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build),
+                    is_python_module=False,
+                    verbose=logger.isEnabledFor(logging.DEBUG),
+                )
         except Exception as err:  # compiler, ninja, linker or loader: all mean "no kernels here"
             raise KernelUnavailable(f"astrai CPU kernels could not be built or loaded: {type(err).__name__}: {err}") from err
         _loaded = str(build)

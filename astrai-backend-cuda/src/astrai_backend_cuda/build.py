@@ -8,6 +8,8 @@
    for the visible device into a persistent cache, ``$ASTRAI_CUDA_CACHE`` or
    ``~/.cache/astrai/cuda-kernels/<torch>-cu<cuda>``; torch rebuilds only when a source
    or flag changes, so only the first use on a machine pays the compile (about a minute).
+   The build runs under ``astrai.extension.build_lock``: one builder per cache directory at a
+   time, and a build killed half-way (torch's ``lock`` file left behind) holds up no later start.
 
 It then registers fake (meta) implementations, so the ops trace under ``torch.compile``
 (installing the rotary kernel into ``apply_rotary_emb``'s dispatch is ``CudaBackend.install``'s).
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from astrai.errors import KernelUnavailable
+from astrai.extension.build_lock import build_lock
 from astrai_backend_cuda import _sources
 
 logger = logging.getLogger(__name__)
@@ -53,17 +56,17 @@ def _jit_build() -> None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
     build = cache_dir()
-    build.mkdir(parents=True, exist_ok=True)
     logger.info("building the astrai CUDA kernels in %s (first use on this machine)", build)
-    load(
-        name=EXTENSION_NAME,
-        sources=[str(p) for p in _sources.all_sources()],
-        extra_cflags=list(_sources.CXX_FLAGS),
-        extra_cuda_cflags=list(_sources.NVCC_FLAGS),
-        build_directory=str(build),
-        is_python_module=False,
-        verbose=logger.isEnabledFor(logging.DEBUG),
-    )
+    with build_lock(build):  # torch's own lock file would outlive a killed builder
+        load(
+            name=EXTENSION_NAME,
+            sources=[str(p) for p in _sources.all_sources()],
+            extra_cflags=list(_sources.CXX_FLAGS),
+            extra_cuda_cflags=list(_sources.NVCC_FLAGS),
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=logger.isEnabledFor(logging.DEBUG),
+        )
 
 
 def _register_fakes() -> None:

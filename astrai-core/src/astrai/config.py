@@ -94,15 +94,24 @@ class EngineConfig:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
 
     def kv_config(self, model_config: ModelConfig, dtype: torch.dtype) -> KVConfig:
-        """The pool configuration for a model; raises ValueError on an impossible size."""
+        """The pool configuration for a model; raises ValueError on an impossible size.
+
+        Its ``max_seq_len`` is the context served: ``max_seq_len`` capped by the model's context
+        length and, paged, by the pool's slots (a request never holds more positions than the
+        pool has, so a longer req_to_token row or rotary table would never be read). The default
+        pool holds at least one request of that context, so a model whose context length is
+        absurd and no ``max_seq_len`` gives an absurd pool, which the memory check refuses.
+        """
         ctx = model_config.max_position_embeddings
         seq = min(self.max_seq_len or ctx, ctx)
         if not self.paged:
             return KVConfig(self.max_batch_size, seq, page_size=1, prefix_caching=False)
         n_tokens, budget = self.n_tokens, self.kv_memory_bytes
+        per_token = KVStorage.bytes_per_token(
+            model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype
+        )
         if n_tokens is None and budget is None:
-            per_token = KVStorage.bytes_per_token(
-                model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype
-            )
             n_tokens = max(seq, min(self.max_batch_size * seq, DEFAULT_KV_MEMORY_BYTES // per_token))
+        slots = (n_tokens if n_tokens is not None else budget // per_token) // self.page_size * self.page_size
+        seq = max(1, min(seq, slots))  # no slot at all: PagePool says so
         return KVConfig(self.max_batch_size, seq, self.page_size, n_tokens, budget, self.prefix_caching)

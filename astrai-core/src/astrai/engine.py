@@ -117,8 +117,14 @@ class InferenceEngine:
         """Load a model with ``astrai.model.load_model`` and start an engine on it; with
         ``config.tensor_parallel_size`` > 1, split over that many ranks (``astrai.distributed``:
         TPConfigError names the valid sizes). ``weights``: ``load_model``'s (tensor parallel
-        shards dense weights: "gguf" is refused there)."""
-        from astrai.model import default_dtype, load_model
+        shards dense weights: "gguf" is refused there).
+
+        The checkpoint's header is read first: the KV pool ``config`` gives it is sized from it,
+        the model is built for the context that pool serves (its rotary table no longer), and the
+        pool's bytes count in ``load_model``'s memory check, so that a malformed checkpoint
+        (``ModelFormatError``) or one that cannot fit (``InsufficientMemory``) is refused before
+        anything is allocated."""
+        from astrai.model import default_dtype, load_model, open_checkpoint
 
         size = config.tensor_parallel_size if config is not None else 1
         if size > 1:
@@ -126,13 +132,29 @@ class InferenceEngine:
                 raise ValueError("--weights gguf: tensor parallelism shards dense weights (use --weights dense or auto)")
             from astrai.distributed.launch import load_tensor_parallel
 
-            model, tokenizer = load_tensor_parallel(name_or_path, dtype or default_dtype(device), device, size, config.tp_timeout)
+            model, tokenizer = load_tensor_parallel(
+                name_or_path, dtype or default_dtype(device), device, size, config.tp_timeout,
+                max_seq_len=config.max_seq_len,
+            )
             try:
                 return cls(model, tokenizer, config, plugins)
             except BaseException:
                 model.close()
                 raise
-        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, weights=weights)
+        dtype = dtype or default_dtype(device)
+        checkpoint = open_checkpoint(name_or_path)
+        mc = checkpoint.config
+        engine_config = config or EngineConfig()
+        kv = engine_config.kv_config(mc, dtype)
+        shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype)
+        what = f"KV pool ({kv.slots(*shape)} tokens, a context of {kv.max_seq_len}"
+        if engine_config.max_seq_len is None:  # the model's context: say how to serve less
+            what += f": the model's context length {mc.max_position_embeddings}; a max_seq_len serves less"
+        what += ")"
+        model, tokenizer = load_model(
+            checkpoint, dtype=dtype, device=device, weights=weights, max_seq_len=kv.max_seq_len,
+            reserve={what: kv.nbytes(*shape)},
+        )
         return cls(model, tokenizer, config, plugins)
 
     def _proposer(self) -> NgramProposer | None:

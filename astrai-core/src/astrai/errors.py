@@ -51,5 +51,18 @@ class ModelNotFound(AstraiError):
     """A model name or path could not be resolved, or its weights are missing."""
 
 
+class ModelFormatError(AstraiError):
+    """A model file is malformed: truncated, or its metadata contradicts its tensors or itself.
+
+    Raised while the file's header is read, before anything of the model is allocated; the
+    message names the file and the field (``block_count``, ``head_count``, a tensor).
+    """
+
+
+class InsufficientMemory(AstraiError):
+    """A model (its weights, and the KV pool an engine would give it) needs more memory than is
+    available; raised before anything is allocated, the message naming the numbers."""
+
+
 class EngineNotReady(AstraiError):
     """The engine is not started yet, or its scheduler thread has died."""

@@ -33,10 +33,12 @@ def _die_with_parent(parent: int) -> None:
 
 
 def replica() -> int:
-    """One replica: 0 on a clean stop, 2 on a configuration or plugin error (as ``astrai serve``)."""
+    """One replica: 0 on a clean stop, 1 when the model fails to load, 2 on a configuration or plugin
+    error (as ``astrai serve``)."""
     from astrai.errors import AstraiError
     from astrai_server.cli import configure_logging, serve
     from astrai_server.config import ServerSettings
+    from astrai_server.errors import ModelLoadFailed
 
     settings = ServerSettings.model_validate_json(sys.stdin.buffer.read())
     try:
@@ -44,7 +46,7 @@ def replica() -> int:
         serve(settings)
     except AstraiError as exc:
         sys.stderr.write(f"astrai serve (replica on port {settings.port}): error: {exc}\n")
-        return 2
+        return 1 if isinstance(exc, ModelLoadFailed) else 2
     except KeyboardInterrupt:
         return 130
     return 0

@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 import logging
 import logging.config
+import os
 import sys
-import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from astrai.cli import PluginOptions, parse_key_value
 from astrai.errors import AstraiError
 from astrai.plugins import PluginManager
 from astrai_server.config import ServerSettings, load_settings
-from astrai_server.errors import ConfigError
+from astrai_server.errors import ConfigError, ModelLoadFailed
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "ngram_min", "with --speculative ngram: shortest suffix n-gram looked up in the request's tokens", type=int)
     _flag(p, "ngram_max", "with --speculative ngram: longest suffix n-gram, tried first (>= --ngram-min)", type=int)
     _flag(p, "shutdown_timeout", "seconds requests in flight may take to finish after SIGTERM/SIGINT", type=float)
+    _flag(p, "on_load_failure", "when the model fails to load: exit (status 1, one line on stderr), "
+          "or stay up unhealthy (/health 503)", choices=["exit", "unhealthy"])
     _flag(p, "tensor_parallel_size", "split the model over this many ranks (worker processes, or torchrun's)", type=int)
     _flag(p, "tp_timeout", "seconds a tensor-parallel collective may wait (idle ranks get a heartbeat)", type=float)
     _flag(p, "data_parallel_size", "engine replicas (processes on loopback) behind the SGLang Model Gateway on --host/--port", type=int)
@@ -123,26 +125,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return load_settings(cli, args.config, plugin_options.defaults if plugin_options else None)
 
 
-def _load_engine(settings: ServerSettings, app: Any, pm: PluginManager) -> None:
-    import torch
-
-    from astrai.engine import InferenceEngine
-
-    try:
-        dtype = getattr(torch, settings.dtype) if settings.dtype else None
-        engine = InferenceEngine.from_model(
-            settings.model, dtype=dtype, device=settings.device, config=settings.engine_config(), plugins=pm,
-            weights=settings.weights,
-        )
-    except Exception:
-        logger.exception("loading the model failed; /health stays 503")
-        return
-    app.state.engine = engine
-    logger.info("engine ready: %s", settings.model or "the default model")
-
-
 def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
-    """Run uvicorn until a signal has drained it; the engine loads in a background thread meanwhile.
+    """Run uvicorn until a signal has drained it; the engine loads in a background thread meanwhile
+    (``astrai_server.loader``). A signal during the load stops the server at once, without waiting
+    for the load. Raises ModelLoadFailed once uvicorn has stopped when the model failed to load
+    (``on_load_failure: exit``), with one line naming the file and the problem.
 
     ``pm`` (default: discovered) serves both the app (``astrai_server_app``) and the engine.
     """
@@ -153,6 +140,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     from astrai_server.body import return_large_blocks
     from astrai_server.drain import DrainingServer
     from astrai_server.edge import uvicorn_options
+    from astrai_server.loader import EngineLoader
 
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
@@ -171,22 +159,38 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     return_large_blocks()  # a large request body's memory goes back to the system when it is freed
     edge_options = uvicorn_options(settings)  # TLS and logging; a missing or bad TLS file fails now
     app = create_app(settings, None, plugins=pm)
-    loader = threading.Thread(target=_load_engine, args=(settings, app, pm), name="astrai-load", daemon=True)
-    loader.start()
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, **edge_options
+    )
+    server = DrainingServer(config, app, settings.shutdown_timeout)  # SIGTERM drains (astrai_server.drain)
+    loader = EngineLoader(settings, app, pm)
+    loader.start(server)
     try:
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, **edge_options)
-        DrainingServer(config, app, settings.shutdown_timeout).run()  # SIGTERM drains (astrai_server.drain)
+        server.run()
     finally:
-        loader.join()
-        if app.state.engine is not None:
-            app.state.engine.shutdown()
+        engine = loader.stop()  # a load still running is abandoned: its thread is a daemon
+        if engine is not None:
+            engine.shutdown()
+        if loader.loading:  # stopped during the start
+            _exit_now(0 if sys.exc_info()[0] is None else 1)
+    if loader.failure is not None and settings.on_load_failure == "exit":
+        raise ModelLoadFailed(loader.failure)
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End the process without finalizing the interpreter: the loader's thread still runs inside
+    torch (C++ and OpenMP teams, which abort the process when Python is torn down under them), and
+    nothing of the load is worth waiting for. Logs and stdio are flushed first."""
+    logger.info("stopped during the start: the model load is abandoned")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _tp_worker(settings: ServerSettings) -> bool:
     """Under torchrun, ranks > 0 of a tensor-parallel ``astrai serve`` serve no HTTP: they run their
     shard (``astrai.distributed.launch.worker_main``) and return True; anywhere else, False."""
-    import os
-
     import torch
 
     from astrai.distributed.launch import torchrun_rank, worker_main
@@ -201,7 +205,8 @@ def _tp_worker(settings: ServerSettings) -> bool:
     if device.type == "cuda":  # one GPU per rank on its machine
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     dtype = settings.dtype or str(default_dtype(device)).removeprefix("torch.")
-    spec = {"rank": rank, "size": settings.tensor_parallel_size, "source": {"model": settings.model}, "dtype": dtype,
+    source = {"model": settings.model, "max_seq_len": settings.max_seq_len}
+    spec = {"rank": rank, "size": settings.tensor_parallel_size, "source": source, "dtype": dtype,
             "device": str(device), "timeout": settings.tp_timeout}  # fmt: skip
     code = worker_main(spec)
     if code:
@@ -220,11 +225,16 @@ def configure_logging(settings: ServerSettings) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """The ``serve`` subcommand: 0 on a clean stop, 2 on a configuration or plugin error."""
+    """The ``serve`` subcommand: 0 on a clean stop (a signal, also during the start), 1 when the
+    model fails to load (``on_load_failure: exit``), 2 on a configuration or plugin error found
+    before serving; each error is one line on stderr."""
     try:
         settings = settings_from_args(args)
         configure_logging(settings)
         serve(settings, getattr(args, "plugins", None))
+    except ModelLoadFailed as exc:
+        sys.stderr.write(f"astrai serve: error: {exc}\n")
+        return 1
     except AstraiError as exc:
         sys.stderr.write(f"astrai serve: error: {exc}\n")
         return 2

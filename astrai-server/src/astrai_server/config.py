@@ -94,6 +94,7 @@ class ServerSettings(BaseModel):
     ngram_min: int = Field(2, ge=1)  # shortest suffix n-gram matched against the request's earlier tokens
     ngram_max: int = Field(4, ge=1)  # longest (tried first); >= ngram_min
     shutdown_timeout: float = Field(20.0, ge=0)  # seconds requests in flight get after SIGTERM; then they are aborted
+    on_load_failure: Literal["exit", "unhealthy"] = "exit"  # a failed model load: exit 1, or serve 503
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split over (astrai.distributed)
     tp_timeout: float = Field(300.0, gt=0)  # seconds a tensor-parallel collective may wait
     data_parallel_size: int = Field(1, ge=1)  # engine replicas behind the SGLang Model Gateway (astrai_server.replicas)

@@ -35,6 +35,11 @@ class ConfigError(AstraiError):
     """``astrai serve`` configuration is invalid: unknown YAML key, bad value, unreadable file."""
 
 
+class ModelLoadFailed(AstraiError):
+    """The model did not load at start (``on_load_failure: exit``): ``astrai serve`` exits 1 with the
+    message, one line naming the file and the problem. Never an HTTP error: no request sees it."""
+
+
 class HTTPProblem(Exception):
     """An error the server detects itself, with its status; ``param`` names the offending field."""
 

@@ -59,14 +59,16 @@ def torchrun_rank() -> int | None:
 def read_source(source: dict[str, Any], dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """A checkpoint's configuration and weights (astrai's layout, unfused): ``{"model": name or path}``
     (the loaders of ``astrai.model``) or ``{"state_file": path}`` (``torch.save`` of
-    ``{"config": ModelConfig fields, "weights": state dict}``)."""
+    ``{"config": ModelConfig fields, "weights": state dict}``). ``"max_seq_len"``, when set, caps the
+    context the shards are built for (``astrai.model.served_config``: their rotary tables)."""
+    from astrai.model import read_checkpoint, served_config
+
     if source.get("state_file"):
         saved = torch.load(source["state_file"], weights_only=True)
-        return ModelConfig(**saved["config"]), {k: v.to(dtype) for k, v in saved["weights"].items()}
-    from astrai.model import read_checkpoint
-
-    config, weights, _kind, _path = read_checkpoint(source.get("model"), dtype)
-    return config, weights
+        config, weights = ModelConfig(**saved["config"]), {k: v.to(dtype) for k, v in saved["weights"].items()}
+    else:
+        config, weights, _kind, _path = read_checkpoint(source.get("model"), dtype)
+    return served_config(config, source.get("max_seq_len")), weights
 
 
 def build_shard(config: ModelConfig, weights: dict[str, torch.Tensor], groups: Groups, dtype: torch.dtype,
@@ -169,15 +171,16 @@ def _free_port() -> int:
 
 def load_tensor_parallel(
     name_or_path: str | None, dtype: torch.dtype, device: str | torch.device, size: int, timeout: float = 300.0,
-    state_file: str | None = None,
+    state_file: str | None = None, max_seq_len: int | None = None,
 ) -> tuple[TensorParallelModel, Any]:  # fmt: skip
     """Rank 0 of a ``size``-way tensor-parallel model (and the tokenizer; None with ``state_file``).
 
     Starts the other ranks (unless torchrun did), waits until each has loaded its shard, joins the
     process group (``timeout``: the collectives' time-out, seconds). Raises TPConfigError (the
-    valid sizes) for a split the model cannot take, AstraiError when a worker fails to start."""
+    valid sizes) for a split the model cannot take, AstraiError when a worker fails to start.
+    ``max_seq_len``: the longest context served (the shards' rotary tables; None: the model's)."""
     device = torch.device(device)
-    source = {"model": name_or_path, "state_file": state_file}
+    source = {"model": name_or_path, "state_file": state_file, "max_seq_len": max_seq_len}
     config, weights = read_source(source, dtype)
     check_tp_size(config, size)
     _threads(size, device)

@@ -50,6 +50,23 @@ class KVConfig:
     def paged(self) -> bool:
         return self.n_tokens is not None or self.memory_budget_bytes is not None
 
+    def slots(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Token slots of the pool this configuration gives (``PagePool.size``), before it exists."""
+        if not self.paged:
+            return self.max_batch_size * self.max_seq_len
+        n_tokens = self.n_tokens
+        if n_tokens is None:
+            per_token = KVStorage.bytes_per_token(n_layers, n_kv_heads, head_dim, dtype)
+            n_tokens = self.memory_budget_bytes // per_token
+        return n_tokens // self.page_size * self.page_size
+
+    def nbytes(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes a ``PagePool`` of this configuration allocates: K/V storage and the req_to_token table."""
+        storage = self.slots(n_layers, n_kv_heads, head_dim, dtype) * KVStorage.bytes_per_token(
+            n_layers, n_kv_heads, head_dim, dtype
+        )
+        return storage + self.max_batch_size * self.max_seq_len * 4  # req_to_token: int32
+
 
 class PagePool:
     """Owns the KV buffers and decides which slots each request's positions use.

@@ -1,12 +1,18 @@
-"""Models on real weights: architectures, loaders, tokenizer and chat template."""
+"""Models on real weights: architectures, loaders, tokenizer and chat template.
+
+Loading reads a checkpoint's header first (``open_checkpoint``: configuration and tensor table,
+checked against each other), checks the memory it will take (``astrai.model.budget``), and only
+then reads the weights: a malformed or oversized checkpoint is refused before anything is allocated.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -14,6 +20,7 @@ from torch import nn
 
 from astrai.cpu_tuning import run_off_thread
 from astrai.model.architecture import Architecture, get_architecture
+from astrai.model.checkpoint import Checkpoint, open_checkpoint, read_weights
 from astrai.model.config import ModelConfig
 from astrai.model.cpu_linear import prepack_linears, prepack_supported
 from astrai.model.llama import LlamaForCausalLM
@@ -21,6 +28,7 @@ from astrai.model.tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = [
     "Architecture",
+    "Checkpoint",
     "IncrementalDecoder",
     "LlamaForCausalLM",
     "ModelConfig",
@@ -29,8 +37,10 @@ __all__ = [
     "default_dtype",
     "load_model",
     "load_tokenizer",
+    "open_checkpoint",
     "read_checkpoint",
     "read_config",
+    "served_config",
     "WEIGHTS",
 ]
 
@@ -66,16 +76,33 @@ def _zero_init() -> Iterator[None]:
 _INIT_LOCK = threading.Lock()
 
 
+def served_config(config: ModelConfig, max_seq_len: int | None) -> ModelConfig:
+    """``config`` for a model that serves at most ``max_seq_len`` positions: a copy whose
+    ``max_position_embeddings`` (which sizes the rotary table) is capped at it; ``config`` itself
+    when there is nothing to cap."""
+    if max_seq_len is None or max_seq_len >= config.max_position_embeddings:
+        return config
+    return dataclasses.replace(config, max_position_embeddings=max_seq_len)
+
+
 def build_model(
-    config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu", random_init: bool = True
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    random_init: bool = True,
+    max_seq_len: int | None = None,
 ) -> LlamaForCausalLM:
     """Build the architecture named by ``config.architecture`` with uninitialised-but-finite weights.
 
     The class comes from the ``astrai.models`` entry point of that name (built-ins:
     ``llama``, ``qwen2``). Parameters take ``dtype``; the RoPE table stays float32
     whatever the dtype. ``random_init=False``: linears and embeddings start at zero (for a
-    caller that loads every parameter next). Raises ModelNotFound for an architecture nobody provides.
+    caller that loads every parameter next). ``max_seq_len``: the longest context the model
+    will serve; the model's config (``max_position_embeddings``) and its rotary table are
+    capped at it, so a checkpoint's huge context length costs nothing it does not serve.
+    Raises ModelNotFound for an architecture nobody provides.
     """
+    config = served_config(config, max_seq_len)
     cls = get_architecture(config.architecture).model_class
     with contextlib.nullcontext() if random_init else _zero_init():
         model = cls(config).to(device)
@@ -121,57 +148,50 @@ def keeps_quantized(weights: str, device: str | torch.device, dtype: torch.dtype
 
 
 def load_model(
-    name_or_path: str | None = None,
+    name_or_path: str | Checkpoint | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     weights: str = "dense",
+    max_seq_len: int | None = None,
+    reserve: Mapping[str, int] | None = None,
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
-    """Load a model and its tokenizer from a name, a ``.gguf`` file or an HF checkpoint folder.
+    """Load a model and its tokenizer from a name, a ``.gguf`` file, an HF checkpoint folder or
+    an opened ``Checkpoint``.
 
     ``None`` or ``"smollm2-135m"`` is the default model. ``dtype`` defaults to
     :func:`default_dtype` for ``device``. ``weights`` (``WEIGHTS``) says whether a GGUF file's
     quantized weights stay quantized; "gguf" where the kernels cannot run raises ValueError.
-    Raises ``ModelNotFound`` (with the install command for the default model) when the weights
-    are missing.
+    ``max_seq_len``: the longest context the model will serve (see ``build_model``); ``reserve``:
+    what the caller allocates next (what for -> bytes, an engine's KV pool), counted in the memory
+    check. Raises ``ModelNotFound`` (with the install command for the default model) when the
+    weights are missing, ``ModelFormatError`` for a malformed checkpoint and ``InsufficientMemory``
+    when it would not fit (``astrai.model.budget``), both before anything is allocated.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     dtype = dtype or default_dtype(device)
+    args = (name_or_path, dtype, device, weights, max_seq_len, reserve)
     if torch.device(device).type == "cpu":  # keep the caller's thread free of OpenMP teams
-        return run_off_thread(_load, name_or_path, dtype, device, weights)
-    return _load(name_or_path, dtype, device, weights)
+        return run_off_thread(_load, *args)
+    return _load(*args)
 
 
 def read_checkpoint(
-    name_or_path: str | None, dtype: torch.dtype, quantized: bool = False
+    name_or_path: str | Checkpoint | None, dtype: torch.dtype, quantized: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], str, Path]:
     """A checkpoint's configuration and weights in astrai's layout (unfused), its kind ("gguf" or
-    "hf") and path; raises ModelNotFound. The tokenizer's end-of-sequence ids are not merged yet
-    (``load_tokenizer`` does that). ``quantized``: a GGUF file's quantized weights that
-    ``astrai.model.quant`` keeps come back as its ``QuantWeight``s."""
-    from astrai.model.gguf_loader import load_gguf
-    from astrai.model.hf_loader import load_hf
-    from astrai.model.resolve import resolve_model
-
-    kind, path = resolve_model(name_or_path)
-    config, weights = load_gguf(path, dtype, quantized) if kind == "gguf" else load_hf(path, dtype)
-    config.name = config.name or name_or_path or Path(path).stem
-    return config, weights, kind, Path(path)
+    "hf") and path; raises ModelNotFound or ModelFormatError (see ``open_checkpoint``). The
+    tokenizer's end-of-sequence ids are not merged yet (``load_tokenizer`` does that).
+    ``quantized``: a GGUF file's quantized weights that ``astrai.model.quant`` keeps come back
+    as its ``QuantWeight``s."""
+    ckpt = name_or_path if isinstance(name_or_path, Checkpoint) else open_checkpoint(name_or_path)
+    return ckpt.config, read_weights(ckpt, dtype, quantized), ckpt.kind, ckpt.path
 
 
 def read_config(name_or_path: str | None) -> ModelConfig:
-    """A checkpoint's configuration alone (GGUF metadata or ``config.json``), without its weights."""
-    from astrai.model.gguf_loader import gguf_config, open_gguf
-    from astrai.model.hf_loader import _read_json, hf_config
-    from astrai.model.resolve import resolve_model
-
-    kind, path = resolve_model(name_or_path)
-    if kind == "gguf":
-        config = gguf_config(open_gguf(path), Path(path))
-    else:
-        config = hf_config(Path(path), _read_json(Path(path) / "config.json"))
-    config.name = config.name or name_or_path or Path(path).stem
-    return config
+    """A checkpoint's configuration alone (GGUF metadata or ``config.json``, checked against the
+    tensor table), without its weights."""
+    return open_checkpoint(name_or_path).config
 
 
 def load_tokenizer(name_or_path: str | None, config: ModelConfig) -> Tokenizer:
@@ -196,14 +216,24 @@ def _release_heap() -> None:
 
 
 def _load(
-    name_or_path: str | None, dtype: torch.dtype, device: str | torch.device, weights_mode: str = "dense"
+    source: str | Checkpoint | None,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    weights_mode: str,
+    max_seq_len: int | None,
+    reserve: Mapping[str, int] | None,
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
+    from astrai.model.budget import require_memory
     from astrai.model.quant import QuantizedLinear, install_quantized
 
     start = time.perf_counter()
+    ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)  # checked: nothing read yet
     quantized = keeps_quantized(weights_mode, device, dtype)
-    config, weights, kind, _path = read_checkpoint(name_or_path, dtype, quantized)
-    tokenizer = load_tokenizer(name_or_path, config)
+    config = served_config(ckpt.config, max_seq_len)
+    kept = ckpt.stays_quantized if quantized else lambda name, info: False
+    require_memory(ckpt.path, config, ckpt.tensors, dtype, device, kept, reserve)
+    weights, kind = read_weights(ckpt, dtype, quantized), ckpt.kind
+    tokenizer = load_tokenizer(str(ckpt.path), config)
     model = build_model(config, dtype, device, random_init=False)  # load_weights sets every parameter
     if quantized:
         weights = install_quantized(model, weights, dtype)

@@ -33,6 +33,9 @@ class Architecture:
     ``model_class(config: ModelConfig)`` builds the model (parameters on CPU in the
     default dtype); the instance must offer ``load_weights(state_dict)`` taking HF
     parameter names and ``fuse_projections()``, and the forward of ``LlamaForCausalLM``.
+    A class may offer ``parameter_shapes(config)`` (a static method: HF name -> shape, as
+    ``LlamaForCausalLM``'s): the loaders then check a checkpoint's tensors against it before
+    anything is allocated (``astrai.model.checks``).
     Weight names: HF checkpoints already use the parameter names; a GGUF tensor
     ``token_embd.weight`` maps through ``gguf_top`` and ``blk.{i}.attn_q.weight``
     through ``gguf_block`` (see :meth:`hf_name`).

@@ -3,6 +3,9 @@
 Parsing and dequantization are gguf-py's (``GGUFReader``, ``gguf.quants``);
 this module reads metadata and converts one tensor at a time. Tensor names map
 through the file's ``astrai.models`` architecture (``Architecture.hf_name``).
+The header alone (``gguf_header``: metadata and tensor table) gives the configuration,
+checked against the tensors (``astrai.model.checks``) before any weight is read; a file
+cut short is refused when it is opened.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-from astrai.errors import ModelNotFound
+from astrai.errors import ModelFormatError, ModelNotFound
 from astrai.model.architecture import get_architecture
+from astrai.model.checks import TensorInfo, check_model, derived_head_dim
 from astrai.model.config import ModelConfig
 from astrai.model.hf_loader import interleave_rope_rows
 from astrai.model.quant import NATIVE, QuantWeight, pack, split_blocks
@@ -29,12 +33,24 @@ logger = logging.getLogger(__name__)
 SUPPORTED_TYPES = frozenset(
     ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 )
+
+
+class _Truncated(ValueError):
+    """gguf-py asked for bytes past the end of the file (its slices would come back short)."""
+
+    def __init__(self, end: int) -> None:
+        super().__init__(f"data runs to byte {end}")
+        self.end = end
+
+
 class _MappedReader(GGUFReader):
     """A GGUFReader whose buffer is a plain ndarray view of the file's memory map.
 
     gguf-py slices ``reader.data`` once per metadata element (100k+ for a
     tokenizer); on a plain ndarray that is about 3x faster than on np.memmap.
     The view still maps the file: nothing is read until a tensor is used.
+    Every slice is checked against the file's end, so that a truncated file
+    is named as such rather than failing a reshape deep inside gguf-py.
     """
 
     @property
@@ -45,12 +61,25 @@ class _MappedReader(GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._buf = value.view(np.ndarray)
 
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self._buf):
+            raise _Truncated(end)
+        return super()._get(offset, dtype, count, override_order)
+
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """Parse a GGUF file's header; raises ModelNotFound when it is missing or not GGUF."""
+    """Parse a GGUF file's header; raises ModelNotFound when it is missing or not GGUF, and
+    ModelFormatError when it is cut short (its header or tensor data past the end of the file)."""
     try:
         return _MappedReader(path)
-    except (OSError, ValueError) as e:
+    except _Truncated as e:
+        size = Path(path).stat().st_size
+        raise ModelFormatError(
+            f"{path}: truncated: the file has {size} bytes, but its tensor table or data runs to byte "
+            f"{e.end} (an incomplete download or copy?)"
+        ) from None
+    except (OSError, ValueError, KeyError, IndexError) as e:
         raise ModelNotFound(f"{path}: not a readable GGUF file ({e})") from e
 
 
@@ -59,25 +88,64 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
-    """ModelConfig from GGUF metadata (``{arch}.*`` and ``tokenizer.ggml.*`` keys)."""
+def gguf_tensors(reader: GGUFReader, arch: str, path: Path) -> dict[str, TensorInfo]:
+    """HF name -> ``TensorInfo`` of every weight in the file (``rope_freqs.weight`` is not one).
+
+    Raises ModelNotFound for a tensor name the architecture does not know or a type astrai
+    cannot load (the message names the tensor)."""
+    architecture = get_architecture(arch, str(path))
+    tensors: dict[str, TensorInfo] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        name, qtype = architecture.hf_name(t.name), t.tensor_type.name
+        if name is None:
+            raise ModelNotFound(f"{path}: unexpected tensor {t.name!r}")
+        if qtype not in SUPPORTED_TYPES:
+            raise ModelNotFound(
+                f"{path}: tensor {t.name!r} has type {qtype}, which astrai cannot load "
+                f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        tensors[name] = TensorInfo(t.name, shape, int(t.n_bytes), qtype)
+    return tensors
+
+
+def gguf_header(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
+    """ModelConfig from GGUF metadata (``{arch}.*`` and ``tokenizer.ggml.*`` keys) and the tensor
+    table, checked against each other (``check_model``); reads no weight. Raises ModelNotFound for
+    an unsupported architecture, tensor or type, ModelFormatError for metadata that is missing,
+    not a number or contradicts the tensors (the message names the key)."""
     arch = _field(reader, "general.architecture")
-    get_architecture(arch, str(path))  # raises ModelNotFound (or the plugin's error) early
+    tensors = gguf_tensors(reader, arch, path)  # raises ModelNotFound (or the plugin's error) early
 
     def key(name: str, default: Any = ...) -> Any:
         value = _field(reader, f"{arch}.{name}", None if default is ... else default)
         if value is None and default is ...:
-            raise ModelNotFound(f"{path}: missing metadata key {arch}.{name}")
+            raise ModelFormatError(f"{path}: missing metadata key {arch}.{name}")
+        if value is not None and not isinstance(value, (int, float)):
+            raise ModelFormatError(f"{path}: {arch}.{name} is {value!r}, not a number")
         return value
 
-    names = {t.name for t in reader.tensors}
+    fields = {field: f"{arch}.{name}" for field, name in _FIELDS.items()}
     hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = key("attention.key_length", None) or key("rope.dimension_count", None)
+    if not head_dim:
+        fields["head_dim"] = f"head dim ({arch}.embedding_length / {arch}.attention.head_count)"
+        head_dim = derived_head_dim(hidden, n_heads, path, fields)
+    elif not key("attention.key_length", None):
+        fields["head_dim"] = f"{arch}.rope.dimension_count"
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else key("vocab_size", None)
-    if vocab is None:  # no tokenizer and no vocab_size: the embedding's row count
-        vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+    if tokens is not None:
+        vocab, fields["vocab_size"] = len(tokens.data), "vocab size (the entries of tokenizer.ggml.tokens)"
+    elif key("vocab_size", None) is not None:
+        vocab, fields["vocab_size"] = key("vocab_size"), f"{arch}.vocab_size"
+    elif "model.embed_tokens.weight" in tensors:  # no tokenizer and no vocab_size: the embedding's row count
+        vocab = tensors["model.embed_tokens.weight"].shape[0]
+    else:
+        raise ModelFormatError(f"{path}: no tokenizer.ggml.tokens, {arch}.vocab_size or token_embd.weight")
     bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -85,19 +153,34 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=n_heads,
         num_key_value_heads=int(key("attention.head_count_kv", n_heads)),
-        head_dim=int(
-            key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // n_heads
-        ),
+        head_dim=int(head_dim),
         max_position_embeddings=int(key("context_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=[] if eos is None else [int(eos)],
         name=path.stem,
     )
+    check_model(config, tensors, path, fields)
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        config.rope_scaling = _llama3_scaling(np.asarray(rope_freqs.data, np.float32), config, path)
+    return config, tensors
+
+
+# ModelConfig field -> its GGUF key after "{arch}.", for messages.
+_FIELDS = {
+    "num_hidden_layers": "block_count",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "max_position_embeddings": "context_length",
+}
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
@@ -155,45 +238,25 @@ def _llama3_scaling(rope_freqs: np.ndarray, config: ModelConfig, path: Path) -> 
 _QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens")
 
 
-def load_gguf(
-    path: str | Path, dtype: torch.dtype, quantized: bool = False
-) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
-    """Read and dequantize a GGUF file into (config, state dict) on CPU.
+def stays_quantized(name: str, qtype: str) -> bool:
+    """Whether weight ``name`` (HF) of type ``qtype`` stays quantized when the loader is asked to."""
+    return qtype in NATIVE and name.rsplit(".", 2)[-2] in _QUANTIZABLE and name.endswith(".weight")
 
-    ``quantized``: the linears' and the embedding's weights whose type ``astrai.model.quant``
-    keeps (``NATIVE``) come back as ``QuantWeight``s in its tile layout instead of dense
-    tensors (their rows in the same order as the dense ones would be).
 
-    Tensors come back in ``dtype``, named and oriented as HF's (``[out, in]``),
-    q/k rows in interleaved-pair RoPE layout; ``lm_head.weight`` is absent when
-    the file has no ``output.weight`` (tied embeddings). Dequantizes one tensor
-    at a time, so peak memory is the state dict plus one float32 tensor.
-    Raises ModelNotFound for an unreadable file, an unsupported architecture,
-    tensor name or quantization type (the message names the tensor).
-    """
-    path = Path(path)
-    reader = open_gguf(path)
-    config = gguf_config(reader, path)
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if rope_freqs is not None:
-        config.rope_scaling = _llama3_scaling(np.asarray(rope_freqs.data, np.float32), config, path)
+def gguf_weights(
+    reader: GGUFReader, config: ModelConfig, path: Path, dtype: torch.dtype, quantized: bool = False
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """The state dict of a GGUF file whose header ``gguf_header`` read (see ``load_gguf``)."""
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     arch = get_architecture(config.architecture, str(path))
     permute = not arch.gguf_rope_interleaved
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=None):
-        if t is rope_freqs:
-            continue
         name, qtype = arch.hf_name(t.name), t.tensor_type.name
-        if name is None:
-            raise ModelNotFound(f"{path}: unexpected tensor {t.name!r}")
-        if qtype not in SUPPORTED_TYPES:
-            raise ModelNotFound(
-                f"{path}: tensor {t.name!r} has type {qtype}, which astrai cannot load "
-                f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
-            )
+        if name is None:  # rope_freqs.weight: read into config.rope_scaling by gguf_header
+            continue
         proj = name.rsplit(".", 2)[-2]
-        if quantized and qtype in NATIVE and proj in _QUANTIZABLE and name.endswith(".weight"):
+        if quantized and stays_quantized(name, qtype):
             codes, scales, mins = split_blocks(np.asarray(t.data), qtype)
             if permute and proj in heads:  # the same row order as the dense path's
                 order = interleave_rope_rows(torch.arange(codes.shape[0]), heads[proj]).numpy()
@@ -209,4 +272,27 @@ def load_gguf(
             w = interleave_rope_rows(w, heads[proj])
         state[name] = w
     logger.info("loaded %d tensors from %s", len(state), path)
-    return config, state
+    return state
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype, quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
+    """Read and dequantize a GGUF file into (config, state dict) on CPU.
+
+    ``quantized``: the linears' and the embedding's weights whose type ``astrai.model.quant``
+    keeps (``NATIVE``) come back as ``QuantWeight``s in its tile layout instead of dense
+    tensors (their rows in the same order as the dense ones would be).
+
+    Tensors come back in ``dtype``, named and oriented as HF's (``[out, in]``),
+    q/k rows in interleaved-pair RoPE layout; ``lm_head.weight`` is absent when
+    the file has no ``output.weight`` (tied embeddings). Dequantizes one tensor
+    at a time, so peak memory is the state dict plus one float32 tensor.
+    Raises ModelNotFound for an unreadable file, an unsupported architecture,
+    tensor name or quantization type (the message names the tensor), and
+    ModelFormatError for a truncated file or metadata that contradicts the tensors.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    config, _tensors = gguf_header(reader, path)
+    return config, gguf_weights(reader, config, path, dtype, quantized)

@@ -3,19 +3,23 @@
 The state dict keeps HF parameter names and orientations (``[out, in]``), with one
 change: q/k projection rows are permuted to llama.cpp's RoPE layout (rotate
 interleaved pairs ``(2i, 2i+1)``), the layout astrai's model and GGUF files use.
+``hf_header`` reads ``config.json`` and the safetensors headers alone and checks them
+against each other (``astrai.model.checks``) before any weight is read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from astrai.errors import ModelNotFound
+from astrai.errors import ModelFormatError, ModelNotFound
 from astrai.model.architecture import get_architecture
+from astrai.model.checks import TensorInfo, check_model, derived_head_dim
 from astrai.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -65,12 +69,14 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
 
     ``tie_word_embeddings`` is as declared; ``load_hf`` also ties when the
     checkpoint has no ``lm_head.weight``. Raises ModelNotFound for a ``model_type``
-    no ``astrai.models`` entry point provides, or a missing required key.
+    no ``astrai.models`` entry point provides, or a missing required key; ModelFormatError for
+    a size that is not a number (the sizes' own checks are ``check_model``'s).
     """
     arch = cfg.get("model_type")
     architecture = get_architecture(arch, f"{folder}: model_type")
     try:
         hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or derived_head_dim(hidden, n_heads, folder / "config.json", {}))
         theta, scaling = _rope(cfg)
         eos = _as_list(cfg.get("eos_token_id"))
         gen_path = folder / "generation_config.json"
@@ -84,7 +90,7 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=n_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            head_dim=head_dim,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
@@ -97,6 +103,8 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
         )
     except KeyError as e:
         raise ModelNotFound(f"{folder / 'config.json'}: missing required key {e}") from None
+    except (TypeError, ValueError) as e:  # a size that is not a number
+        raise ModelFormatError(f"{folder / 'config.json'}: {e}") from None
 
 
 def _shards(folder: Path) -> dict[str, list[str]]:
@@ -108,27 +116,59 @@ def _shards(folder: Path) -> dict[str, list[str]]:
             by_file.setdefault(file, []).append(name)
         return by_file
     if (folder / "model.safetensors").is_file():
-        from safetensors import safe_open
-
-        with safe_open(folder / "model.safetensors", framework="pt") as f:
+        with _open_shard(folder / "model.safetensors") as f:
             return {"model.safetensors": list(f.keys())}
     raise ModelNotFound(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_hf(folder: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read an HF Llama/Qwen2 checkpoint folder into (config, state dict) on CPU.
+# Bytes per element of the safetensors dtypes a checkpoint may hold.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I32": 4, "U8": 1}
 
-    Tensors come back in ``dtype`` with HF names (see the module docstring);
-    ``lm_head.weight`` is absent when embeddings are tied. Loads one tensor at a
-    time, so peak memory is the state dict plus one tensor. Raises ModelNotFound
-    when ``config.json`` or the weights are missing, or the architecture is unknown.
-    """
-    from safetensors import safe_open
 
-    folder = Path(folder)
+def _open_shard(file: Path) -> Any:
+    """``safe_open`` of one weights file; a file cut short or not safetensors is ModelFormatError."""
+    from safetensors import SafetensorError, safe_open
+
+    if not file.is_file():
+        raise ModelNotFound(f"{file}: no such weights file")
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as e:  # "incomplete metadata, file not fully covered": truncated
+        raise ModelFormatError(f"{file}: truncated or not a safetensors file ({e})") from None
+
+
+def hf_header(folder: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
+    """``config.json`` and the safetensors headers of a checkpoint folder, checked against each other
+    (``check_model``); reads no weight. ``tie_word_embeddings`` becomes True when the checkpoint has
+    no ``lm_head.weight``. Raises ModelNotFound (no config.json or weights, unknown architecture)
+    or ModelFormatError (a truncated file, metadata that contradicts the tensors)."""
     if not (folder / "config.json").is_file():
         raise ModelNotFound(f"{folder}: no config.json")
     config = hf_config(folder, _read_json(folder / "config.json"))
+    tensors: dict[str, TensorInfo] = {}
+    for file, names in _shards(folder).items():
+        with _open_shard(folder / file) as f:
+            present = set(f.keys())
+            for name in names:
+                if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved
+                    continue
+                if name not in present:
+                    raise ModelFormatError(f"{folder / file}: no tensor {name!r} (the index lists it there)")
+                part = f.get_slice(name)
+                shape, kind = tuple(part.get_shape()), part.get_dtype()
+                tensors[name] = TensorInfo(name, shape, math.prod(shape) * _DTYPE_BYTES.get(kind, 4), kind)
+    if "lm_head.weight" not in tensors:
+        config.tie_word_embeddings = True
+    elif config.tie_word_embeddings:
+        del tensors["lm_head.weight"]  # some exporters save the tied copy too
+    check_model(config, tensors, folder / "config.json", {})
+    return config, tensors
+
+
+def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The state dict of a checkpoint folder whose header ``hf_header`` read (see ``load_hf``)."""
+    from safetensors import safe_open
+
     shards = _shards(folder)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     state: dict[str, torch.Tensor] = {}
@@ -142,14 +182,26 @@ def load_hf(folder: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
                     bar.update()
                     if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved
                         continue
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # some exporters save the tied copy too
                     t = f.get_tensor(name).to(dtype)
                     proj = name.rsplit(".", 2)[-2]
                     if proj in heads and ".self_attn." in name:
                         t = interleave_rope_rows(t, heads[proj])
                     state[name] = t
-    if "lm_head.weight" not in state:
-        config.tie_word_embeddings = True
-    elif config.tie_word_embeddings:
-        del state["lm_head.weight"]  # some exporters save the tied copy too
     logger.info("loaded %d tensors from %s", len(state), folder)
-    return config, state
+    return state
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an HF Llama/Qwen2 checkpoint folder into (config, state dict) on CPU.
+
+    Tensors come back in ``dtype`` with HF names (see the module docstring);
+    ``lm_head.weight`` is absent when embeddings are tied. Loads one tensor at a
+    time, so peak memory is the state dict plus one tensor. Raises ModelNotFound
+    when ``config.json`` or the weights are missing, or the architecture is unknown;
+    ModelFormatError for a truncated file or metadata that contradicts the tensors.
+    """
+    folder = Path(folder)
+    config, _tensors = hf_header(folder)
+    return config, hf_weights(folder, config, dtype)

@@ -182,6 +182,25 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
 
+    @staticmethod
+    def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every parameter ``LlamaForCausalLM(config)`` has (HF names, unfused; no tied
+        ``lm_head.weight``), without building it: what the loaders check a checkpoint against first."""
+        h, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (vocab, h)
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+        attn, mlp = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q)}, {"gate": (ffn, h), "up": (ffn, h)}
+        layer |= {f"self_attn.{p}_proj.weight": s for p, s in attn.items()}
+        layer |= {f"mlp.{p}_proj.weight": s for p, s in {**mlp, "down": (h, ffn)}.items()}
+        if config.attention_bias:
+            layer |= {f"self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))}
+        for i in range(config.num_hidden_layers):
+            shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        return shapes
+
     @torch.inference_mode()
     def forward(
         self,

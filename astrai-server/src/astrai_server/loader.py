@@ -1,0 +1,113 @@
+"""``EngineLoader``: the engine of ``astrai serve``, loaded on a daemon thread while uvicorn already
+answers (``/health`` 503 until the engine is ready, then 200).
+
+When the load fails (a missing or malformed model, one too large for the memory, kernels that do
+not build), ``on_load_failure`` decides:
+
+- ``"exit"`` (the default): the loader asks uvicorn to stop (it polls ``should_exit`` every
+  0.1 s), and ``failure`` holds one line naming the file and the problem; ``cli.serve`` raises
+  ``ModelLoadFailed`` with it, and ``astrai serve`` prints it and exits 1 within a second or so;
+- ``"unhealthy"``: the line is logged as an error and the server goes on answering 503, for an
+  orchestrator that reads the failure from ``/health`` rather than from the exit.
+
+Either way the traceback goes to the log at debug level only (``--log-level debug``).
+
+When the server stops first (SIGTERM or SIGINT while the model loads or kernels build), ``stop``
+abandons the load: the thread is a daemon that nobody joins, and ``cli.serve`` ends the process
+at once (``os._exit``: finalizing the interpreter under a thread inside torch aborts it); an
+engine the thread completes in between is shut down by it, never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from astrai.errors import AstraiError
+from astrai.plugins import PluginManager
+from astrai_server.config import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def describe_failure(exc: BaseException, model: str | None) -> str:
+    """One line for a failed load: the model's file and the problem (astrai's errors say both;
+    anything else gets the file and its type put in front)."""
+    text = str(exc).strip() if isinstance(exc, AstraiError) else f"{type(exc).__name__}: {exc}".strip()
+    where = model or "the default model"
+    try:
+        from astrai.model.resolve import resolve_model
+
+        where = str(resolve_model(model)[1])
+    except Exception:  # a name that does not resolve: its error says so already
+        pass
+    first, _, rest = text.partition("\n")
+    line = first if where in first else f"{where}: {first}"
+    return f"{line} (more in the log above)" if rest.strip() else line
+
+
+class EngineLoader:
+    """Loads the engine of ``settings`` into ``app.state.engine`` on the daemon thread ``astrai-load``."""
+
+    def __init__(self, settings: ServerSettings, app: Any, plugins: PluginManager) -> None:
+        self.settings, self.app, self.plugins = settings, app, plugins
+        self.failure: str | None = None  # set when the load failed: the line ``astrai serve`` prints
+        self._lock = threading.Lock()  # orders the loader's hand-over against stop()
+        self._stopped = False
+        self._server: Any = None
+        self._thread = threading.Thread(target=self._run, name="astrai-load", daemon=True)
+
+    def start(self, server: Any) -> None:
+        """Start loading; a failure with ``on_load_failure: exit`` stops ``server`` (a uvicorn.Server)."""
+        self._server = server
+        self._thread.start()
+
+    @property
+    def loading(self) -> bool:
+        """Whether the load is still running (neither done nor failed)."""
+        return self._thread.is_alive() and self.failure is None and self.app.state.engine is None
+
+    def stop(self) -> Any:
+        """Once uvicorn has returned: the engine to shut down, or None. A load still running is
+        abandoned, not waited for (see the module doc)."""
+        with self._lock:
+            self._stopped = True
+            return self.app.state.engine
+
+    def _run(self) -> None:
+        import torch
+
+        from astrai.engine import InferenceEngine
+
+        s = self.settings
+        try:
+            engine = InferenceEngine.from_model(
+                s.model,
+                dtype=getattr(torch, s.dtype) if s.dtype else None,
+                device=s.device,
+                config=s.engine_config(),
+                plugins=self.plugins,
+                weights=s.weights,
+            )
+        except Exception as exc:  # every failure of the load ends in one line, whatever raised it
+            self._failed(exc)
+            return
+        with self._lock:
+            if not self._stopped:
+                self.app.state.engine, engine = engine, None
+        if engine is not None:  # the server stopped while the model loaded: nobody will serve it
+            engine.shutdown()
+            return
+        logger.info("engine ready: %s", s.model or "the default model")
+
+    def _failed(self, exc: Exception) -> None:
+        logger.debug("loading the model failed", exc_info=exc)
+        if "\n" in str(exc).strip():  # a compiler's output, say: whole in the log, one line on stderr
+            logger.error("loading the model failed: %s", exc)
+        self.failure = describe_failure(exc, self.settings.model)
+        if self.settings.on_load_failure == "exit":
+            # uvicorn's main loop reads this every 0.1 s; a bool set from another thread is safe
+            self._server.should_exit = True
+        else:
+            logger.error("%s; /health stays 503 (on_load_failure: unhealthy)", self.failure)
