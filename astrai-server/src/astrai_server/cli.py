@@ -137,9 +137,11 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     from astrai.sampling import SamplingPipeline
     from astrai_server.app import create_app
     from astrai_server.body import return_large_blocks
+    from astrai_server.descriptors import raise_descriptor_limit
     from astrai_server.drain import DrainingServer
     from astrai_server.edge import uvicorn_options
 
+    raise_descriptor_limit()  # a connection holds a descriptor; replicas, workers, the gateway inherit it
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config
