@@ -52,6 +52,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "kv_memory", "KV pool budget, e.g. 512MiB")
     _flag(p, "max_prefill_tokens", "prefill tokens per step (chunked prefill)", type=int)
     _flag(p, "max_request_bytes", "largest request body accepted, e.g. 32MiB (413 beyond)")
+    _flag(p, "header_timeout", "seconds to send a request head, or a body may stall; then 408", type=float)
+    _flag(p, "max_connections", "open connections, then 503; default: descriptor limit - 64", type=int)
     _flag(p, "max_queued_requests", "requests that may wait for admission; beyond, 429 (Anthropic: 529) with Retry-After", type=int)
     _flag(p, "queue_timeout", "seconds a request may wait for admission before it is refused like a full queue", type=float)
     _flag(p, "scheduling_policy", "admission order: fcfs, or priority (the request's priority field, smaller first)",
@@ -157,7 +159,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     pm = PluginManager.discover() if pm is None else pm
     SamplingPipeline.discover(settings.sampling)  # a bad --sampling fails now, not in the background loader
     return_large_blocks()  # a large request body's memory goes back to the system when it is freed
-    edge_options = uvicorn_options(settings)  # TLS and logging; a missing or bad TLS file fails now
+    edge_options = uvicorn_options(settings)  # TLS, logging, connection bounds; a bad TLS file fails now
     app = create_app(settings, None, plugins=pm)
     loader = threading.Thread(target=_load_engine, args=(settings, app, pm), name="astrai-load", daemon=True)
     loader.start()

@@ -75,6 +75,8 @@ class ServerSettings(BaseModel):
     kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
     max_prefill_tokens: int = Field(2048, ge=1)
     max_request_bytes: int = Field(32 * 2**20, ge=1)  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
+    header_timeout: float = Field(10.0, gt=0)  # seconds to send a request head, or a body may stall; then 408
+    max_connections: int | None = Field(None, ge=1)  # open connections, then 503; None: fd limit - 64
     max_queued_requests: int | None = Field(None, ge=1)  # requests waiting for admission; beyond: 429 (None: no limit)
     queue_timeout: float | None = Field(None, gt=0)  # seconds a request may wait for admission; then 429
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # "priority": the body's priority field orders requests

@@ -18,7 +18,7 @@ and Starlette's ``CORSMiddleware`` inside it when ``settings.allowed_origins`` l
 
 ``authorized(request)`` checks the API keys (``app.state.api_keys``, from ``api_keys(settings)``:
 the ``api_key`` list and the lines of ``api_key_file``). ``uvicorn_options(settings)`` is the
-keyword arguments for uvicorn: TLS (its files checked first) and ``logs.log_config(settings)``.
+keyword arguments for uvicorn: TLS (its files checked first), ``logs.log_config(settings)``, ``http``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai_server.config import ServerSettings, check_key
+from astrai_server.connections import protocol_class
 from astrai_server.errors import ConfigError
 from astrai_server.logs import RequestIdFilter, _current, current_request_id, log_config
 
@@ -214,9 +215,11 @@ CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": s
 
 def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments beyond host, port and log level: logging (``log_config``,
-    no access log of uvicorn's: ``EdgeMiddleware`` writes it) and TLS. Raises ConfigError for TLS
-    settings that cannot work (see ``check_tls``)."""
+    no access log of uvicorn's: ``EdgeMiddleware`` writes it), the HTTP protocol class that bounds
+    connections (``connections.protocol_class``) and TLS. Raises ConfigError for TLS settings that
+    cannot work (see ``check_tls``)."""
     options: dict[str, Any] = {"log_config": log_config(settings), "access_log": False}
+    options["http"] = protocol_class(settings)
     if check_tls(settings):
         options.update(
             ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile, ssl_keyfile_password=settings.ssl_keyfile_password,
