@@ -23,6 +23,13 @@ a response had started: then it is only closed) and is closed. For a stalled bod
 a client that left. Refusals and timeouts are counted in one log line per interval at most
 (``logs.EveryInterval``): a flood of them must not flood the log.
 
+``ambiguous_framing(scope)``: whether a request carries both ``Content-Length`` and
+``Transfer-Encoding``. h11 takes the chunked framing then, and keeps the connection: a proxy in
+front that took the other framing could smuggle a second request in the body. httptools (llhttp)
+refuses such a request itself; ``refuse_ambiguous_framing`` (an ASGI app: ``EdgeMiddleware`` runs
+it instead of the app) answers 400 ``{"detail": ...}`` with ``Connection: close``, which makes
+uvicorn close the connection, as RFC 9112 section 6.3 requires of a server that refuses it.
+
 uvicorn's own ``limit_concurrency`` is not used: it counts the very connection that asks, reads its
 request head first and answers each request with a plain-text 503, so a connection over it still
 holds its slot; the check here refuses at accept and counts the same set.
@@ -47,6 +54,7 @@ logger = logging.getLogger(__name__)
 REFUSED_LINGER = 1.0
 #: Seconds between two lines that count refusals, or timeouts.
 LOG_INTERVAL = 5.0
+AMBIGUOUS = b'{"detail": "a request may not carry both Content-Length and Transfer-Encoding (RFC 9112, 6.3)"}'
 
 
 def protocol_class(settings: ServerSettings) -> type[asyncio.Protocol]:
@@ -198,3 +206,17 @@ class GuardedProtocol:
             transport.write(_response(408, "Request Timeout", detail))
         self._phase = self._of = None
         transport.close()
+
+
+def ambiguous_framing(scope: dict[str, Any]) -> bool:
+    """Whether the request of ``scope`` has both a ``Content-Length`` and a ``Transfer-Encoding`` header."""
+    names = {name.lower() for name, _ in scope.get("headers", ())}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
+async def refuse_ambiguous_framing(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """400 with ``Connection: close``: where the body ends is unknown, so the connection cannot be reused."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(AMBIGUOUS))]
+    headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": AMBIGUOUS})

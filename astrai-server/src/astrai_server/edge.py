@@ -12,9 +12,13 @@ and Starlette's ``CORSMiddleware`` inside it when ``settings.allowed_origins`` l
 - echoes ``x-request-id`` on every response it sends (errors, 401s, streams);
 - counts ``app.state.in_flight``: requests not finished yet (a stream until its last byte is
   sent or its client left), GET /health and GET /metrics excepted;
+- refuses a request with both ``Content-Length`` and ``Transfer-Encoding``: 400, the connection
+  closed (``connections.refuse_ambiguous_framing``);
 - writes one record on the ``astrai_server.access`` logger when the response is done: method,
   path, route, status, duration, request id, client, and the token counts an endpoint left in
-  ``scope["state"]["usage"]``.
+  ``scope["state"]["usage"]``. A client that left before the response was complete (the app got
+  ``http.disconnect``, or a send failed) makes it ``abandoned``, status 499 (nginx's), with the
+  ``status_sent`` before (None: none); a body that stalled (``connections``) makes it a 408.
 
 ``authorized(request)`` checks the API keys (``app.state.api_keys``, from ``api_keys(settings)``:
 the ``api_key`` list and the lines of ``api_key_file``). ``uvicorn_options(settings)`` is the
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai_server.config import ServerSettings, check_key
-from astrai_server.connections import protocol_class
+from astrai_server.connections import ambiguous_framing, protocol_class, refuse_ambiguous_framing
 from astrai_server.errors import ConfigError
 from astrai_server.logs import RequestIdFilter, _current, current_request_id, log_config
 
@@ -46,6 +50,7 @@ access_logger = logging.getLogger("astrai_server.access")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 HEADER = b"x-request-id"
 UNCOUNTED = frozenset({("GET", "/health"), ("HEAD", "/health"), ("GET", "/metrics"), ("HEAD", "/metrics")})
+ABANDONED = 499  # nginx's "client closed request": never sent, only logged
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -81,20 +86,36 @@ class EdgeMiddleware:
         counted = (scope["method"], scope["path"]) not in UNCOUNTED
         echo = (HEADER, rid.encode("ascii"))
         status: int | None = None
+        sent: int | None = None  # the status that went out while the client was there
+        finished = abandoned = False  # the last body message was sent; the client left before that
+
+        async def receive_watched() -> dict[str, Any]:
+            nonlocal abandoned
+            message = await receive()
+            abandoned |= message["type"] == "http.disconnect" and not finished
+            return message
 
         async def send_with_id(message: dict[str, Any]) -> None:
-            nonlocal status
+            nonlocal status, sent, finished, abandoned
             if message["type"] == "http.response.start":
                 status = message["status"]
+                sent = None if abandoned else status
                 headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != HEADER]
                 message = {**message, "headers": [*headers, echo]}
-            await send(message)
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True  # before the send: the server may signal the disconnect that follows first
+            try:
+                await send(message)
+            except OSError:
+                abandoned = True
+                raise
 
+        app = refuse_ambiguous_framing if ambiguous_framing(scope) else self.app
         token = _current.set(rid)
         if counted:
             self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send_with_id)
+            await app(scope, receive_watched, send_with_id)
         except Exception:
             if status is None:  # Starlette's own answer, with the id (it then finds the response started)
                 await send_with_id({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
@@ -104,7 +125,10 @@ class EdgeMiddleware:
             if counted:
                 self.state.in_flight -= 1
             self.state.request_ids.discard(rid)
-            _log_access(scope, rid, status, time.perf_counter() - started)
+            timed_out = scope["state"].get("timed_out", False)  # the 408 of connections: no client left
+            abandoned &= not timed_out
+            status, sent = (408, 408) if timed_out else (ABANDONED, sent) if abandoned else (status, status)
+            _log_access(scope, rid, status, time.perf_counter() - started, abandoned, sent)
             _current.reset(token)
 
     def _claim(self, scope: dict[str, Any]) -> str:
@@ -132,13 +156,16 @@ def _new_id(live: set[str]) -> str:
     return rid
 
 
-def _log_access(scope: dict[str, Any], rid: str, status: int | None, duration: float) -> None:
+def _log_access(
+    scope: dict[str, Any], rid: str, status: int | None, duration: float, abandoned: bool, sent: int | None
+) -> None:
     path = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", scope["path"])
     route = getattr(scope.get("route"), "path", None)
     client = scope.get("client")
     fields: dict[str, Any] = {
         "request_id": rid, "method": scope["method"], "path": path, "route": route, "status": status,
         "duration": round(duration, 6), "client": f"{client[0]}:{client[1]}" if client else None,
+        "abandoned": abandoned, "status_sent": sent,
     }  # fmt: skip
     usage = scope.get("state", {}).get("usage")
     tokens = ""
@@ -147,6 +174,8 @@ def _log_access(scope: dict[str, Any], rid: str, status: int | None, duration: f
             if name in usage:
                 fields[name] = usage[name]
                 tokens += f" {name}={usage[name]}"
+    if abandoned:
+        tokens += f" abandoned status_sent={'-' if sent is None else sent}"
     access_logger.info(
         "%s %s %s %.3fs request_id=%s client=%s%s", fields["method"], path, "-" if status is None else status,
         duration, rid, fields["client"] or "-", tokens, extra=fields,

@@ -19,7 +19,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 #: What an ``astrai_server.access`` record carries besides its message (``edge._log_access``).
+#: ``abandoned`` (the client left before its response was complete: ``status`` is then 499) and
+#: ``status_sent`` (the status that reached the connection, None when none did) are on every access record.
 ACCESS_FIELDS = ("method", "path", "route", "status", "duration", "client", "prompt_tokens", "completion_tokens")
+ACCESS_FIELDS += ("abandoned", "status_sent")
 TEXT_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 _current: ContextVar[str | None] = ContextVar("astrai_request_id", default=None)
