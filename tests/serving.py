@@ -120,8 +120,9 @@ class ServerStarter:
             cmd += ["--max-seq-len", "1024"]
         cmd += list(flags)
         with output.open("wb") as out:
+            environ = {**os.environ, **(env or {})}
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, preexec_fn=preexec_fn
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=environ, preexec_fn=preexec_fn
             )
         self.procs.append(proc)
         served = Served(f"{scheme}://127.0.0.1:{port}", output, proc)

@@ -190,7 +190,8 @@ def _gone(request: Request, gone: ClientGone) -> Response:
     client = f"{request.client.host}:{request.client.port}" if request.client else "?"
     stalled = getattr(request.state, "timed_out", False)  # astrai_server.connections answered 408
     why = "its body stalled past --header-timeout (408)" if stalled else gone
-    logger.info("request %s (%s %s from %s): %s; nothing was queued", rid, request.method, request.url.path, client, why)
+    path = request.url.path
+    logger.info("request %s (%s %s from %s): %s; nothing was queued", rid, request.method, path, client, why)
     return Response(status_code=499)  # never sent: nginx's "client closed request", for ASGI middleware
 
 
