@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,9 +99,17 @@ class ServerStarter:
         self.tmp_path_factory = tmp_path_factory
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *flags: str, healthy: bool = True, env: dict[str, str] | None = None, scheme: str = "http") -> Served:
+    def start(
+        self,
+        *flags: str,
+        healthy: bool = True,
+        env: dict[str, str] | None = None,
+        scheme: str = "http",
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> Served:
         """``astrai serve`` with ``flags`` (and ``env`` over this process's environment); ``scheme``
-        "https" when the flags turn TLS on (/health is then polled without verifying the certificate)."""
+        "https" when the flags turn TLS on (/health is then polled without verifying the certificate);
+        ``preexec_fn`` runs in the child before it starts (to lower a resource limit, say)."""
         import os
 
         tmp = self.tmp_path_factory.mktemp("serve")
@@ -111,7 +120,10 @@ class ServerStarter:
             cmd += ["--max-seq-len", "1024"]
         cmd += list(flags)
         with output.open("wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            environ = {**os.environ, **(env or {})}
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=environ, preexec_fn=preexec_fn
+            )
         self.procs.append(proc)
         served = Served(f"{scheme}://127.0.0.1:{port}", output, proc)
         if healthy:

@@ -32,7 +32,7 @@ import httpx
 import pytest
 from fastapi import Request
 
-from astrai_server import ServerSettings, create_app, edge, logs
+from astrai_server import ServerSettings, connections, create_app, edge, logs
 from astrai_server.cli import add_serve_arguments, settings_from_args
 from astrai_server.config import _env_kind, env_name, load_settings, read_environment
 from astrai_server.errors import ConfigError
@@ -477,7 +477,8 @@ def test_log_config_and_uvicorn_options(pki: dict[str, Path]) -> None:
     assert all(text["loggers"][n] == {"handlers": [], "propagate": True} for n in ("uvicorn", "uvicorn.error", "uvicorn.access"))
     assert logs.log_config(ServerSettings(log_format="json"))["formatters"]["astrai"] == {"()": logs.JsonFormatter}
     plain = edge.uvicorn_options(ServerSettings())
-    assert set(plain) == {"log_config", "access_log"} and plain["access_log"] is False
+    assert set(plain) == {"log_config", "access_log", "http"} and plain["access_log"] is False
+    assert issubclass(plain["http"], connections.GuardedProtocol) and plain["http"].header_timeout == 10.0
     tls = edge.uvicorn_options(ServerSettings(
         ssl_certfile=str(pki["server_cert"]), ssl_keyfile=str(pki["encrypted_key"]), ssl_keyfile_password="pw",
         ssl_ca_certs=str(pki["ca"]), ssl_cert_reqs="required",

@@ -229,7 +229,10 @@ def _gone(request: Request, gone: ClientGone) -> Response:
     """A client that hung up mid-body: an INFO line, not an error (nothing was queued, nobody listens)."""
     rid = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex[:16]}"  # edge.py names it
     client = f"{request.client.host}:{request.client.port}" if request.client else "?"
-    logger.info("request %s (%s %s from %s): %s; nothing was queued", rid, request.method, request.url.path, client, gone)
+    stalled = getattr(request.state, "timed_out", False)  # astrai_server.connections answered 408
+    why = "its body stalled past --header-timeout (408)" if stalled else gone
+    path = request.url.path
+    logger.info("request %s (%s %s from %s): %s; nothing was queued", rid, request.method, path, client, why)
     return Response(status_code=499)  # never sent: nginx's "client closed request", for ASGI middleware
 
 

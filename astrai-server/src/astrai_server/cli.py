@@ -52,6 +52,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "kv_memory", "KV pool budget, e.g. 512MiB")
     _flag(p, "max_prefill_tokens", "prefill tokens per step (chunked prefill)", type=int)
     _flag(p, "max_request_bytes", "largest request body accepted, e.g. 32MiB (413 beyond)")
+    _flag(p, "header_timeout", "seconds to send a request head, or a body may stall; then 408", type=float)
+    _flag(p, "max_connections", "open connections, then 503; default: descriptor limit - 64", type=int)
     _flag(p, "max_queued_requests", "requests that may wait for admission; beyond, 429 (Anthropic: 529) with Retry-After", type=int)
     _flag(p, "max_choices", "engine requests one HTTP request may make (prompts x n); beyond, 400", type=int)
     _flag(p, "queue_timeout", "seconds a request may wait for admission before it is refused like a full queue", type=float)
@@ -138,10 +140,12 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     from astrai.sampling import SamplingPipeline
     from astrai_server.app import create_app
     from astrai_server.body import return_large_blocks
+    from astrai_server.descriptors import raise_descriptor_limit
     from astrai_server.drain import DrainingServer
     from astrai_server.edge import uvicorn_options
     from astrai_server.loader import EngineLoader
 
+    raise_descriptor_limit()  # a connection holds a descriptor; replicas, workers, the gateway inherit it
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config
@@ -157,7 +161,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     pm = PluginManager.discover() if pm is None else pm
     SamplingPipeline.discover(settings.sampling)  # a bad --sampling fails now, not in the background loader
     return_large_blocks()  # a large request body's memory goes back to the system when it is freed
-    edge_options = uvicorn_options(settings)  # TLS and logging; a missing or bad TLS file fails now
+    edge_options = uvicorn_options(settings)  # TLS, logging, connection bounds; a bad TLS file fails now
     app = create_app(settings, None, plugins=pm)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, **edge_options

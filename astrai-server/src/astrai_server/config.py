@@ -75,6 +75,8 @@ class ServerSettings(BaseModel):
     kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
     max_prefill_tokens: int = Field(2048, ge=1)
     max_request_bytes: int = Field(32 * 2**20, ge=1)  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
+    header_timeout: float = Field(10.0, gt=0)  # seconds to send a request head, or a body may stall; then 408
+    max_connections: int | None = Field(None, ge=1)  # open connections, then 503; None: fd limit - 64
     # requests waiting for admission (a request's choices count one each); beyond: 429 (None: no limit). The
     # engine's own default is None (a library caller bounds itself); a server takes clients it cannot trust
     max_queued_requests: int | None = Field(512, ge=1)

@@ -28,6 +28,8 @@ from typing import Any
 
 import uvicorn
 
+from astrai_server.descriptors import AcceptErrorLog
+
 logger = logging.getLogger(__name__)
 
 #: Seconds aborted requests get to send their last events before uvicorn closes the connections.
@@ -45,6 +47,7 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
+        AcceptErrorLog.install(self._loop)  # accept() out of descriptors: a line per interval, no tracebacks
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -12,15 +12,19 @@ and Starlette's ``CORSMiddleware`` inside it when ``settings.allowed_origins`` l
 - echoes ``x-request-id`` on every response it sends (errors, 401s, streams);
 - counts ``app.state.in_flight``: requests not finished yet (a stream until its last byte is
   sent or its client left), GET /health and GET /metrics excepted;
+- refuses a request with both ``Content-Length`` and ``Transfer-Encoding``: 400, the connection
+  closed (``connections.refuse_ambiguous_framing``);
 - writes one record on the ``astrai_server.access`` logger when the response is done: method,
   path, route, status, duration, request id, client, and the token counts an endpoint left in
-  ``scope["state"]["usage"]``.
+  ``scope["state"]["usage"]``. A client that left before the response was complete (the app got
+  ``http.disconnect``, or a send failed) makes it ``abandoned``, status 499 (nginx's), with the
+  ``status_sent`` before (None: none); a body that stalled (``connections``) makes it a 408.
 
 ``caller(request)`` checks the API keys (``app.state.keys``, a ``KeyRing`` from ``key_ring(settings)``:
 the ``api_key`` list, the lines of ``api_key_file`` and the operator keys of ``admin_api_key``) and
 says who calls: the tenant (a digest of the key, never the key) and whether it is an operator;
 ``authorized(request)`` is whether any key matched. ``uvicorn_options(settings)`` is the
-keyword arguments for uvicorn: TLS (its files checked first) and ``logs.log_config(settings)``.
+keyword arguments for uvicorn: TLS (its files checked first), ``logs.log_config(settings)``, ``http``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai_server.config import ServerSettings, check_key
+from astrai_server.connections import ambiguous_framing, protocol_class, refuse_ambiguous_framing
 from astrai_server.errors import ConfigError
 from astrai_server.logs import RequestIdFilter, _current, current_request_id, log_config
 
@@ -52,6 +57,7 @@ access_logger = logging.getLogger("astrai_server.access")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 HEADER = b"x-request-id"
 UNCOUNTED = frozenset({("GET", "/health"), ("HEAD", "/health"), ("GET", "/metrics"), ("HEAD", "/metrics")})
+ABANDONED = 499  # nginx's "client closed request": never sent, only logged
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -87,20 +93,36 @@ class EdgeMiddleware:
         counted = (scope["method"], scope["path"]) not in UNCOUNTED
         echo = (HEADER, rid.encode("ascii"))
         status: int | None = None
+        sent: int | None = None  # the status that went out while the client was there
+        finished = abandoned = False  # the last body message was sent; the client left before that
+
+        async def receive_watched() -> dict[str, Any]:
+            nonlocal abandoned
+            message = await receive()
+            abandoned |= message["type"] == "http.disconnect" and not finished
+            return message
 
         async def send_with_id(message: dict[str, Any]) -> None:
-            nonlocal status
+            nonlocal status, sent, finished, abandoned
             if message["type"] == "http.response.start":
                 status = message["status"]
+                sent = None if abandoned else status
                 headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != HEADER]
                 message = {**message, "headers": [*headers, echo]}
-            await send(message)
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True  # before the send: the server may signal the disconnect that follows first
+            try:
+                await send(message)
+            except OSError:
+                abandoned = True
+                raise
 
+        app = refuse_ambiguous_framing if ambiguous_framing(scope) else self.app
         token = _current.set(rid)
         if counted:
             self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send_with_id)
+            await app(scope, receive_watched, send_with_id)
         except Exception:
             if status is None:  # Starlette's own answer, with the id (it then finds the response started)
                 await send_with_id({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
@@ -110,7 +132,10 @@ class EdgeMiddleware:
             if counted:
                 self.state.in_flight -= 1
             self.state.request_ids.discard(rid)
-            _log_access(scope, rid, status, time.perf_counter() - started)
+            timed_out = scope["state"].get("timed_out", False)  # the 408 of connections: no client left
+            abandoned &= not timed_out
+            status, sent = (408, 408) if timed_out else (ABANDONED, sent) if abandoned else (status, status)
+            _log_access(scope, rid, status, time.perf_counter() - started, abandoned, sent)
             _current.reset(token)
 
     def _claim(self, scope: dict[str, Any]) -> str:
@@ -138,13 +163,16 @@ def _new_id(live: set[str]) -> str:
     return rid
 
 
-def _log_access(scope: dict[str, Any], rid: str, status: int | None, duration: float) -> None:
+def _log_access(
+    scope: dict[str, Any], rid: str, status: int | None, duration: float, abandoned: bool, sent: int | None
+) -> None:
     path = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", scope["path"])
     route = getattr(scope.get("route"), "path", None)
     client = scope.get("client")
     fields: dict[str, Any] = {
         "request_id": rid, "method": scope["method"], "path": path, "route": route, "status": status,
         "duration": round(duration, 6), "client": f"{client[0]}:{client[1]}" if client else None,
+        "abandoned": abandoned, "status_sent": sent,
     }  # fmt: skip
     usage = scope.get("state", {}).get("usage")
     tokens = ""
@@ -153,6 +181,8 @@ def _log_access(scope: dict[str, Any], rid: str, status: int | None, duration: f
             if name in usage:
                 fields[name] = usage[name]
                 tokens += f" {name}={usage[name]}"
+    if abandoned:
+        tokens += f" abandoned status_sent={'-' if sent is None else sent}"
     access_logger.info(
         "%s %s %s %.3fs request_id=%s client=%s%s", fields["method"], path, "-" if status is None else status,
         duration, rid, fields["client"] or "-", tokens, extra=fields,
@@ -268,9 +298,11 @@ CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": s
 
 def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments beyond host, port and log level: logging (``log_config``,
-    no access log of uvicorn's: ``EdgeMiddleware`` writes it) and TLS. Raises ConfigError for TLS
-    settings that cannot work (see ``check_tls``)."""
+    no access log of uvicorn's: ``EdgeMiddleware`` writes it), the HTTP protocol class that bounds
+    connections (``connections.protocol_class``) and TLS. Raises ConfigError for TLS settings that
+    cannot work (see ``check_tls``)."""
     options: dict[str, Any] = {"log_config": log_config(settings), "access_log": False}
+    options["http"] = protocol_class(settings)
     if check_tls(settings):
         options.update(
             ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile, ssl_keyfile_password=settings.ssl_keyfile_password,
