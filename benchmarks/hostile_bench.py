@@ -20,6 +20,9 @@ client's p50/p99 latency with and without the load. The goal (issue 29): the cli
 2x its unloaded p99, or the hostile request refused in under a second. One JSON object on stdout.
 
 Usage: python benchmarks/hostile_bench.py [--quick] [--only fan_out,compiles,...] [--dtype float32]
+
+Over 300 lines because it is one self-contained script: copied to another machine, it runs with
+nothing else of the repository's benchmarks beside it.
 """
 
 from __future__ import annotations

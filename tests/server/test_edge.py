@@ -33,6 +33,7 @@ import pytest
 from fastapi import Request
 
 from astrai_server import ServerSettings, connections, create_app, edge, logs
+from astrai_server import keys as keyring
 from astrai_server.cli import add_serve_arguments, settings_from_args
 from astrai_server.config import _env_kind, env_name, load_settings, read_environment
 from astrai_server.errors import ConfigError
@@ -320,8 +321,8 @@ def test_any_of_several_keys_opens_and_every_key_is_compared(fakes: Any, tmp_pat
     app = create_app(ServerSettings(api_key=["flag-a", "clé-b"], api_key_file=str(keys)), fakes.FakeEngine())
     assert app.state.keys.keys == (b"flag-a", "clé-b".encode(), b"file-key-1", b"file-key-2")
     compared: list[bytes] = []
-    real = edge.hmac.compare_digest
-    monkeypatch.setattr(edge.hmac, "compare_digest", lambda a, b: compared.append(b) or real(a, b))
+    real = keyring.hmac.compare_digest
+    monkeypatch.setattr(keyring.hmac, "compare_digest", lambda a, b: compared.append(b) or real(a, b))
     with fakes.serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as c:
         for key in (b"flag-a", "clé-b".encode(), b"file-key-1", b"file-key-2"):
             for header in ({"authorization": b"Bearer " + key}, {"x-api-key": key}):
@@ -349,7 +350,7 @@ def test_a_key_file_that_cannot_serve_is_a_config_error(tmp_path: Path) -> None:
         else:
             path.write_text(text)
         with pytest.raises(ConfigError, match=message) as caught:
-            edge.api_keys(ServerSettings(api_key_file=str(path)))
+            keyring.api_keys(ServerSettings(api_key_file=str(path)))
         assert str(caught.value).startswith(f"--api-key-file {path}") and "secret" not in str(caught.value)
 
 

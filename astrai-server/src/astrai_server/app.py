@@ -45,12 +45,12 @@ from astrai_server.body import (
     release_memory,
 )
 from astrai_server.config import ServerSettings
-from astrai_server.edge import authorized as _authorized
-from astrai_server.edge import caller as _caller
 from astrai_server.edge import install as install_edge
 from astrai_server.errors import RETRY_AFTER_SECONDS, HTTPProblem, public_message, status_for
 from astrai_server.fit import TextBound, refuse_oversized, text_bound
 from astrai_server.handler import ProtocolHandler, refuse_unknown
+from astrai_server.keys import authorized as _authorized
+from astrai_server.keys import caller as _caller
 from astrai_server.metrics import ServerMetrics
 
 if TYPE_CHECKING:

@@ -5,6 +5,9 @@ YAML file's ``server:`` section > defaults. An unknown key, or a value of the wr
 ``ConfigError`` that names it (the file's key, the variable or the flag).
 Options that hook plugins add (``astrai_add_options``) are keys of the same
 section, by ``dest``; their values land in ``ServerSettings.plugin_options``.
+
+Over 300 lines because every setting is one field of one class, with its default, range and
+comment next to it; the readers of the file and the environment below them are small.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ choices of each prompt, bridging the engine's scheduler-thread callbacks into th
 loop (no thread per token), log-probs alongside the text they belong to, tool-call
 extraction, aborting on client disconnect, and turning the engine's results into
 ``astrai.protocol.ChatResult``. The builder formats.
+
+Over 300 lines because ``ProtocolHandler`` and ``_Run`` are one request's life, from its checks to
+its last event; ``_Run`` is the first candidate for a module of its own.
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ from types import FrameType
 from astrai.errors import AstraiError
 from astrai_server.config import ServerSettings
 from astrai_server.drain import ABORT_GRACE
-from astrai_server.edge import api_keys, check_tls
+from astrai_server.edge import check_tls
 from astrai_server.errors import ConfigError
+from astrai_server.keys import api_keys
 
 logger = logging.getLogger(__name__)
 
