@@ -73,6 +73,7 @@ def generate(dtype: str, backend: str, prompts: list[list[int]]) -> list[list[in
     run, so even a kernel whose rounding depends on the batch gives reproducible ids."""
     from astrai.engine import EngineConfig, GenerateResult
     from astrai.kvcache import PagePool
+    from astrai.kvcache.sizing import kv_config
     from astrai.model import IncrementalDecoder
     from astrai.request import Request
     from astrai.sampling import SamplingParams
@@ -81,11 +82,11 @@ def generate(dtype: str, backend: str, prompts: list[list[int]]) -> list[list[in
 
     model, tokenizer = _model(dtype)
     _load_backends()
-    config, mc = EngineConfig(), model.config
-    pool = PagePool(mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-                    config.kv_config(mc, model.lm_head.weight.dtype), model.lm_head.weight.dtype)  # fmt: skip
-    sched = InferenceScheduler(model, pool, config.max_prefill_tokens, tokenizer.eos_token_ids,
-                               backend=None if backend == "auto" else backend)  # fmt: skip
+    config, mc = EngineConfig(attention_backend=None if backend == "auto" else backend), model.config
+    dtype = model.lm_head.weight.dtype
+    kv = kv_config(config, mc, dtype)
+    pool = PagePool(mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, kv, dtype)
+    sched = InferenceScheduler(model, pool, config, tokenizer.eos_token_ids)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     results = []
     for i, ids in enumerate(prompts):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from astrai.batching import BatchPolicy, StepPlan
+from astrai.batching import BatchPolicy
+from astrai.config import EngineConfig
 from astrai.extension import AUTOMATIC, BackendChoice
 from astrai.kvcache import KVConfig, PagePool, check_pool_invariants
 from astrai.request import FinishReason, Request
 from astrai.sampling import SamplingParams
+from astrai.step import StepPlan, StepResult
 
 EOS = 1
 
@@ -59,7 +61,7 @@ def tokens(n: int, start: int = 10) -> list[int]:
 
 def run(policy: BatchPolicy, plan: StepPlan, token: int = 7) -> None:
     """What the runner would return: ``token`` for every sampled row."""
-    policy.update(plan, [token] * sum(plan.sample))
+    policy.update(plan, StepResult([token] * sum(plan.sample)))
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +78,7 @@ def _no_leaks():
 @pytest.fixture
 def make(_no_leaks):
     def make(p: PagePool, **kw) -> BatchPolicy:
-        policy = BatchPolicy(p, eos_token_ids={EOS}, **kw)
+        policy = BatchPolicy(p, EngineConfig(**kw), eos_token_ids={EOS})
         _no_leaks.append(policy)
         return policy
 
@@ -185,7 +187,7 @@ def test_finished_requests_are_released_and_named_by_the_next_plan(make):
     assert short.finish_reason is FinishReason.LENGTH and short.req_idx >= 0
     plan = policy.schedule()
     assert plan.finished == ("short",) and short.req_idx == -1 and plan.request_ids == ("long",)
-    policy.update(plan, [EOS])  # EOS ends it
+    policy.update(plan, StepResult([EOS]))  # EOS ends it
     assert long.finish_reason is FinishReason.STOP
     assert policy.schedule() == StepPlan(finished=("long",))
     assert policy.pool.stats()["kv_tokens_cached"] == 4  # long's complete first page is kept in the radix
@@ -199,7 +201,7 @@ def test_one_step_runs_on_one_attention_backend(make):
     plan = policy.schedule()
     assert plan.request_ids == ("auto",) and plan.backend == AUTOMATIC
     assert [r.request_id for r in policy.waiting] == ["flash"]
-    policy.fail(plan, RuntimeError("injected"))
+    policy.update(plan, StepResult(failed={0: RuntimeError("injected")}))  # the row failed alone
     assert policy.schedule().finished == ("auto",)  # released; now the flash request runs alone
     plan = policy.schedule()
     assert plan.request_ids == ("flash",) and plan.backend == flash

@@ -1,4 +1,4 @@
-"""CPU malloc tuning: applied once on Linux/glibc, a no-op elsewhere."""
+"""CPU tuning: malloc's (astrai.malloc) applied once on Linux/glibc, a no-op elsewhere; OpenMP teams."""
 
 from __future__ import annotations
 
@@ -8,23 +8,26 @@ import sys
 
 import pytest
 
-from astrai import cpu_tuning
+from astrai import cpu_tuning, malloc
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt tuning targets glibc")
 def test_tune_malloc_applies_once_on_glibc():
-    code = "from astrai.cpu_tuning import tune_malloc; print(tune_malloc(), tune_malloc())"
+    code = "from astrai.malloc import tune_malloc; print(tune_malloc(), tune_malloc())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
 
 
 def test_tune_malloc_is_a_no_op_off_linux(monkeypatch):
-    monkeypatch.setattr(cpu_tuning.sys, "platform", "darwin")
-    cpu_tuning.tune_malloc.cache_clear()
+    monkeypatch.setattr(malloc.sys, "platform", "darwin")
+    malloc._libc.cache_clear()
+    malloc.tune_malloc.cache_clear()
     try:
-        assert cpu_tuning.tune_malloc() is False
+        assert malloc.tune_malloc() is False
+        malloc.trim_heap()  # nothing to call: no error
     finally:
-        cpu_tuning.tune_malloc.cache_clear()
+        malloc._libc.cache_clear()
+        malloc.tune_malloc.cache_clear()
 
 
 def test_run_off_thread_returns_the_result_from_another_thread():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from astrai.engine import DEFAULT_KV_MEMORY_BYTES, EngineConfig, GenerateResult, InferenceEngine
+from astrai.kvcache.sizing import kv_config
 from astrai.kvcache.storage import KVStorage
 from astrai.request import FinishReason
 from astrai.sampling import SamplingParams
@@ -108,12 +109,12 @@ def test_stats_count_tasks_tokens_and_kv(tiny_engine):
 def test_engine_config_maps_onto_kv_config(tiny_model):
     mc = tiny_model.config
     per_token = KVStorage.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, torch.float32)
-    kv = EngineConfig().kv_config(mc, torch.float32)
+    kv = kv_config(EngineConfig(), mc, torch.float32)
     expected = min(EngineConfig().max_batch_size * 512, DEFAULT_KV_MEMORY_BYTES // per_token)
     assert (kv.paged, kv.page_size, kv.max_seq_len, kv.n_tokens, kv.prefix_caching) == (True, 16, 512, expected, True)
-    kv = EngineConfig(max_seq_len=4096, kv_memory_bytes=1 << 20, max_batch_size=3).kv_config(mc, torch.float32)
+    kv = kv_config(EngineConfig(max_seq_len=4096, kv_memory_bytes=1 << 20, max_batch_size=3), mc, torch.float32)
     assert (kv.max_seq_len, kv.memory_budget_bytes, kv.n_tokens, kv.max_batch_size) == (512, 1 << 20, None, 3)
-    kv = EngineConfig(paged=False, max_seq_len=64).kv_config(mc, torch.float32)
+    kv = kv_config(EngineConfig(paged=False, max_seq_len=64), mc, torch.float32)
     assert (kv.paged, kv.max_seq_len, kv.page_size) == (False, 64, 1)
 
 
@@ -134,7 +135,7 @@ def test_from_model_loads_through_load_model(monkeypatch, tiny_model, tiny_token
         pool_guard(engine.pool)
         assert engine.generate("hi", max_tokens=3) is not None
     # built for the context served, the pool's bytes counted in the memory check before loading
-    pool = config.kv_config(tiny_model.config, torch.float32).nbytes(2, 2, 16, torch.float32)
+    pool = kv_config(config, tiny_model.config, torch.float32).nbytes(2, 2, 16, torch.float32)
     assert calls == [(checkpoint, torch.float32, "cpu", "dense", 100, [pool])]
     assert pool == 256 * 2 * 2 * 2 * 16 * 4 + 64 * 100 * 4  # K and V of every slot, and req_to_token
     assert not engine.is_healthy()

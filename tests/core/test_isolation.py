@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from astrai.config import EngineConfig
 from astrai.engine import GenerateResult
 from astrai.errors import RequestRejected
 from astrai.kvcache import KVConfig, PagePool
@@ -65,7 +66,7 @@ def make_scheduler(model, pool_guard, pipeline=None, **kv):
     pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                     KVConfig(**kv))  # fmt: skip
     pool_guard(pool)
-    return InferenceScheduler(model, pool, max_prefill_tokens=512, eos_token_ids=[EOS], pipeline=pipeline)
+    return InferenceScheduler(model, pool, EngineConfig(max_prefill_tokens=512), eos_token_ids=[EOS], pipeline=pipeline)
 
 
 def submit(sched, tokenizer, prompt_ids, **params):

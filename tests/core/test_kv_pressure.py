@@ -17,12 +17,14 @@ import random
 import pytest
 
 from astrai.batching import BatchPolicy
+from astrai.config import EngineConfig
 from astrai.engine import GenerateResult
 from astrai.kvcache import KVConfig, PagePool, assert_nothing_held, check_pool_invariants
 from astrai.model import IncrementalDecoder
 from astrai.request import Request
 from astrai.sampling import SamplingParams
 from astrai.scheduler import InferenceScheduler
+from astrai.step import StepResult
 from astrai.stopping import StopChecker
 
 EOS = 1
@@ -60,7 +62,7 @@ def policy(pool_guard):
 def step(policy: BatchPolicy) -> tuple[str, ...]:
     """One step, every sampled row given token 7; the ids of the rows it ran."""
     plan = policy.schedule()
-    policy.update(plan, [7] * sum(plan.sample))
+    policy.update(plan, StepResult([7] * sum(plan.sample)))
     check_pool_invariants(policy.pool)
     return plan.request_ids
 
@@ -110,7 +112,7 @@ def test_a_flood_on_a_tight_pool_preempts_no_request_more_than_twice_and_every_a
     pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                     KVConfig(max_batch_size=12, max_seq_len=128, page_size=4, n_tokens=n_tokens))  # fmt: skip
     pool_guard(pool)
-    sched = InferenceScheduler(tiny_model, pool, max_prefill_tokens=chunk, eos_token_ids=[EOS])
+    sched = InferenceScheduler(tiny_model, pool, EngineConfig(max_prefill_tokens=chunk), eos_token_ids=[EOS])
     rng = random.Random(n_tokens)
     prompts = [[rng.randrange(2, 97) for _ in range(rng.randrange(20, 41))] for _ in range(12)]
     assert sum(len(p) + 16 for p in prompts) > 3 * n_tokens  # the pool holds a few of them at a time

@@ -17,6 +17,7 @@ from gguf.quants import dequantize, quantize
 
 from astrai.config import EngineConfig
 from astrai.errors import InsufficientMemory, ModelFormatError, ModelNotFound
+from astrai.kvcache.sizing import kv_config
 from astrai.model import open_checkpoint, read_config
 from astrai.model.gguf_loader import load_gguf
 from astrai.model.hf_loader import interleave_rope_rows, load_hf
@@ -666,7 +667,7 @@ def test_the_rotary_table_is_sized_by_the_context_served(tiny_model):
     assert model.rotary.freqs_cis.shape == (64, huge.head_dim // 2, 2)
     assert model.config.max_position_embeddings == 64 and huge.max_position_embeddings == 2**31 - 1
     # paged, the context is also capped by the pool's slots: a request never holds more positions
-    kv = EngineConfig(kv_memory_bytes=1 << 20, max_batch_size=2).kv_config(huge, torch.float32)
+    kv = kv_config(EngineConfig(kv_memory_bytes=1 << 20, max_batch_size=2), huge, torch.float32)
     per_token = 2 * huge.num_hidden_layers * huge.num_key_value_heads * huge.head_dim * 4
     assert kv.max_seq_len == (1 << 20) // per_token // 16 * 16
 

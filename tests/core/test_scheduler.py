@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from astrai.config import EngineConfig
 from astrai.engine import GenerateResult
 from astrai.errors import EngineNotReady, RequestRejected
 from astrai.kvcache import KVConfig, PagePool, assert_nothing_held, check_pool_invariants
@@ -78,7 +79,7 @@ def prompt(n, start=2):
 
 def test_one_forward_per_step_mixes_decodes_and_prefill_chunks(tiny_model, tiny_tokenizer, reference, pool_guard):
     rec = Recorder(tiny_model)
-    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), max_prefill_tokens=8, eos_token_ids=[EOS])
+    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=8), eos_token_ids=[EOS])
     a, b = prompt(5), prompt(20, start=11)
     ra = submit(sched, tiny_tokenizer, a, max_tokens=6)
     sched.step()
@@ -123,7 +124,7 @@ def test_prefix_cache_hits_through_the_scheduler(tiny_engine, tiny_model, refere
 
 def test_requests_sharing_a_prefix_being_computed_wait_for_its_pages(tiny_model, tiny_tokenizer, reference, pool_guard):
     rec = Recorder(tiny_model)
-    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), max_prefill_tokens=32, eos_token_ids=[EOS])
+    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=32), eos_token_ids=[EOS])
     shared = prompt(17)  # 4 complete pages of 4, and one token more
     a, b, c, d = shared + [50, 51], shared + [60], shared + [70, 71, 72], prompt(10, start=80)
     results = [submit(sched, tiny_tokenizer, p, max_tokens=4) for p in (a, b, c, d)]
@@ -140,7 +141,7 @@ def test_requests_sharing_a_prefix_being_computed_wait_for_its_pages(tiny_model,
 
 def test_a_request_sharing_only_a_short_head_does_not_wait(tiny_model, tiny_tokenizer, reference, pool_guard):
     rec = Recorder(tiny_model)
-    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), max_prefill_tokens=32, eos_token_ids=[EOS])
+    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=32), eos_token_ids=[EOS])
     shared = prompt(17)
     a, e = shared + [50, 51], shared[:4] + prompt(16, start=31)  # e shares one page of its 20 tokens
     results = [submit(sched, tiny_tokenizer, p, max_tokens=3) for p in (a, e)]
@@ -153,7 +154,7 @@ def test_a_request_sharing_only_a_short_head_does_not_wait(tiny_model, tiny_toke
 def test_without_prefix_caching_sharers_do_not_wait(tiny_model, tiny_tokenizer, reference, pool_guard):
     rec = Recorder(tiny_model)
     pool = make_pool(tiny_model, pool_guard, prefix_caching=False)
-    sched = InferenceScheduler(rec, pool, max_prefill_tokens=64, eos_token_ids=[EOS])
+    sched = InferenceScheduler(rec, pool, EngineConfig(max_prefill_tokens=64), eos_token_ids=[EOS])
     shared = prompt(17)
     results = [submit(sched, tiny_tokenizer, shared + [60 + i], max_tokens=2) for i in range(3)]
     run_until_done(sched, results)
@@ -220,7 +221,7 @@ def test_never_fitting_requests_are_rejected_at_submission(tiny_engine):
 @pytest.mark.parametrize("phase", ["prefill", "decode", "waiting"])
 def test_abort_frees_the_request_within_one_step(tiny_model, tiny_tokenizer, reference, pool_guard, phase):
     pool = make_pool(tiny_model, pool_guard, max_batch_size=1)
-    sched = InferenceScheduler(tiny_model, pool, max_prefill_tokens=4, eos_token_ids=[EOS])
+    sched = InferenceScheduler(tiny_model, pool, EngineConfig(max_prefill_tokens=4), eos_token_ids=[EOS])
     ids = prompt(20)
     r = submit(sched, tiny_tokenizer, ids, max_tokens=30)
     if phase == "waiting":
@@ -421,7 +422,7 @@ def test_random_mix_with_preemption_aborts_and_shared_prefixes(
     """Everything at once on a small pool; pool invariants are checked after every step."""
     rng = random.Random(page_size)
     pool = make_pool(tiny_model, pool_guard, n_tokens=40, page_size=page_size, max_batch_size=4)
-    sched = InferenceScheduler(tiny_model, pool, max_prefill_tokens=chunk, eos_token_ids=[EOS])
+    sched = InferenceScheduler(tiny_model, pool, EngineConfig(max_prefill_tokens=chunk), eos_token_ids=[EOS])
     base = prompt(24)
     reqs = []
     for _ in range(7):

@@ -28,12 +28,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 _ids = itertools.count()
 
 
-def make_scheduler(model, pool_guard, max_batch_size=1, n_tokens=512, **options):
+def make_scheduler(model, pool_guard, max_batch_size=1, n_tokens=512, max_queued=None, queue_timeout=None, priority=False):
     cfg = model.config
     kv = KVConfig(max_batch_size=max_batch_size, max_seq_len=128, page_size=4, n_tokens=n_tokens)
     pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, kv)
     pool_guard(pool)
-    return InferenceScheduler(model, pool, max_prefill_tokens=512, eos_token_ids=[EOS], **options)
+    config = EngineConfig(
+        max_prefill_tokens=512, max_queued_requests=max_queued, queue_timeout=queue_timeout,
+        scheduling_policy="priority" if priority else "fcfs",
+    )
+    return InferenceScheduler(model, pool, config, eos_token_ids=[EOS])
 
 
 def submit(sched, tokenizer, prompt_ids, priority=0, rid=None, done=None, **params):

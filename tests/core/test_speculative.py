@@ -20,6 +20,7 @@ from astrai.kvcache import KVConfig, PagePool, assert_nothing_held, check_pool_i
 from astrai.request import FinishReason, Request
 from astrai.sampling import SamplingParams
 from astrai.speculative import NgramProposer, NgramState
+from astrai.step import StepResult
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
         "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.")  # fmt: skip
@@ -125,12 +126,12 @@ def test_rejected_drafts_give_their_pages_back_and_never_reach_the_radix(pool_gu
     policy.add(req)
     plan = policy.schedule()  # the prompt: no drafts on a prefill row
     assert not plan.drafts
-    policy.update(plan, [20])
+    policy.update(plan, StepResult([20]))
     plan = policy.schedule()  # 7 prompt tokens computed; the decode token at 7 and 7 drafts at 8..14
     assert plan.drafts == (7,) and plan.q_lens == (8,) and plan.input_ids == (20, 20, 21, 22, 23, 24, 25, 26)
     assert pool.req_len(req.req_idx) == 15 and len(pool.req_pages(req.req_idx)) == 4
     free = pool.allocator.num_free
-    policy.update(plan, [[20, 21, 99]])  # drafts 20 and 21 confirmed, then the model's own 99
+    policy.update(plan, StepResult([[20, 21, 99]]))  # drafts 20 and 21 confirmed, then the model's own 99
     check_pool_invariants(pool)
     assert req.output_ids == [20, 20, 21, 99] and req.num_computed == 10 == pool.req_len(req.req_idx)
     assert len(pool.req_pages(req.req_idx)) == 3 and pool.allocator.num_free == free + 1
@@ -152,10 +153,10 @@ def test_a_stop_token_inside_the_confirmed_drafts_ends_the_request_there(pool_gu
     )
     req.arrival = 0
     policy.add(req)
-    policy.update(policy.schedule(), [5])
+    policy.update(policy.schedule(), StepResult([5]))
     plan = policy.schedule()
     assert plan.drafts == (3,)
-    policy.update(plan, [[5, 1, 6, 7]])  # EOS (1) confirmed as the second token: 6 and 7 never count
+    policy.update(plan, StepResult([[5, 1, 6, 7]]))  # EOS (1) confirmed as the second token: 6 and 7 never count
     assert req.output_ids == [5, 5, 1] and req.finish_reason is FinishReason.STOP
     assert pool.req_len(req.req_idx) == req.num_computed == 5
     policy.schedule()
@@ -248,9 +249,9 @@ def test_a_verify_row_beside_decode_rows_gives_decoding_logits_bit_for_bit(
     """Four requests: five steps of four decode rows against one step where the first verifies four
     drafts beside three decode rows: every logit equal (the CPU backend's verify rows attend token
     by token on the decode kernel; the linears compute each row on its own)."""
-    from astrai.batching import StepPlan
     from astrai.extension.backend.policy import load_backends
     from astrai.runner import ModelRunner
+    from astrai.step import StepPlan
 
     load_backends()
     model, tokenizer = real_model if dtype == torch.float32 else bf16_model

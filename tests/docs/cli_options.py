@@ -10,7 +10,7 @@ import argparse
 import json
 
 from astrai.cli import build_parser, parse_key_value
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
 
 _TYPES = {None: "string", int: "integer", float: "number", parse_key_value: "KEY=VALUE"}
 

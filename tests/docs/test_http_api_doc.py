@@ -79,7 +79,7 @@ def test_status_map_is_the_servers() -> None:
 
 
 def test_endpoint_table_lists_every_route_the_server_mounts() -> None:
-    from astrai.plugins import PluginManager
+    from astrai.hooks import PluginManager
     from astrai_server import ServerSettings, create_app
 
     app = create_app(ServerSettings(), None, [b() for b in BUILDERS], plugins=PluginManager())

@@ -47,8 +47,8 @@ def make_tiny_engine() -> Any:
     No hook plugins: the docs describe astrai itself, whatever else is installed.
     """
     from astrai.engine import EngineConfig, InferenceEngine
+    from astrai.hooks import PluginManager
     from astrai.model import ModelConfig, build_model
-    from astrai.plugins import PluginManager
 
     config = ModelConfig(
         architecture="llama", vocab_size=ByteTokenizer.vocab_size, hidden_size=32, intermediate_size=64,
@@ -80,7 +80,7 @@ def serve(engine: Any, api_key: str | None = API_KEY) -> Iterator[Any]:
     /stats answers it)."""
     from fastapi.testclient import TestClient
 
-    from astrai.plugins import PluginManager
+    from astrai.hooks import PluginManager
     from astrai_server import ServerSettings, create_app
     from astrai_server.protocols.anthropic import AnthropicResponseBuilder
     from astrai_server.protocols.openai import OpenAIResponseBuilder

@@ -102,7 +102,7 @@ def _healthy(url: str) -> bool:
 def plugin_engine(real_model: tuple) -> Iterator:
     """An in-process engine on the default model with the installed sampling plugins and no hooks."""
     from astrai.engine import EngineConfig, InferenceEngine
-    from astrai.plugins import PluginManager
+    from astrai.hooks import PluginManager
 
     model, tokenizer = real_model
     engine = InferenceEngine(model, tokenizer, EngineConfig(max_seq_len=512), plugins=PluginManager())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from astrai.errors import ModelNotFound, PluginError
+from astrai.hooks import PluginManager
 from astrai.model.architecture import get_architecture
-from astrai.plugins import PluginManager
 from astrai.protocol import load_protocols
 from astrai.sampling import SamplingParams, SamplingPipeline
 

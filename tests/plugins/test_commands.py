@@ -13,7 +13,7 @@ import pytest
 
 import astrai
 from astrai.cli import build_parser, main
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
 
 
 class Greeter:
@@ -86,7 +86,7 @@ def test_core_never_imports_the_server_and_the_hook_plugin_imports_cheaply() -> 
     code = (
         "import sys\n"
         "from astrai.cli import build_parser\n"
-        "from astrai.plugins import PluginManager\n"
+        "from astrai.hooks import PluginManager\n"
         "choices = build_parser(PluginManager())._subparsers._group_actions[0].choices\n"
         "assert 'serve' not in choices and not any(m.startswith('astrai_server') for m in sys.modules), choices\n"
         "before = set(sys.modules)\n"

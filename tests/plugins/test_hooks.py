@@ -11,7 +11,7 @@ import pytest
 
 import astrai
 from astrai.errors import PluginError
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
 
 
 class Recorder:

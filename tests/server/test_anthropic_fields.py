@@ -35,7 +35,7 @@ from anthropic.types.message_create_params import MessageCreateParamsStreaming
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
 from astrai_server import ServerSettings, create_app
 from astrai_server.protocols.anthropic import (
     IGNORED,

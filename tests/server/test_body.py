@@ -163,7 +163,7 @@ def test_the_limit_is_the_settings(fakes: Any) -> None:
     """Through the app (a fake engine): a body one byte over ``max_request_bytes`` is the 413, one at it is served."""
     import httpx
 
-    from astrai.plugins import PluginManager
+    from astrai.hooks import PluginManager
     from astrai_server.app import create_app
     from astrai_server.protocols.anthropic import AnthropicResponseBuilder
     from astrai_server.protocols.openai import OpenAIResponseBuilder

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from astrai.engine import EngineConfig
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
 from astrai_server.cli import add_serve_command, serve_main, settings_from_args
 from astrai_server.config import ServerSettings, load_settings, parse_bytes
 from astrai_server.errors import ConfigError

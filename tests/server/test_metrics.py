@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
 from astrai.request import FinishedRequest
 from astrai_server.metrics import COUNTERS, GAUGES, HISTOGRAMS, PREEMPTIONS, SPEC_COUNTERS, ServerMetrics
 

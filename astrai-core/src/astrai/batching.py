@@ -1,7 +1,8 @@
 """The batching policy: which requests run in the next step, and how many tokens each brings.
 
-``BatchPolicy.schedule()`` decides a step and returns it as a ``StepPlan``; the caller runs it
-(``astrai.runner.ModelRunner``) and hands the sampled tokens to ``update()``. A step is, in order:
+``BatchPolicy.schedule()`` decides a step and returns it as a ``StepPlan`` (``astrai.step``, with
+what the runner may read of each row's request); the caller runs it (``astrai.runner.ModelRunner``)
+and hands the ``StepResult`` to ``update()``, which alone changes the requests. A step is, in order:
 
 1. cleanup: finished requests' materialized pages go into the radix, their KV is freed;
 2. refill: waiting requests are admitted in order (arrival; or priority, then arrival), each
@@ -47,18 +48,18 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from astrai.errors import CapacityExceeded
-from astrai.extension.backend.policy import AUTOMATIC, BackendChoice
+from astrai.extension.backend.selection import AUTOMATIC
 from astrai.request import FinishReason, Request
 from astrai.speculative import NgramState
+from astrai.step import RowInput, StepPlan, StepResult
 
 if TYPE_CHECKING:
+    from astrai.config import EngineConfig
     from astrai.kvcache import PagePool
-    from astrai.logprobs import TokenLogprob
     from astrai.speculative import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -67,70 +68,35 @@ logger = logging.getLogger(__name__)
 GROWTH_RESERVE = 0.3
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """One engine step as the policy decided it: host-side, plain values, serialisable.
-
-    Row ``i`` is request ``request_ids[i]`` on pool row ``req_indices[i]``: it had ``starts[i]``
-    positions computed and brings ``q_lens[i]`` tokens (``input_ids``, row after row), and its
-    last one is sampled when ``sample[i]``. Decode rows come first, then prefill chunks.
-    ``scored[i]``: the row's request wants the log-probs of its prompt (empty: no row does).
-    ``backend`` is the attention choice every row's request made. ``finished`` names the
-    requests that ended and were released since the previous plan (their KV is free): the
-    caller delivers them. A plan without rows runs nothing. ``drafts[i]`` (empty: no row has
-    any): the last ``drafts[i]`` tokens of row ``i`` are speculative drafts after its one decode
-    token; such a row is sampled at each of its ``1 + drafts[i]`` positions (verification).
-    """
-
-    request_ids: tuple[str, ...] = ()
-    req_indices: tuple[int, ...] = ()
-    starts: tuple[int, ...] = ()
-    q_lens: tuple[int, ...] = ()
-    sample: tuple[bool, ...] = ()
-    input_ids: tuple[int, ...] = ()
-    scored: tuple[bool, ...] = ()
-    backend: BackendChoice = AUTOMATIC
-    finished: tuple[str, ...] = ()
-    drafts: tuple[int, ...] = ()
-
-    @property
-    def seq_lens(self) -> tuple[int, ...]:
-        """Positions each row holds after the step."""
-        return tuple(s + q for s, q in zip(self.starts, self.q_lens, strict=True))
-
-    @property
-    def num_tokens(self) -> int:  # T
-        return len(self.input_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every row brings one token and is sampled (the common case, with a cheaper layout)."""
-        return len(self.input_ids) == len(self.q_lens) and all(self.sample)
-
-
 class BatchPolicy:
     """The waiting queue, the running batch and every choice between them, over ``pool``.
 
-    ``running`` and ``waiting`` are sorted by ``order``: arrival (fcfs), or with ``priority``
-    (a smaller ``Request.priority`` first) priority, then arrival; in both, ahead of arrival, the
-    request's index among those submitted together (``Request.sibling``: the choices of one HTTP
-    request), so that a request of many choices is served round-robin with the others, not before
-    them; under fcfs a request that was preempted orders before every one that never was. The last running request is
-    preemption's first victim (under ``priority``: the newest of the lowest priority). The
-    pool's ``max_batch_size`` bounds the batch; ``max_prefill_tokens`` the prefill tokens
-    of one step. ``eos_token_ids`` end a request in ``update`` (unless it ignores EOS).
-    ``proposer``: speculative drafts for greedy decode rows (None: none).
+    ``running`` and ``waiting`` are sorted by ``order``: arrival (``config.scheduling_policy``
+    "fcfs"), or priority (a smaller ``Request.priority`` first), then arrival; in both, ahead of
+    arrival, the request's index among those submitted together (``Request.sibling``: the choices
+    of one HTTP request), so that a request of many choices is served round-robin with the others,
+    not before them; under fcfs a request that was preempted orders before every one that never
+    was. The last running request is preemption's first victim (under priority: the newest of the
+    lowest priority). The pool's ``max_batch_size`` bounds the batch; ``config.max_prefill_tokens``
+    the prefill tokens of one step. ``eos_token_ids`` end a request in ``update`` (unless it
+    ignores EOS). ``proposer``: speculative drafts for greedy decode rows (None: none).
     """
 
     def __init__(
-        self, pool: PagePool, max_prefill_tokens: int = 2048, eos_token_ids: Container[int] = (), priority: bool = False,
+        self,
+        pool: PagePool,
+        config: EngineConfig | None = None,
+        eos_token_ids: Container[int] = (),
         proposer: NgramProposer | None = None,
-    ) -> None:  # fmt: skip
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+    ) -> None:
+        from astrai.config import EngineConfig
+
+        config = config or EngineConfig()
+        if config.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {config.max_prefill_tokens}")
         self.pool = pool
         self.max_batch_size = pool.config.max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = config.max_prefill_tokens
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -140,9 +106,9 @@ class BatchPolicy:
         self.counters.update(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
         self.proposer = proposer
         self._free_epoch = 0  # bumped whenever pages are freed: a refused admission may now fit
-        self.scheduled: list[Request] = []  # the requests of the last plan's rows, in order
-        self.priority = priority
-        self.order: Callable[[Request], Any] = _by_priority if priority else _by_arrival
+        self._planned: list[Request] = []  # the requests of the last plan's rows, in order (update's)
+        self.priority = config.scheduling_policy == "priority"
+        self.order: Callable[[Request], Any] = _by_priority if self.priority else _by_arrival
 
     # ------------------------------------------------------------ the step
     def add(self, req: Request) -> None:
@@ -167,46 +133,59 @@ class BatchPolicy:
         drafts = decode_drafts + [()] * len(prefill)
         if not rows:
             self._make_room()
-        self.scheduled = reqs = [req for req, _, _ in rows]
+        self._planned = reqs = [req for req, _, _ in rows]
         return StepPlan(
             request_ids=tuple(r.request_id for r in reqs),
             req_indices=tuple(r.req_idx for r in reqs),
             starts=tuple(r.num_computed for r in reqs),
             q_lens=tuple(q for _, q, _ in rows),
             sample=tuple(s for _, _, s in rows),
-            input_ids=tuple(chain.from_iterable(
-                chain(r.tokens[r.num_computed : r.num_computed + q - len(d)], d) for (r, q, _), d in zip(rows, drafts, strict=True)
-            )),  # fmt: skip
+            input_ids=tuple(
+                chain.from_iterable(
+                    chain(r.tokens[r.num_computed : r.num_computed + q - len(d)], d)
+                    for (r, q, _), d in zip(rows, drafts, strict=True)
+                )
+            ),
             scored=tuple(_scores(r) for r in reqs) if any(r.params.prompt_logprobs is not None for r in reqs) else (),
             backend=(reqs[0].backend or AUTOMATIC) if reqs else AUTOMATIC,
             finished=tuple(r.request_id for r in finished),
             drafts=tuple(map(len, drafts)) if any(drafts) else (),
+            rows=tuple(RowInput(r.params, r.prompt_ids, r.output_ids, len(r.prompt_logprobs), r.matcher) for r in reqs),
         )
 
-    def sampled(self, plan: StepPlan) -> list[Request]:
-        """The requests of ``plan`` (the last one scheduled) whose next token it samples, in row order."""
-        return [req for req, s in zip(self.scheduled, plan.sample, strict=True) if s]
+    def update(self, plan: StepPlan, result: StepResult) -> None:
+        """Apply what the runner computed for ``plan`` (the last one scheduled) to its requests.
 
-    def update(self, plan: StepPlan, next_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None] = ()) -> None:
-        """Advance each row of ``plan`` (the last one scheduled) and accept its sampled tokens.
-
-        ``logprobs``: per sampled row, its token's log-probs (empty: none asked). A prefill
-        chunk's complete pages enter the radix at once (a sharer may be waiting for them).
-        A row with drafts gives its tokens as a sequence (the confirmed drafts, then the model's
-        own token): they are accepted in order until one ends the request, and the slots past the
-        last accepted one go back to the pool (``_accept_run``). A request whose decoder or
-        stream callback raises fails alone.
+        A row that failed alone (``result.failed``) ends with its error (its KV is freed at the next
+        cleanup, never recorded); the others advance as if it had not been there. Each row's
+        computed positions count, its prompt log-probs join its request's, and a prefill chunk's
+        complete pages enter the radix at once (a sharer may be waiting for them). A sampled row
+        accepts its token; a row with drafts gives its tokens as a sequence (the confirmed drafts,
+        then the model's own token): they are accepted in order until one ends the request, and
+        the slots past the last accepted one go back to the pool (``_accept_run``). A request whose
+        decoder or stream callback raises fails alone.
         """
-        reqs = self.scheduled
+        reqs = self._planned
+        if len(reqs) != len(plan.request_ids):
+            raise RuntimeError(f"update of a plan of {len(plan.request_ids)} rows; {len(reqs)} were planned")
+        for n, (i, exc) in enumerate(sorted(result.failed.items())):
+            logger.error("request %s failed in a step of %d rows: %r", reqs[i].request_id, len(reqs), exc,
+                         exc_info=exc if n == 0 else None)  # fmt: skip
+            reqs[i].finish(FinishReason.ERROR, error=exc)
         drafts = plan.drafts or (0,) * len(reqs)
-        for req, q, d in zip(reqs, plan.q_lens, drafts, strict=True):
+        sampled: list[tuple[Request, int]] = []
+        for i, (req, q, d) in enumerate(zip(reqs, plan.q_lens, drafts, strict=True)):
+            if i in result.failed:
+                continue
+            req.prompt_logprobs.extend(result.prompt_logprobs.get(i, ()))
             req.num_computed += q - d  # a row's drafts count once confirmed (_accept_run)
             if q - d > 1:  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
                 self.pool.record(req.req_idx, req.tokens[: req.num_computed])
-        sampled = self.sampled(plan)
+            if plan.sample[i]:
+                sampled.append((req, d))
         self.counters["total_tokens"] += len(sampled)
-        sampled_drafts = [d for d, s in zip(drafts, plan.sample, strict=True) if s]
-        for req, token, lp, d in zip(sampled, next_ids, logprobs or [None] * len(sampled), sampled_drafts, strict=True):
+        logprobs = result.logprobs or [None] * len(sampled)
+        for (req, d), token, lp in zip(sampled, result.next_ids, logprobs, strict=True):
             try:
                 if d:
                     self._accept_run(req, (token,) if isinstance(token, int) else token, d)
@@ -235,11 +214,6 @@ class BatchPolicy:
                     break
         finally:  # the rejected drafts' positions (and pages only they used) go back; the radix never saw them
             self.pool.truncate(req.req_idx, req.num_computed)
-
-    def fail(self, plan: StepPlan, error: BaseException) -> None:
-        """The step of ``plan`` failed: its requests end with ``error`` (released at the next cleanup)."""
-        for req in self.scheduled:
-            req.finish(FinishReason.ERROR, error=error)
 
     def drain(self) -> list[Request]:
         """Every request in flight, running then waiting, with its KV released (not recorded)."""

@@ -19,7 +19,8 @@ import sys
 from typing import Any
 
 from astrai.errors import AstraiError
-from astrai.plugins import PluginManager, load_plugins
+from astrai.hooks import PluginManager
+from astrai.plugins import load_plugins
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 

@@ -1,19 +1,17 @@
-"""``EngineConfig``: how an engine batches, sizes its KV pool and configures its plugins."""
+"""``EngineConfig``: how an engine batches, sizes its KV pool and configures its plugins.
+
+A contract at the bottom of core: plain values, no torch, no subsystem above it (the pool's
+sizing from a model is ``astrai.kvcache.sizing.kv_config``). Each default is written here once;
+``astrai serve``'s settings take theirs from it (astrai_server.config).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from astrai.grammar.cache import GrammarConfig
-from astrai.kvcache import KVConfig
-from astrai.kvcache.storage import KVStorage
 from astrai.limits import RequestLimits
-
-if TYPE_CHECKING:
-    import torch
-
-    from astrai.model import ModelConfig
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS", "EngineConfig"]
 
@@ -92,26 +90,3 @@ class EngineConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got ngram_min {self.ngram_min}, ngram_max {self.ngram_max}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
-
-    def kv_config(self, model_config: ModelConfig, dtype: torch.dtype) -> KVConfig:
-        """The pool configuration for a model; raises ValueError on an impossible size.
-
-        Its ``max_seq_len`` is the context served: ``max_seq_len`` capped by the model's context
-        length and, paged, by the pool's slots (a request never holds more positions than the
-        pool has, so a longer req_to_token row or rotary table would never be read). The default
-        pool holds at least one request of that context, so a model whose context length is
-        absurd and no ``max_seq_len`` gives an absurd pool, which the memory check refuses.
-        """
-        ctx = model_config.max_position_embeddings
-        seq = min(self.max_seq_len or ctx, ctx)
-        if not self.paged:
-            return KVConfig(self.max_batch_size, seq, page_size=1, prefix_caching=False)
-        n_tokens, budget = self.n_tokens, self.kv_memory_bytes
-        per_token = KVStorage.bytes_per_token(
-            model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype
-        )
-        if n_tokens is None and budget is None:
-            n_tokens = max(seq, min(self.max_batch_size * seq, DEFAULT_KV_MEMORY_BYTES // per_token))
-        slots = (n_tokens if n_tokens is not None else budget // per_token) // self.page_size * self.page_size
-        seq = max(1, min(seq, slots))  # no slot at all: PagePool says so
-        return KVConfig(self.max_batch_size, seq, self.page_size, n_tokens, budget, self.prefix_caching)

@@ -1,6 +1,4 @@
-"""Process- and thread-level tuning for inference on the CPU.
-
-Two effects, both measured on this project's 2-core machines:
+"""Thread-level tuning for inference on the CPU: OpenMP teams.
 
 **OpenMP teams of two threads.** The model runs on the scheduler thread. When
 another long-lived thread (typically the main thread, loading the weights) has
@@ -21,17 +19,7 @@ starts it and for each thread that submits to it. Measured on the default model:
 a decode step at 11-12 ms went to 19-21 ms after one parallel op on the main
 thread, and back to 11-14 ms after the release.
 
-**Page faults from malloc.**
-A decode step allocates and frees the same large temporaries (gathered K/V,
-activations, logits) in every layer. glibc's malloc serves blocks above its
-mmap threshold with fresh ``mmap`` calls and trims the heap top back to the
-kernel after each free, so every step pays page faults for memory it just
-returned; inside a virtual machine those faults are expensive (measured here:
-1.9 M minor faults and 9.6 s of system time for the offline benchmark, 4x
-fewer faults and a third of the system time once tuned). Keeping freed memory
-in the heap is what tcmalloc/jemalloc do by default, and what vLLM's CPU guide
-gets by preloading one of them; ``mallopt`` reaches the same effect without a
-preload.
+The C allocator's tuning, the other process-wide knob of CPU inference, is ``astrai.malloc``'s.
 """
 
 from __future__ import annotations
@@ -48,38 +36,6 @@ from typing import Any, TypeVar
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-#: glibc's ceiling for the mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
-MMAP_THRESHOLD = 32 << 20
-TRIM_THRESHOLD = 1 << 30
-TOP_PAD = 64 << 20
-
-
-@functools.cache
-def tune_malloc() -> bool:
-    """Make glibc keep freed memory for reuse; True when applied (once per process).
-
-    A no-op returning False off Linux/glibc. Safe to call from any thread.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl or another libc without mallopt
-        return False
-    applied = all(
-        mallopt(option, value) == 1
-        for option, value in (
-            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-            (_M_TOP_PAD, TOP_PAD),
-        )
-    )
-    logger.debug("malloc tuning for CPU inference %s", "applied" if applied else "refused")
-    return applied
-
 
 @functools.cache
 def _libgomp_pause() -> Callable[[int], int] | None:

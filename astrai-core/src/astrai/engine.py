@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from astrai.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
-from astrai.cpu_tuning import run_off_thread, tune_malloc
+from astrai.cpu_tuning import run_off_thread
+from astrai.malloc import tune_malloc
 from astrai.extension.backend.policy import load_backends
 from astrai.grammar import GrammarCache
+from astrai.hooks import HookThread, PluginManager
 from astrai.kvcache import PagePool
+from astrai.kvcache.sizing import kv_config
 from astrai.model import IncrementalDecoder
-from astrai.plugins import HookThread, PluginManager
 from astrai.request import FinishedRequest, Request
 from astrai.result import GenerateResult
 from astrai.sampling import SamplingParams, SamplingPipeline
@@ -77,10 +79,9 @@ class InferenceEngine:
         self._stop_lock = threading.Lock()
         mc = model.config
         param = next(model.parameters())
-        pool_args = (
-            mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-            self.config.kv_config(mc, param.dtype), param.dtype, param.device,
-        )  # fmt: skip
+        kv = kv_config(self.config, mc, param.dtype)
+        pool_args = (mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, kv)
+        pool_args += (param.dtype, param.device)
         if param.device.type == "cpu":  # see astrai.cpu_tuning for both
             tune_malloc()  # keep freed step temporaries mapped
             self.pool = run_off_thread(PagePool, *pool_args)  # zero-filling the pool uses OpenMP
@@ -92,15 +93,20 @@ class InferenceEngine:
         load_backends()
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
         # compiled grammars of constrained requests, compiled on the submitting thread (never the scheduler's)
-        self.grammars = GrammarCache(tokenizer, mc.vocab_size, sorted(eos), self.config.grammar_backend, self.config.grammar)
+        self.grammars = GrammarCache(
+            tokenizer, mc.vocab_size, sorted(eos), self.config.grammar_backend, self.config.grammar
+        )
         # Built only when someone listens: the scheduler then just queues a small record per request.
         self._hooks = HookThread(self.plugins) if self.plugins.has_impls("astrai_request_finished") else None
         self.scheduler = InferenceScheduler(
-            model, self.pool, self.config.max_prefill_tokens, eos, pipeline=self.pipeline,
-            backend=self.config.attention_backend, on_finished=self._request_finished if self._hooks else None,
-            max_queued=self.config.max_queued_requests, queue_timeout=self.config.queue_timeout,
-            priority=self.config.scheduling_policy == "priority", proposer=self._proposer(),
-        )  # fmt: skip
+            model,
+            self.pool,
+            self.config,
+            eos,
+            pipeline=self.pipeline,
+            on_finished=self._request_finished if self._hooks else None,
+            proposer=self._proposer(),
+        )
         self.scheduler.start(warm_up=True)  # returns once a first forward has packed weights and built kernels
         self.plugins.notify("astrai_engine_started", engine=self)
 
@@ -145,7 +151,7 @@ class InferenceEngine:
         checkpoint = open_checkpoint(name_or_path)
         mc = checkpoint.config
         engine_config = config or EngineConfig()
-        kv = engine_config.kv_config(mc, dtype)
+        kv = kv_config(engine_config, mc, dtype)
         shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype)
         what = f"KV pool ({kv.slots(*shape)} tokens, a context of {kv.max_seq_len}"
         if engine_config.max_seq_len is None:  # the model's context: say how to serve less

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from astrai.extension.backend.base import ATTENTION_BACKENDS, check_backend_class
 from astrai.grammar.base import GRAMMARS, check_grammar_backend
+from astrai.hooks import HOOKS, check_hook_plugin
 from astrai.model.architecture import MODELS, check_architecture
-from astrai.plugins import HOOKS, Validator, check_hook_plugin
+from astrai.plugins import Validator
 from astrai.protocol import PROTOCOLS, check_builder_class
 from astrai.sampling.base import SAMPLING, check_strategy_class
 

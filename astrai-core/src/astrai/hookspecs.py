@@ -19,13 +19,12 @@ reaches astrai's caller, the scheduler or the HTTP client.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
-if TYPE_CHECKING:
-    from astrai.engine import InferenceEngine
-    from astrai.request import FinishedRequest
+# The arguments are annotated ``Any`` and their types named in the docstrings: this module sits low
+# in core (astrai.hooks imports it), so it imports nothing of the engine, not even for annotations.
 
 hookspec = pluggy.HookspecMarker("astrai")
 hookimpl = pluggy.HookimplMarker("astrai")
@@ -55,7 +54,7 @@ def astrai_register_commands(subparsers: Any, plugins: Any) -> None:
     ``subparsers.add_parser(name, help=...)``, add the command's arguments, and set
     ``parser.set_defaults(run=fn)``; ``astrai`` then returns ``fn(args)`` (an int, the
     exit status) for that command, after its arguments are parsed. ``plugins`` is the
-    :class:`astrai.plugins.PluginManager` the command runs with: give it to
+    :class:`astrai.hooks.PluginManager` the command runs with: give it to
     ``astrai.cli.PluginOptions(parser, plugins)`` for the ``astrai_add_options`` options,
     and to the engines the command makes. Called once per parser, whenever the
     ``astrai`` command builds one, so keep it cheap: import what the command needs to
@@ -65,8 +64,8 @@ def astrai_register_commands(subparsers: Any, plugins: Any) -> None:
 
 
 @hookspec
-def astrai_engine_started(engine: InferenceEngine) -> None:
-    """``engine`` is running and about to be returned to its creator.
+def astrai_engine_started(engine: Any) -> None:
+    """``engine`` (:class:`astrai.engine.InferenceEngine`) runs and is about to reach its creator.
 
     Called on the thread constructing the engine, once per engine, before any
     request is submitted. ``engine.config`` (with ``plugin_options``) and
@@ -75,14 +74,14 @@ def astrai_engine_started(engine: InferenceEngine) -> None:
 
 
 @hookspec
-def astrai_engine_stopped(engine: InferenceEngine) -> None:
+def astrai_engine_stopped(engine: Any) -> None:
     """``engine.shutdown()`` stopped the scheduler; every ``astrai_request_finished`` call
     for it has returned. Called once per engine, on the thread that shut it down.
     Close what ``astrai_engine_started`` opened."""
 
 
 @hookspec
-def astrai_request_finished(engine: InferenceEngine, request: FinishedRequest) -> None:
+def astrai_request_finished(engine: Any, request: Any) -> None:
     """One request of ``engine`` is over (finished, stopped, aborted or failed).
 
     ``request`` (:class:`astrai.request.FinishedRequest`) carries its token counts,

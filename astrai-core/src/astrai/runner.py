@@ -1,12 +1,13 @@
-"""The model runner: a ``StepPlan`` in, the sampled token ids out.
+"""The model runner: a ``StepPlan`` in, a ``StepResult`` out (``astrai.step``); it reads the plan's
+``RowInput`` of each row and never holds or writes a request.
 
-``ModelRunner.execute`` builds the step's flattened ragged batch (ids, positions, the
-``KVCache`` of ``PagePool.bind_tasks``), resolves the step's attention backend once and lets
-it prepare (``astrai.extension.bind_step``), runs the model and samples the rows that want a
-next token, all at once; the log-probs of the rows that asked come from the same logits
-(``astrai.logprobs``). ``run`` does the same but isolates a failure: when the batched forward
-or the batched sampling raises, the rows are retried in halves until each failure is one
-row's own (``run_apart``), so only that row fails. A row with speculative drafts
+``ModelRunner.run`` builds the step's flattened ragged batch (ids, positions, the ``KVCache`` of
+``PagePool.bind_tasks``), resolves the step's attention backend once and lets it prepare
+(``astrai.extension.bind_step``), runs the model and samples the rows that want a next token,
+all at once; the log-probs of the rows that asked (and the prompt log-probs of the rows that
+score their prompt) come from the same logits (``astrai.logprobs``). A failure is isolated:
+when the batched forward or the batched sampling raises, the rows are retried in halves until
+each failure is one row's own (``run_apart``), so only that row fails. A row with speculative drafts
 (``StepPlan.drafts``) is sampled at each of its positions and verified (``_verify``): its
 drafts are confirmed while each equals the model's greedy token at the position before it, and
 the model's token at the first mismatch (or after the last draft) follows them. ``warm_up`` runs
@@ -31,11 +32,10 @@ from astrai.errors import EngineNotReady
 from astrai.extension.backend.policy import BackendChoice, bind_step
 from astrai.logprobs import TokenLogprob, token_logprobs
 from astrai.sampling import SamplingBatch, SamplingPipeline
+from astrai.step import RowInput, StepPlan, StepResult
 
 if TYPE_CHECKING:
-    from astrai.batching import StepPlan
     from astrai.kvcache import KVCache, PagePool
-    from astrai.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -50,36 +50,21 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: torch.nn.Module, pool: PagePool, pipeline: SamplingPipeline | None = None,
+        self,
+        model: torch.nn.Module,
+        pool: PagePool,
+        pipeline: SamplingPipeline | None = None,
         eos_token_ids: Collection[int] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model, self.pool = model, pool
         self.pipeline = pipeline or SamplingPipeline.default()
         self.eos_token_ids = tuple(eos_token_ids)
         # the query layout backends are asked about (supports/prepare read dtype, device, heads, head_dim)
         self._query = torch.empty((0, pool.n_heads, pool.head_dim), dtype=pool.dtype, device=pool.device)
 
-    def execute(
-        self, plan: StepPlan, sampled: Sequence[Request], rows: Sequence[Request] = ()
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Run ``plan``'s rows as one forward: the next token of each of ``sampled`` (its sampled rows)
-        and, per sampled row, its log-probs (``None`` where not asked; an empty list when no row asked).
+    def run(self, plan: StepPlan) -> StepResult:
+        """Every row of ``plan`` as one forward, with failures isolated (see ``StepResult``).
 
-        ``rows``: the requests of every row, needed when ``plan.scored``: the prompt log-probs of
-        the positions a scored row computes are appended to its ``Request.prompt_logprobs``.
-        A row with drafts gives its tokens as a list (see ``_verify``).
-        """
-        logits, n = self.forward(plan, rows), len(sampled)
-        ids, logprobs = self.sample(logits[:n] if n else None, sampled)
-        return self._verify(plan, [i for i, s in enumerate(plan.sample) if s], ids, logits[n:] if n else None), logprobs
-
-    def run(
-        self, plan: StepPlan, rows: Sequence[Request]
-    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, Exception]]:
-        """``execute`` for every row of ``plan`` (``rows[i]`` is row ``i``'s request), with failures isolated.
-
-        Returns the next token and log-probs (``None`` where not asked) of each sampled row that
-        succeeded, in row order, and the error of each row that failed on its own, by row index.
         When the batched forward raises, the rows run again in halves (``run_apart``; a retried
         row rewrites the same KV positions with the same values, so a partial write of the failed
         forward is harmless), each half then in halves while it fails, down to single rows; a
@@ -91,59 +76,77 @@ class ModelRunner:
         """
         sampled = [i for i, s in enumerate(plan.sample) if s]
         try:
-            logits, failed = self.forward(plan, rows if plan.scored else ()), {}
+            logits, scored = self._forward(plan)
+            failed: dict[int, Exception] = {}
         except EngineNotReady:  # the model cannot run any step (a lost tensor-parallel rank): no retry
             raise
         except Exception as exc:
-            logits, failed = self._forward_apart(plan, rows, exc)
+            logits, scored, failed = self._forward_apart(plan, exc)
             sampled = [i for i in sampled if i not in failed]
-        reqs = [rows[i] for i in sampled]
-        main, extra = (logits[: len(reqs)], logits[len(reqs) :]) if logits is not None else (None, None)
+        rows = [plan.rows[i] for i in sampled]
+        main, extra = (logits[: len(rows)], logits[len(rows) :]) if logits is not None else (None, None)
         try:
-            ids, logprobs = self.sample(main, reqs)
-            return self._verify(plan, sampled, ids, extra), logprobs or [None] * len(ids), failed
+            ids, logprobs = self.sample(main, rows)
+            ids = self._verify(plan, sampled, ids, extra)
+            return StepResult(ids, logprobs or [None] * len(ids), scored, failed)
         except Exception as exc:
-            drawn, lost = self._sample_apart(main, reqs, exc)
+            drawn, lost = self._sample_apart(main, rows, exc)
         failed.update((sampled[j], err) for j, err in lost.items())
-        kept = [j for j in range(len(reqs)) if j not in lost]
+        kept = [j for j in range(len(rows)) if j not in lost]
         if plan.drafts and lost:  # the verified positions of the rows that failed in sampling are left out
             parts = [e for j, e in enumerate(_split_drafts(plan, sampled, extra)) if j not in lost]
             extra = torch.cat(parts) if parts else None
         ids = self._verify(plan, [sampled[j] for j in kept], [drawn[j][0] for j in kept], extra)
-        return ids, [drawn[j][1] for j in kept], failed
+        scored = {i: entries for i, entries in scored.items() if i not in failed}
+        return StepResult(ids, [drawn[j][1] for j in kept], scored, failed)
 
     def _forward_apart(
-        self, plan: StepPlan, rows: Sequence[Request], error: Exception
-    ) -> tuple[torch.Tensor | None, dict[int, Exception]]:
+        self, plan: StepPlan, error: Exception
+    ) -> tuple[torch.Tensor | None, dict[int, list[TokenLogprob]], dict[int, Exception]]:
         """The forward of ``plan`` raised ``error``: run its rows apart. The logits of the sampled rows
-        that succeeded (``None``: there are none) and the error of each row that failed alone."""
-        if len(rows) > 1:
-            logger.warning("a step of %d rows raised %r: running its rows apart to find the cause", len(rows), error)
+        that succeeded (``None``: there are none), their prompt log-probs, and the error of each
+        row that failed alone."""
+        if len(plan.request_ids) > 1:
+            logger.warning(
+                "a step of %d rows raised %r: running its rows apart to find the cause",
+                len(plan.request_ids),
+                error,
+            )
+        scored: dict[int, list[TokenLogprob]] = {}
 
         def compute(part: list[int]) -> dict[int, torch.Tensor | None]:
             sub = plan_rows(plan, part)
-            out = self.forward(sub, [rows[i] for i in part] if plan.scored else ())
+            out, sub_scored = self._forward(sub)
+            scored.update((part[j], entries) for j, entries in sub_scored.items())
             got: dict[int, torch.Tensor | None] = dict.fromkeys(part)
             picked = [i for i in part if plan.sample[i]]
             if not sub.drafts:
                 got.update(zip(picked, out.unsqueeze(1), strict=True))
                 return got
             extra = _split_drafts(sub, [j for j, s in enumerate(sub.sample) if s], out[len(picked) :])
-            got.update((i, torch.cat([out[j : j + 1], e])) for j, (i, e) in enumerate(zip(picked, extra, strict=True)))
+            got.update(
+                (i, torch.cat([out[j : j + 1], e]))
+                for j, (i, e) in enumerate(zip(picked, extra, strict=True))
+            )
             return got
 
-        by_row, failed = run_apart(list(range(len(rows))), compute, error)
-        kept = [by_row[i] for i, s in enumerate(plan.sample) if s and i not in failed]  # [1 + drafts, vocab] each
-        return (torch.cat([k[:1] for k in kept] + [k[1:] for k in kept]) if kept else None), failed
+        by_row, failed = run_apart(list(range(len(plan.request_ids))), compute, error)
+        kept = [
+            by_row[i] for i, s in enumerate(plan.sample) if s and i not in failed
+        ]  # [1 + drafts, vocab] each
+        logits = torch.cat([k[:1] for k in kept] + [k[1:] for k in kept]) if kept else None
+        return logits, {i: e for i, e in scored.items() if i not in failed}, failed
 
     def _sample_apart(
-        self, logits: torch.Tensor, sampled: Sequence[Request], error: Exception
+        self, logits: torch.Tensor, sampled: Sequence[RowInput], error: Exception
     ) -> tuple[dict[int, tuple[int, TokenLogprob | None]], dict[int, Exception]]:
         """Sampling ``logits`` (row i for ``sampled[i]``) raised ``error``: sample the rows apart, from the
         same logits (the model does not run again). ``(token, log-probs)`` per row that succeeded
         and the error of each row that failed alone, by row."""
         if len(sampled) > 1:
-            logger.warning("sampling %d rows raised %r: sampling them apart to find the cause", len(sampled), error)
+            logger.warning(
+                "sampling %d rows raised %r: sampling them apart to find the cause", len(sampled), error
+            )
 
         def draw(part: list[int]) -> dict[int, tuple[int, TokenLogprob | None]]:
             picked = logits.index_select(0, torch.tensor(part, device=logits.device))
@@ -152,10 +155,14 @@ class ModelRunner:
 
         return run_apart(list(range(len(sampled))), draw, error)
 
-    def forward(self, plan: StepPlan, rows: Sequence[Request] = ()) -> torch.Tensor:
+    def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run ``plan``'s rows as one forward: the logits ``[number of sampled rows, vocab]`` of the
         rows that sample, in row order (a row with drafts: at its decode token), then those of each
-        draft position, in row order. ``rows`` as for :meth:`execute` (prompt log-probs)."""
+        draft position, in row order."""
+        return self._forward(plan)[0]
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
+        """``forward``'s logits, and by row index the prompt log-probs a scored row's chunk computed."""
         device = self.pool.device
         if plan.is_decode:  # one token per row: host lists are cheaper than the general layout
             host = torch.tensor([plan.input_ids, plan.starts])
@@ -167,45 +174,31 @@ class ModelRunner:
             ends = torch.cumsum(q_t, 0)
             t = plan.num_tokens
             ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=device)
-            positions = (torch.arange(t) + torch.repeat_interleave(starts - (ends - q_t), q_t, output_size=t)).to(device)
+            offsets = torch.repeat_interleave(starts - (ends - q_t), q_t, output_size=t)
+            positions = (torch.arange(t) + offsets).to(device)
             sample = torch.tensor(plan.sample, dtype=torch.bool)
             if plan.drafts:  # each sampled row's decode token first, then every draft position, in row order
                 d_t = torch.tensor(plan.drafts, dtype=torch.int64)
                 logits_indices = torch.cat([(ends - 1 - d_t)[sample], _draft_positions(ends, d_t)]).to(device)
             else:
                 logits_indices = (ends - 1)[sample].to(device)
-        scoring = self._scoring(plan, rows) if any(plan.scored) else None
+        scoring = _scoring(plan) if any(plan.scored) else None
         if scoring is not None:
             logits_indices = torch.cat([scoring[0].to(device), logits_indices])
         kv = self.pool.bind_tasks(plan.req_indices, plan.q_lens, plan.seq_lens)
         kv.drafts_host = plan.drafts
         self.bind(kv, plan.backend)
         logits = self.model(ids, positions, kv, logits_indices)
+        scored: dict[int, list[TokenLogprob]] = {}
         if scoring is not None:
             _, targets, owners = scoring
-            ks = [req.params.prompt_logprobs for req, n in owners for _ in range(n)]
-            scored = token_logprobs(logits[: len(targets)], targets.to(device), ks)
+            ks = [plan.rows[i].params.prompt_logprobs for i, n in owners for _ in range(n)]
+            entries = token_logprobs(logits[: len(targets)], targets.to(device), ks)
             logits, at = logits[len(targets) :], 0
-            for req, n in owners:
-                req.prompt_logprobs.extend(scored[at : at + n])
+            for i, n in owners:
+                scored[i] = entries[at : at + n]
                 at += n
-        return logits
-
-    @staticmethod
-    def _scoring(plan: StepPlan, rows: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, list] | None:
-        """Flat token indices whose logits score a prompt token, those tokens, and ``(request, count)``
-        per scored row: the positions its chunk computes that no earlier step scored."""
-        indices, targets, owners, offset = [], [], [], 0
-        for req, start, q, scored in zip(rows, plan.starts, plan.q_lens, plan.scored, strict=True):
-            lo, hi = max(start, len(req.prompt_logprobs)), min(start + q, len(req.prompt_ids) - 1)
-            if scored and hi > lo:  # position p's logits give the log-prob of prompt token p + 1
-                indices.extend(range(offset + lo - start, offset + hi - start))
-                targets.extend(req.prompt_ids[lo + 1 : hi + 1])
-                owners.append((req, hi - lo))
-            offset += q
-        if not owners:
-            return None
-        return torch.tensor(indices, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), owners
+        return logits, scored
 
     @staticmethod
     def _verify(
@@ -224,13 +217,17 @@ class ModelRunner:
         d = torch.tensor([plan.drafts[i] for i in sampled], dtype=torch.int64)
         has = d > 0
         rows, lens = has.nonzero()[:, 0], d[has]
-        ends = torch.cumsum(torch.tensor(plan.q_lens, dtype=torch.int64), 0)[torch.tensor(sampled, dtype=torch.int64)]
+        ends = torch.cumsum(torch.tensor(plan.q_lens, dtype=torch.int64), 0)[
+            torch.tensor(sampled, dtype=torch.int64)
+        ]
         drafted = torch.tensor(plan.input_ids, dtype=torch.int64)[_draft_positions(ends[has], lens)]
         width = int(lens.max())
         inside = torch.arange(width) < lens.unsqueeze(1)
         proposed = torch.full((len(lens), width), -1, dtype=torch.int64)
         proposed[inside] = drafted
-        model = torch.full((len(lens), width + 1), -2, dtype=torch.int64)  # the model's token at each position
+        model = torch.full(
+            (len(lens), width + 1), -2, dtype=torch.int64
+        )  # the model's token at each position
         model[:, 0] = torch.tensor(ids, dtype=torch.int64)[rows]
         model[:, 1:][inside] = extra.max(dim=-1).indices.cpu()  # argmax (see sample)
         confirmed = (model[:, :width] == proposed).cumprod(dim=1).sum(dim=1)
@@ -244,7 +241,7 @@ class ModelRunner:
         bind_step(kv, self._query, choice)
 
     def sample(
-        self, logits: torch.Tensor | None, sampled: Sequence[Request]
+        self, logits: torch.Tensor | None, sampled: Sequence[RowInput]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token per row of ``logits`` (``[B, vocab]``, row i for ``sampled[i]``; ``None`` only when
         ``sampled`` is empty), vectorised, and the log-probs of the rows that asked (of the raw
@@ -271,14 +268,16 @@ class ModelRunner:
         if not asked:
             return ids.tolist(), []
         rows = torch.tensor(asked, device=logits.device)
-        entries = token_logprobs(raw.index_select(0, rows), ids.index_select(0, rows), [params[i].logprobs for i in asked])
+        entries = token_logprobs(
+            raw.index_select(0, rows), ids.index_select(0, rows), [params[i].logprobs for i in asked]
+        )
         out: list[TokenLogprob | None] = [None] * len(sampled)
         for i, entry in zip(asked, entries, strict=True):
             out[i] = entry
         return ids.tolist(), out
 
     @staticmethod
-    def _constrain(logits: torch.Tensor, sampled: Sequence[Request], keep: bool) -> torch.Tensor:
+    def _constrain(logits: torch.Tensor, sampled: Sequence[RowInput], keep: bool) -> torch.Tensor:
         """``logits`` with each constrained row's disallowed tokens at -inf: every matcher fills its row of
         one bitmask, applied at once (in place, on a copy when ``keep``: log-probs read the raw logits)."""
         rows = [i for i, r in enumerate(sampled) if r.matcher is not None]
@@ -292,11 +291,11 @@ class ModelRunner:
         backend.apply_bitmask(out, bitmask, rows)
         return out
 
-    def _banned(self, req: Request) -> tuple[int, ...]:
-        """Tokens ``req`` may not sample yet: EOS (unless ignored) and its stop ids, before ``min_tokens``."""
-        if len(req.output_ids) >= req.params.min_tokens:
+    def _banned(self, row: RowInput) -> tuple[int, ...]:
+        """Tokens ``row`` may not sample yet: EOS (unless ignored) and its stop ids, before ``min_tokens``."""
+        if len(row.output_ids) >= row.params.min_tokens:
             return ()
-        return (*(() if req.params.ignore_eos else self.eos_token_ids), *req.params.stop_token_ids)
+        return (*(() if row.params.ignore_eos else self.eos_token_ids), *row.params.stop_token_ids)
 
     def warm_up(self, choice: BackendChoice) -> None:
         """A two-token prefill and a decode step on a scratch one-row pool: weights a kernel packs
@@ -306,15 +305,20 @@ class ModelRunner:
 
         p = self.pool
         try:
-            scratch = PagePool(p.n_layers, p.n_heads, p.n_kv_heads, p.head_dim, KVConfig(max_batch_size=1, max_seq_len=3),
-                               p.dtype, p.device)  # fmt: skip
+            one_row = KVConfig(max_batch_size=1, max_seq_len=3)
+            scratch = PagePool(p.n_layers, p.n_heads, p.n_kv_heads, p.head_dim, one_row, p.dtype, p.device)
             row = scratch.task_alloc()
             scratch.extend(row, 3)
             for ids, start in (([0, 0], 0), ([0], 2)):
                 kv = scratch.bind_tasks([row], [len(ids)], [start + len(ids)])
                 self.bind(kv, choice)
                 positions = torch.arange(start, start + len(ids), device=p.device)
-                self.model(torch.tensor(ids, device=p.device), positions, kv, torch.tensor([len(ids) - 1], device=p.device))
+                self.model(
+                    torch.tensor(ids, device=p.device),
+                    positions,
+                    kv,
+                    torch.tensor([len(ids) - 1], device=p.device),
+                )
         except Exception:
             logger.warning("warm-up forward failed (requests will report the error)", exc_info=True)
 
@@ -324,7 +328,29 @@ def _draft_positions(ends: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     drafts each (the last ones of each row), in row order."""
     n = int(drafts.sum())
     first = torch.repeat_interleave(ends - drafts, drafts, output_size=n)
-    return first + torch.arange(n) - torch.repeat_interleave(torch.cumsum(drafts, 0) - drafts, drafts, output_size=n)
+    return (
+        first
+        + torch.arange(n)
+        - torch.repeat_interleave(torch.cumsum(drafts, 0) - drafts, drafts, output_size=n)
+    )
+
+
+def _scoring(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None:
+    """Flat token indices whose logits score a prompt token, those tokens, and ``(row, count)`` per
+    scored row: the positions its chunk computes that no earlier step scored."""
+    indices, targets, owners, offset = [], [], [], 0
+    for i, (row, start, q, scored) in enumerate(
+        zip(plan.rows, plan.starts, plan.q_lens, plan.scored, strict=True)
+    ):
+        lo, hi = max(start, row.scored), min(start + q, len(row.prompt_ids) - 1)
+        if scored and hi > lo:  # position p's logits give the log-prob of prompt token p + 1
+            indices.extend(range(offset + lo - start, offset + hi - start))
+            targets.extend(row.prompt_ids[lo + 1 : hi + 1])
+            owners.append((i, hi - lo))
+        offset += q
+    if not owners:
+        return None
+    return torch.tensor(indices, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), owners
 
 
 def _split_drafts(plan: StepPlan, sampled: Sequence[int], extra: torch.Tensor) -> list[torch.Tensor]:
@@ -341,11 +367,18 @@ def plan_rows(plan: StepPlan, keep: Sequence[int]) -> StepPlan:
         return tuple(values[i] for i in keep)
 
     return dataclasses.replace(
-        plan, request_ids=pick(plan.request_ids), req_indices=pick(plan.req_indices), starts=pick(plan.starts),
-        q_lens=pick(plan.q_lens), sample=pick(plan.sample), scored=pick(plan.scored) if plan.scored else (),
-        input_ids=tuple(chain.from_iterable(plan.input_ids[ends[i] : ends[i + 1]] for i in keep)), finished=(),
+        plan,
+        request_ids=pick(plan.request_ids),
+        req_indices=pick(plan.req_indices),
+        starts=pick(plan.starts),
+        q_lens=pick(plan.q_lens),
+        sample=pick(plan.sample),
+        scored=pick(plan.scored) if plan.scored else (),
+        input_ids=tuple(chain.from_iterable(plan.input_ids[ends[i] : ends[i + 1]] for i in keep)),
+        finished=(),
         drafts=pick(plan.drafts) if plan.drafts and any(plan.drafts[i] for i in keep) else (),
-    )  # fmt: skip
+        rows=pick(plan.rows) if plan.rows else (),
+    )
 
 
 def run_apart(

@@ -1,10 +1,10 @@
 """Continuous batching: a daemon thread that runs one ragged model forward per step.
 
-``InferenceScheduler`` owns the thread, the inbox, the lifecycle, failure isolation and the
-stats. Each step is three calls: the batching policy decides it (``BatchPolicy.schedule`` ->
-a ``StepPlan``), the model runner runs it (``ModelRunner.run`` -> sampled ids), and the
-policy advances the requests (``BatchPolicy.update``). When a step raises, its rows are
-retried apart and only a row that fails alone fails; a failing loop fails everyone.
+``InferenceScheduler`` owns the thread, the inbox, the lifecycle and the stats. Each step is
+three calls on the data of ``astrai.step``: the batching policy decides it
+(``BatchPolicy.schedule`` -> a ``StepPlan``), the model runner runs it (``ModelRunner.run`` ->
+a ``StepResult``; a row that fails alone is reported in it, the others are unaffected), and the
+policy applies it to the requests (``BatchPolicy.update``). A failing loop fails everyone.
 
 Every piece of scheduler state is mutated on the scheduler thread only; other threads talk
 to it through ``submit``/``abort``, which post to an inbox. ``submit`` is also where load is
@@ -30,14 +30,14 @@ from astrai.cpu_tuning import release_openmp_team
 from astrai.errors import EngineNotReady, Overloaded, RequestRejected
 from astrai.extension.backend.policy import requested_backend
 from astrai.request import FinishReason, Request
-from astrai.runner import ModelRunner, plan_rows
+from astrai.runner import ModelRunner
 from astrai.sampling import SamplingPipeline
 from astrai.speculative import NgramProposer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from astrai.batching import StepPlan
+    from astrai.config import EngineConfig
     from astrai.kvcache import PagePool
 
 logger = logging.getLogger(__name__)
@@ -53,15 +53,15 @@ class InferenceScheduler:
     a failing loop fails everyone and leaves ``healthy`` False with ``reason`` set. ``submit``
     checks each request once against the model (vocabulary: the prompt's ids and, through
     ``pipeline.prepare``, the sampling ids and ``top_k``) and the pool (context), and records its
-    attention-backend choice (``backend``: the default for requests that made none).
+    attention-backend choice (``config.attention_backend``: the default for requests that made none).
     ``on_finished(request)`` runs on the scheduler thread after each request's result is
     delivered: it must be cheap (hand the request over to another thread) and must not
     raise (it is logged if it does).
 
-    Load shedding: ``submit`` raises ``Overloaded`` while ``max_queued`` requests wait for their
-    first admission; a request that waited ``queue_timeout`` seconds without one ends with
-    ``Overloaded``. ``priority``: the policy orders by ``Request.priority``; without it a
-    request that sets one is refused (as vLLM does under fcfs).
+    Load shedding: ``submit`` raises ``Overloaded`` while ``config.max_queued_requests`` requests wait
+    for their first admission; a request that waited ``config.queue_timeout`` seconds without one
+    ends with ``Overloaded``. Under ``config.scheduling_policy`` "priority" the policy orders by
+    ``Request.priority``; otherwise a request that sets one is refused (as vLLM does under fcfs).
 
     ``proposer``: n-gram speculative decoding for greedy requests (``astrai.speculative``; None: off).
     """
@@ -70,21 +70,20 @@ class InferenceScheduler:
         self,
         model: torch.nn.Module,
         pool: PagePool,
-        max_prefill_tokens: int = 2048,
+        config: EngineConfig | None = None,
         eos_token_ids: Iterable[int] = (),
         pipeline: SamplingPipeline | None = None,
-        backend: str | None = None,
         on_finished: Callable[[Request], None] | None = None,
-        max_queued: int | None = None,
-        queue_timeout: float | None = None,
-        priority: bool = False,
         proposer: NgramProposer | None = None,
     ) -> None:
+        from astrai.config import EngineConfig
+
+        config = config or EngineConfig()
         self.pool = pool
-        self.policy = BatchPolicy(pool, max_prefill_tokens, frozenset(eos_token_ids), priority=priority, proposer=proposer)
-        self.max_queued, self.queue_timeout = max_queued, queue_timeout
+        self.policy = BatchPolicy(pool, config, frozenset(eos_token_ids), proposer=proposer)
+        self.max_queued, self.queue_timeout = config.max_queued_requests, config.queue_timeout
         self.runner = ModelRunner(model, pool, pipeline, self.policy.eos_token_ids)
-        self.backend = backend  # attention backend for requests that did not choose one
+        self.backend = config.attention_backend  # attention backend for requests that did not choose one
         self.on_finished = on_finished  # after a request's result is delivered; cheap, on this thread
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
         self.reason: str | None = None  # why the scheduler is not healthy
@@ -223,29 +222,10 @@ class InferenceScheduler:
         plan = self.policy.schedule()
         self._complete_all(plan.finished)
         if plan.request_ids:
-            self._execute(plan)
+            self.policy.update(plan, self.runner.run(plan))
         self.iterations += 1
         self._publish_stats()
         return True
-
-    def _execute(self, plan: StepPlan) -> None:
-        """Run ``plan`` and advance its requests; a row whose failure is its own fails alone.
-
-        The runner retries a failed step's rows apart (``ModelRunner.run``): the rows that fail
-        alone end with their error and are left out of the update (their KV is freed, never
-        recorded, at the next cleanup); the others advance as if nothing had happened.
-        """
-        rows = self.policy.scheduled
-        next_ids, logprobs, failed = self.runner.run(plan, rows)
-        if failed:
-            for n, (i, exc) in enumerate(sorted(failed.items())):
-                logger.error("request %s failed in a step of %d rows: %r", rows[i].request_id, len(rows), exc,
-                             exc_info=exc if n == 0 else None)  # fmt: skip
-                rows[i].finish(FinishReason.ERROR, error=exc)
-            keep = [i for i in range(len(rows)) if i not in failed]
-            plan = plan_rows(plan, keep)
-            self.policy.scheduled = [rows[i] for i in keep]  # update() advances these: the survivors
-        self.policy.update(plan, next_ids, logprobs)
 
     def _run(self) -> None:
         try:
@@ -294,11 +274,14 @@ class InferenceScheduler:
             self._complete(self._by_id[rid])
 
     def _complete(self, req: Request) -> None:
+        """Retire ``req`` (no longer running nor waiting), then deliver its end: the stats are published
+        first, so that a caller whose request has returned never reads it as active or waiting."""
         self._by_id.pop(req.request_id, None)
         if req.cached_tokens < 0:
             self._dropped += 1
         with self._lock:
             self._live.discard(req.request_id)
+        self._publish_stats()
         try:
             req.sink.deliver_final(req)
             if self.on_finished is not None:

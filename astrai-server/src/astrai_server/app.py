@@ -13,7 +13,7 @@ routes answer 503 in their own shape.
 The event loop never waits on a request's size: a body is read in chunks up to
 ``settings.max_request_bytes`` (``body.read_body``), then decoded, validated, templated and
 tokenized on worker threads (``body.decode_json``, ``ProtocolHandler.start``); the heap a large
-body freed is handed back afterwards (``body.release_memory``).
+body freed is handed back afterwards (``astrai.malloc.trim_heap``).
 
 Over 300 lines because every route shares the guards kept here (drain, readiness, the key check's
 responses) and the error shapes; the work behind them lives in edge.py, handler.py, body.py, fit.py
@@ -34,7 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from astrai.errors import EngineNotReady, Overloaded
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
+from astrai.malloc import trim_heap
 from astrai.protocol import ResponseBuilder
 from astrai_server.body import (
     LARGE_BODY,
@@ -42,7 +43,6 @@ from astrai_server.body import (
     decode_json,
     dispose,
     read_body,
-    release_memory,
 )
 from astrai_server.config import ServerSettings
 from astrai_server.edge import install as install_edge
@@ -237,7 +237,7 @@ def _gone(request: Request, gone: ClientGone) -> Response:
 
 
 def _releasing(endpoint: Callable[[Request], Any]) -> Any:
-    """``endpoint``, then, after a large body, ``release_memory`` on a worker thread: by then the
+    """``endpoint``, then, after a large body, ``trim_heap`` on a worker thread: by then the
     endpoint's frame, which held the body and what was decoded from it, is gone."""
 
     async def wrapper(request: Request) -> Response:
@@ -245,7 +245,7 @@ def _releasing(endpoint: Callable[[Request], Any]) -> Any:
             return await endpoint(request)
         finally:
             if getattr(request.state, "large_body", False):
-                asyncio.get_running_loop().run_in_executor(None, release_memory)
+                asyncio.get_running_loop().run_in_executor(None, trim_heap)
 
     wrapper.__name__ = endpoint.__name__
     return wrapper

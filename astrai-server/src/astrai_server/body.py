@@ -7,18 +7,15 @@ thread) refuses, with a 400, a body that is not UTF-8, nests arrays and objects 
 ``MAX_DEPTH``, holds more than ``MAX_VALUES`` values, is not JSON, or holds a lone UTF-16 surrogate (``"\\ud800"``: no text can be
 encoded from it, so it would fail the response instead); given the engine's
 ``astrai_server.fit.TextBound``, a string too long for the context is refused before it is parsed.
-``release_memory()`` hands the heap freed by a large body back to the operating system, and
-``return_large_blocks()`` (once, at start) makes large blocks go back as soon as they are freed.
+The heap a large body freed goes back to the operating system by ``astrai.malloc.trim_heap``
+(the app calls it after such a body; ``astrai.malloc`` owns the allocator's settings).
 """
 
 from __future__ import annotations
 
 import codecs
-import ctypes
-import ctypes.util
 import json
 import re
-import threading
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +31,7 @@ if TYPE_CHECKING:
 #: schema compilation recurse, and 64 levels keep them far from Python's recursion limit.
 MAX_DEPTH = 64
 #: Bodies above this size are decoded with Python hooks that let other threads (the event loop)
-#: take the GIL while the C parser works, and are followed by ``release_memory()``.
+#: take the GIL while the C parser works, and are followed by ``astrai.malloc.trim_heap()``.
 LARGE_BODY = 1 << 20
 #: Most values (array elements, object members, arrays and objects) in one body: a JSON parser and
 #: the garbage collector take time per value (a 32 MiB body of empty strings is 8 million), and a
@@ -251,40 +248,3 @@ def dispose(value: Any) -> None:
         elif isinstance(item, dict):
             while item:
                 stack.append(item.popitem()[1])
-
-
-def _libc() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-def return_large_blocks() -> None:
-    """Make the C allocator map every block of 1 MiB or more on its own, and unmap it when freed
-    (glibc's ``mallopt``; nothing elsewhere). glibc otherwise raises that threshold to the largest
-    block freed so far, and keeps the blocks of later large bodies in a heap it may never return.
-    Call it once, at start: it is process-wide."""
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is not None:
-        mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, which also fixes it
-        mallopt(-1, 32 << 20)  # M_TRIM_THRESHOLD: free heap above this at its top goes back at once
-
-
-def release_memory() -> None:
-    """Return the heap that the C allocator holds free to the operating system (glibc's
-    ``malloc_trim``; nothing elsewhere). It releases the GIL while it runs; one at a time (a
-    second call while one runs returns at once: the running one frees what both would)."""
-    if not _TRIMMING.acquire(blocking=False):
-        return
-    try:
-        trim = getattr(_libc(), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
-    finally:
-        _TRIMMING.release()
-
-
-_TRIMMING = threading.Lock()

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from astrai.cli import PluginOptions, parse_key_value
 from astrai.errors import AstraiError
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
 from astrai_server.config import ServerSettings, load_settings
 from astrai_server.errors import ConfigError, ModelLoadFailed
 
@@ -139,7 +139,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
 
     from astrai.sampling import SamplingPipeline
     from astrai_server.app import create_app
-    from astrai_server.body import return_large_blocks
+    from astrai.malloc import tune_malloc
     from astrai_server.descriptors import raise_descriptor_limit
     from astrai_server.drain import DrainingServer
     from astrai_server.edge import uvicorn_options
@@ -160,7 +160,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         return
     pm = PluginManager.discover() if pm is None else pm
     SamplingPipeline.discover(settings.sampling)  # a bad --sampling fails now, not in the background loader
-    return_large_blocks()  # a large request body's memory goes back to the system when it is freed
+    tune_malloc()  # the process's allocator setting, before anything large is allocated (astrai.malloc)
     edge_options = uvicorn_options(settings)  # TLS, logging, connection bounds; a bad TLS file fails now
     app = create_app(settings, None, plugins=pm)
     config = uvicorn.Config(

@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 from astrai.errors import AstraiError
-from astrai.plugins import PluginManager
+from astrai.hooks import PluginManager
 from astrai_server.config import ServerSettings
 
 logger = logging.getLogger(__name__)

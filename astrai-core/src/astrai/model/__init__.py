@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from astrai.cpu_tuning import run_off_thread
+from astrai.malloc import trim_heap
 from astrai.model.architecture import Architecture, get_architecture
 from astrai.model.checkpoint import Checkpoint, open_checkpoint, read_weights
 from astrai.model.config import ModelConfig
@@ -204,17 +205,6 @@ def load_tokenizer(name_or_path: str | None, config: ModelConfig) -> Tokenizer:
     return tokenizer
 
 
-def _release_heap() -> None:
-    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _load(
     source: str | Checkpoint | None,
     dtype: torch.dtype,
@@ -241,7 +231,7 @@ def _load(
     model.fuse_projections()
     if prepack_supported(device, dtype):  # after the weights are final: packing copies them
         prepack_linears(model)
-    _release_heap()  # the loader's transient copies (float32 tensors, the unfused and unquantized weights)
+    trim_heap()  # the loader's transient copies (float32 tensors, the unfused and unquantized weights)
     n_quant = sum(isinstance(m, QuantizedLinear) for m in model.modules())
     logger.info("loaded %s (%s, %s%s) in %.2f s", config.name, kind, dtype,
                 f", {n_quant} quantized linears" if n_quant else "", time.perf_counter() - start)  # fmt: skip

@@ -2,29 +2,52 @@
 
 Built-in strategies are registered in the ``astrai.sampling`` entry-point group
 (``temperature``, ``top_k``, ``top_p``, ``min_p``) next to third-party ones such as ``typical_p``.
+The names below load on first use, so ``from astrai.sampling.params import SamplingParams`` (a
+request's parameters, a contract) imports no torch.
 """
 
 from __future__ import annotations
 
-from astrai.sampling.base import BaseSamplingStrategy, SamplingStrategy
-from astrai.sampling.min_p import MinPStrategy
-from astrai.sampling.params import SamplingBatch, SamplingParams
-from astrai.sampling.penalties import apply_penalties
-from astrai.sampling.pipeline import SamplingPipeline, sample
-from astrai.sampling.temperature import TemperatureStrategy
-from astrai.sampling.top_k import TopKStrategy
-from astrai.sampling.top_p import TopPStrategy
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "SamplingStrategy",
-    "BaseSamplingStrategy",
-    "TemperatureStrategy",
-    "TopKStrategy",
-    "TopPStrategy",
-    "MinPStrategy",
-    "SamplingPipeline",
-    "SamplingParams",
-    "SamplingBatch",
-    "sample",
-    "apply_penalties",
-]
+if TYPE_CHECKING:
+    from astrai.sampling.base import BaseSamplingStrategy, SamplingStrategy
+    from astrai.sampling.batch import SamplingBatch
+    from astrai.sampling.min_p import MinPStrategy
+    from astrai.sampling.params import SamplingParams
+    from astrai.sampling.penalties import apply_penalties
+    from astrai.sampling.pipeline import SamplingPipeline, sample
+    from astrai.sampling.temperature import TemperatureStrategy
+    from astrai.sampling.top_k import TopKStrategy
+    from astrai.sampling.top_p import TopPStrategy
+
+#: Public name -> the module that defines it (imported by ``__getattr__`` on first use).
+_LAZY = {
+    "SamplingStrategy": "astrai.sampling.base",
+    "BaseSamplingStrategy": "astrai.sampling.base",
+    "TemperatureStrategy": "astrai.sampling.temperature",
+    "TopKStrategy": "astrai.sampling.top_k",
+    "TopPStrategy": "astrai.sampling.top_p",
+    "MinPStrategy": "astrai.sampling.min_p",
+    "SamplingPipeline": "astrai.sampling.pipeline",
+    "SamplingParams": "astrai.sampling.params",
+    "SamplingBatch": "astrai.sampling.batch",
+    "sample": "astrai.sampling.pipeline",
+    "apply_penalties": "astrai.sampling.penalties",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'astrai.sampling' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

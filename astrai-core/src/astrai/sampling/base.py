@@ -12,7 +12,8 @@ from astrai.sampling.params import brief_repr, finite
 if TYPE_CHECKING:
     import torch
 
-    from astrai.sampling.params import SamplingBatch, SamplingParams
+    from astrai.sampling.batch import SamplingBatch
+    from astrai.sampling.params import SamplingParams
 
 __all__ = ["SAMPLING", "BaseSamplingStrategy", "SamplingStrategy", "check_strategy_class"]
 

@@ -1,4 +1,5 @@
-"""Sampling parameters of one request (host side) and of one step's batch (device tensors)."""
+"""Sampling parameters of one request, on the host: a contract importable without torch (the step's
+batch of them as device tensors is ``astrai.sampling.batch.SamplingBatch``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from astrai.errors import RequestRejected
 from astrai.grammar.base import GrammarSpec
 from astrai.logprobs import MAX_LOGPROBS
 
-__all__ = ["SamplingParams", "SamplingBatch"]  # SamplingBatch lives in astrai.sampling.batch
+__all__ = ["SamplingParams"]
 
 MIN_TEMPERATURE = 0.01
 """Smallest non-zero temperature: a lower one is raised to it (vLLM's rule), since dividing logits by
@@ -184,5 +185,3 @@ class SamplingParams:
             and self.grammar is None
         )
 
-
-from astrai.sampling.batch import SamplingBatch  # noqa: E402  (re-exported: its historical home)

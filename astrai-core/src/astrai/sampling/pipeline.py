@@ -14,7 +14,8 @@ from astrai.plugins import load_plugins
 from astrai.sampling.base import SAMPLING, SamplingStrategy, check_strategy_class
 from astrai.sampling.min_p import MinPStrategy
 from astrai.sampling.noise import categorical
-from astrai.sampling.params import SamplingBatch, SamplingParams
+from astrai.sampling.batch import SamplingBatch
+from astrai.sampling.params import SamplingParams
 from astrai.sampling.penalties import apply_penalties
 from astrai.sampling.temperature import TemperatureStrategy
 from astrai.sampling.top_k import TopKStrategy

@@ -9,7 +9,7 @@ from astrai.sampling.base import SamplingStrategy
 if TYPE_CHECKING:
     import torch
 
-    from astrai.sampling.params import SamplingBatch
+    from astrai.sampling.batch import SamplingBatch
 
 __all__ = ["TemperatureStrategy"]
 

@@ -9,7 +9,7 @@ import torch
 from astrai.sampling.base import SamplingStrategy
 
 if TYPE_CHECKING:
-    from astrai.sampling.params import SamplingBatch
+    from astrai.sampling.batch import SamplingBatch
 
 __all__ = ["TopKStrategy"]
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from astrai.sampling.base import SamplingStrategy
 
 if TYPE_CHECKING:
-    from astrai.sampling.params import SamplingBatch
+    from astrai.sampling.batch import SamplingBatch
 
 __all__ = ["TopPStrategy"]
 
