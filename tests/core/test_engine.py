@@ -106,6 +106,32 @@ def test_stats_count_tasks_tokens_and_kv(tiny_engine):
     assert not engine.is_healthy() and engine.scheduler.reason == "shut down"
 
 
+def test_a_returned_request_is_never_counted_active_or_waiting(tiny_engine):
+    """Once ``generate`` (text, a stream, a list, async) returns, ``get_stats`` shows no request in
+    flight: the stats are published before a request's end is delivered (a race let one in four runs
+    of this loop see a finished request as active)."""
+    engine = tiny_engine()
+
+    def idle() -> bool:
+        stats = engine.get_stats()
+        return stats["active_tasks"] == 0 and stats["waiting_queue"] == 0
+
+    async def one_async(prompt: str) -> None:
+        async for _ in engine.generate_async(prompt, max_tokens=2, **GREEDY):
+            pass
+
+    for i in range(40):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        engine.generate(prompt, max_tokens=1 + i % 3, **GREEDY)
+        assert idle(), (i, "generate", engine.get_stats())
+        list(engine.generate(prompt, stream=True, max_tokens=2, **GREEDY))
+        assert idle(), (i, "stream", engine.get_stats())
+        list(engine.generate(PROMPTS, stream=True, max_tokens=2, **GREEDY))
+        assert idle(), (i, "streamed list", engine.get_stats())
+        asyncio.run(one_async(prompt))
+        assert idle(), (i, "generate_async", engine.get_stats())
+
+
 def test_engine_config_maps_onto_kv_config(tiny_model):
     mc = tiny_model.config
     per_token = KVStorage.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, torch.float32)
