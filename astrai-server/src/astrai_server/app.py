@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.convertors import FloatConvertor, IntegerConvertor
+from starlette.routing import compile_path
 
 from astrai.errors import EngineNotReady, Overloaded
 from astrai.hooks import PluginManager
@@ -92,7 +94,9 @@ def create_app(
     for builder in builders:
         app.add_api_route(builder.route, _protocol_endpoint(builder), methods=["POST"], name=builder.name)
         for path, body in builder.get_routes().items():
-            app.add_api_route(path, _get_endpoint(body, builder), methods=["GET"], name=f"{builder.name}:{path}")
+            get = _get_endpoint(body, builder)
+            name, extra = f"{builder.name}:{path}", _path_parameters(path)  # extra: what FastAPI cannot see
+            app.add_api_route(path, get, methods=["GET"], name=name, openapi_extra=extra)
         for path, (model, body) in builder.post_routes().items():
             app.add_api_route(path, _json_endpoint(builder, model, body), methods=["POST"], name=f"{builder.name}:{path}")
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
@@ -341,6 +345,24 @@ def _get_endpoint(body: Callable[..., dict[str, Any]], builder: ResponseBuilder)
             return _error(builder, exc)
 
     return endpoint
+
+
+#: The OpenAPI type of a path parameter by its Starlette convertor (``{n:int}``); any other is a string.
+_PATH_TYPES = {IntegerConvertor: "integer", FloatConvertor: "number"}
+
+
+def _path_parameters(path: str) -> dict[str, Any] | None:
+    """``openapi_extra`` declaring the path parameters of a builder's GET route (None: it has none).
+
+    Its endpoint passes them on from ``request.path_params``, so FastAPI, which declares what an
+    endpoint's signature names, never sees them; and a path parameter the document does not declare
+    makes the whole document invalid (schema-driven clients and fuzzers stop on it)."""
+    _, _, convertors = compile_path(path)
+    parameters = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": _PATH_TYPES.get(type(c), "string")}}
+        for name, c in convertors.items()
+    ]
+    return {"parameters": parameters} if parameters else None
 
 
 def _json_endpoint(builder: ResponseBuilder, model: type[BaseModel], body: Callable[[Any, Any], dict[str, Any]]) -> Any:

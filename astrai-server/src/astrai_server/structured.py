@@ -19,11 +19,22 @@ from typing import Any
 from astrai.errors import RequestRejected
 from astrai.grammar import GrammarSpec
 
-__all__ = ["STRUCTURED_OUTPUT_KEYS", "anthropic_format", "one_of", "openai_response_format", "responses_text_format",
-           "vllm_structured_outputs"]  # fmt: skip
+__all__ = [
+    "STRUCTURED_OUTPUT_KEYS",
+    "anthropic_format",
+    "one_of",
+    "openai_response_format",
+    "responses_text_format",
+    "vllm_structured_outputs",
+]
 
-STRUCTURED_OUTPUT_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                          "structural_tag": "structural_tag"}  # fmt: skip
+STRUCTURED_OUTPUT_KEYS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "structural_tag": "structural_tag",
+}
 """vLLM's ``structured_outputs`` keys -> ``GrammarSpec`` kinds (``json_object: true`` too)."""
 
 
@@ -41,7 +52,9 @@ def _schema(container: dict[str, Any], param: str) -> GrammarSpec:
     return _spec("json_schema", schema, f"{param}.schema")
 
 
-def openai_response_format(value: dict[str, Any] | None, param: str = "response_format") -> GrammarSpec | None:
+def openai_response_format(
+    value: dict[str, Any] | None, param: str = "response_format"
+) -> GrammarSpec | None:
     """The spec of an OpenAI ``response_format`` (None for text or absent)."""
     if value is None:
         return None
@@ -53,9 +66,13 @@ def openai_response_format(value: dict[str, Any] | None, param: str = "response_
     if kind == "json_schema":
         inner = value.get("json_schema")
         if not isinstance(inner, dict):
-            raise RequestRejected(f"{param}.json_schema must be an object with a schema", param=f"{param}.json_schema")
+            raise RequestRejected(
+                f"{param}.json_schema must be an object with a schema", param=f"{param}.json_schema"
+            )
         return _schema(inner, f"{param}.json_schema")
-    raise RequestRejected(f"{param}.type must be text, json_object or json_schema, got {kind!r}", param=f"{param}.type")
+    raise RequestRejected(
+        f"{param}.type must be text, json_object or json_schema, got {kind!r}", param=f"{param}.type"
+    )
 
 
 def responses_text_format(value: dict[str, Any] | None, param: str = "text.format") -> GrammarSpec | None:
@@ -78,7 +95,9 @@ def anthropic_format(value: dict[str, Any] | None, param: str = "output_config.f
     return _schema(value, param)
 
 
-def vllm_structured_outputs(value: dict[str, Any] | None, param: str = "structured_outputs") -> GrammarSpec | None:
+def vllm_structured_outputs(
+    value: dict[str, Any] | None, param: str = "structured_outputs"
+) -> GrammarSpec | None:
     """The spec of vLLM's ``structured_outputs``: exactly one constraint. Other keys vLLM accepts
     (``disable_fallback``, ``disable_any_whitespace``, ``whitespace_pattern``, ...) are refused."""
     if value is None:
@@ -91,8 +110,10 @@ def vllm_structured_outputs(value: dict[str, Any] | None, param: str = "structur
         raise RequestRejected(f"{param}.{name} is not supported", param=f"{param}.{name}")
     chosen = [k for k, v in value.items() if v not in (None, False)]
     if len(chosen) != 1:
-        raise RequestRejected(f"{param} must set exactly one of {', '.join([*STRUCTURED_OUTPUT_KEYS, 'json_object'])}",
-                              param=param)  # fmt: skip
+        raise RequestRejected(
+            f"{param} must set exactly one of {', '.join([*STRUCTURED_OUTPUT_KEYS, 'json_object'])}",
+            param=param,
+        )
     key = chosen[0]
     if key == "json_object":
         return GrammarSpec.of("json_object")
@@ -103,5 +124,7 @@ def one_of(*specs: tuple[str, GrammarSpec | None]) -> GrammarSpec | None:
     """The one spec set among ``(field, spec)`` pairs; RequestRejected when two fields constrain."""
     set_ = [(name, s) for name, s in specs if s is not None]
     if len(set_) > 1:
-        raise RequestRejected(f"{set_[0][0]} and {set_[1][0]} both constrain the output: send one", param=set_[1][0])
+        raise RequestRejected(
+            f"{set_[0][0]} and {set_[1][0]} both constrain the output: send one", param=set_[1][0]
+        )
     return set_[0][1] if set_ else None

@@ -39,8 +39,12 @@ def call_opening(tokenizer: Any, name: str | None) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     if "tools" in template and OPEN not in template:
         return ""
-    head = OPEN + "\n"
-    return head + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ' if name else head
+    return _call_head(name) if name else OPEN + "\n"
+
+
+def _call_head(name: str) -> str:
+    """How a call of tool ``name`` starts: ``<tool_call>``, a newline, ``{"name": <name>, "arguments": ``."""
+    return OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
 
 
 def open_tool_call(p: Prepared, tokenizer: Any) -> str:
@@ -58,11 +62,14 @@ def open_tool_call(p: Prepared, tokenizer: Any) -> str:
         return ""
     if not p.tool_call_required:
         if p.params.grammar is None:  # free text, but a call the model opens is a valid call
-            p.params = dataclasses.replace(p.params, grammar=GrammarSpec.of("structural_tag", calls_tag(p.tools)))
+            p.params = dataclasses.replace(
+                p.params, grammar=GrammarSpec.of("structural_tag", calls_tag(p.tools))
+            )
         return ""
     if p.params.grammar is not None:
-        raise RequestRejected("a required tool call and a response format cannot both constrain the answer",
-                              param="tool_choice")  # fmt: skip
+        raise RequestRejected(
+            "a required tool call and a response format cannot both constrain the answer", param="tool_choice"
+        )
     p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
     grammar = GrammarSpec.of("json_schema", call_schema(p.tools))
     p.params = dataclasses.replace(p.params, stop=[*p.params.stop, CLOSE], grammar=grammar)
@@ -74,8 +81,11 @@ def calls_tag(tools: list[dict[str, Any]]) -> dict[str, Any]:
     follows is a call ``{"name": ..., "arguments": {...}}`` of one of ``tools``, closed by the tag."""
     tags = [
         {
-            "begin": OPEN + "\n" + '{"name": ' + json.dumps(t["function"]["name"], ensure_ascii=False) + ', "arguments": ',
-            "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {"type": "object"}},
+            "begin": _call_head(t["function"]["name"]),
+            "content": {
+                "type": "json_schema",
+                "json_schema": t["function"].get("parameters") or {"type": "object"},
+            },
             "end": "}\n" + CLOSE,
         }
         for t in tools
@@ -88,10 +98,13 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]},
-                           "arguments": t["function"].get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False,
-        }  # fmt: skip
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
         for t in tools
     ]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
@@ -181,7 +194,8 @@ class ToolCallStreamFilter:
             self.capturing = True
             out, self.held = self.held[:tag], self.held[tag:]
         else:
-            keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1) if OPEN.startswith(self.held[-k:])), 0)
+            longest = min(len(OPEN) - 1, len(self.held))  # the held text's end may begin a tag
+            keep = next((k for k in range(longest, 0, -1) if OPEN.startswith(self.held[-k:])), 0)
             if not self.sent and not self.held.strip():
                 keep = len(self.held)  # leading whitespace: the JSON form may still follow
             out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]

@@ -8,6 +8,16 @@ chat, ``response`` for generate), then a last one with ``"done": true``, the fin
 reason, token counts and durations (nanoseconds); with ``"stream": false`` that last
 object holds the whole text. Errors are ``{"error": "..."}`` with the HTTP status,
 in-stream too, as the ``ollama`` client reads them.
+
+The template of a protocol: copy this file (and the distribution around it) to serve another
+API. It imports astrai-core's public API (``astrai.protocol``, ``astrai.errors``,
+``astrai.sampling``) and the request pieces protocols share (``astrai_server.request_parts``:
+``Strict`` here; ``text_or_parts``, ``null_is_not_sent``, ``select_tools`` where an API has
+content parts, refused fields or tools), never a protocol module of astrai-server. Those pieces
+import no web stack, so the builders are tested without HTTP.
+
+Over 300 lines because it serves two APIs, each a builder and a request model on bases they share;
+a protocol of one route is about half of it.
 """
 
 from __future__ import annotations
@@ -33,15 +43,27 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
+from astrai_server.request_parts import Strict
 
-__all__ = ["ChatRequest", "GenerateRequest", "OllamaGenerateBuilder", "OllamaRequest", "OllamaResponseBuilder", "Options"]
+__all__ = [
+    "ChatRequest",
+    "GenerateRequest",
+    "OllamaGenerateBuilder",
+    "OllamaRequest",
+    "OllamaResponseBuilder",
+    "Options",
+]
 
-DONE_REASON = {"stop": "stop", "stop_sequence": "stop", "tool_calls": "stop", "length": "length", "abort": "stop"}
+DONE_REASON = {
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "tool_calls": "stop",
+    "length": "length",
+    "abort": "stop",
+}
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Message(Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     # what the ollama client may send and astrai cannot honour: refused when non-empty
@@ -57,7 +79,18 @@ class Message(BaseModel):
 
 
 RESOURCE_OPTIONS = frozenset(
-    {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "use_mmap", "use_mlock", "numa", "low_vram"}
+    {
+        "num_ctx",
+        "num_batch",
+        "num_gpu",
+        "main_gpu",
+        "num_thread",
+        "num_keep",
+        "use_mmap",
+        "use_mlock",
+        "numa",
+        "low_vram",
+    }
 )
 """Options that tune how Ollama runs a model, not what it answers: accepted and ignored (astrai sizes its KV
 pool and threads at start-up)."""
@@ -87,8 +120,10 @@ class Options(BaseModel):
     def check(self, claimed: frozenset[str]) -> None:
         """RequestRejected naming an option astrai cannot honour."""
         if self.repeat_last_n not in (None, -1):
-            raise RequestRejected("options.repeat_last_n: astrai's repeat_penalty covers the whole context (-1 only)",
-                                  param="options.repeat_last_n")  # fmt: skip
+            raise RequestRejected(
+                "options.repeat_last_n: astrai's repeat_penalty covers the whole context (-1 only)",
+                param="options.repeat_last_n",
+            )
         for key in self.model_extra or {}:
             if key not in claimed and key not in RESOURCE_OPTIONS:
                 raise RequestRejected(f"options.{key} is not supported by astrai", param=f"options.{key}")
@@ -145,15 +180,25 @@ class ChatRequest(OllamaRequest):
 
 
 UNSUPPORTED = (
-    "suffix", "images", "format", "template", "context", "think",
-    "logprobs", "top_logprobs", "width", "height", "steps",
-)  # fmt: skip
+    "suffix",
+    "images",
+    "format",
+    "template",
+    "context",
+    "think",
+    "logprobs",
+    "top_logprobs",
+    "width",
+    "height",
+    "steps",
+)
 """Fields of ``/api/generate`` astrai cannot honour: a request that sets one (to anything
 but null or empty) is refused, never answered as if it had not."""
 
 
 class GenerateRequest(OllamaRequest):
-    """The body of ``POST /api/generate``: ``prompt``, ``system``, ``raw``; :data:`UNSUPPORTED` are refused."""
+    """The body of ``POST /api/generate``: ``prompt``, ``system``, ``raw``; :data:`UNSUPPORTED` are
+    refused."""
 
     model_config = ConfigDict(extra="allow")  # keeps the unsupported fields, to name them
 
@@ -169,10 +214,14 @@ class GenerateRequest(OllamaRequest):
             if (self.model_extra or {}).get(name) not in (None, "", [], {}):
                 raise RequestRejected(f"{name} is not supported by astrai's /api/generate")
         if not self.prompt:
-            raise RequestRejected("prompt must not be empty (astrai's model is always loaded: there is nothing to load)")
+            raise RequestRejected(
+                "prompt must not be empty (astrai's model is always loaded: there is nothing to load)"
+            )
         if self.raw:
             if self.system:
-                raise RequestRejected("system cannot be honoured with raw: true (there is no template to put it in)")
+                raise RequestRejected(
+                    "system cannot be honoured with raw: true (there is no template to put it in)"
+                )
             return tokenizer.encode(self.prompt, add_special_tokens=False)
         system = [{"role": "system", "content": self.system}] if self.system else []
         return chat_prompt_ids(tokenizer, [*system, {"role": "user", "content": self.prompt}])
@@ -195,11 +244,15 @@ class _OllamaBuilder(ResponseBuilder):
         if request.options is not None:
             request.options.check(engine.pipeline.extra_keys)
         return Prepared(
-            request=request, prompt_ids=prompt_ids, params=request.sampling_params(engine.context_limit),
-            stream=request.stream, max_tokens_explicit=request.max_tokens_explicit,
-            response_id=new_id("ollama-"), model=request.model,
+            request=request,
+            prompt_ids=prompt_ids,
+            params=request.sampling_params(engine.context_limit),
+            stream=request.stream,
+            max_tokens_explicit=request.max_tokens_explicit,
+            response_id=new_id("ollama-"),
+            model=request.model,
             state={"start_ns": time.monotonic_ns()},
-        )  # fmt: skip
+        )
 
     def _body(self, p: Prepared, body: dict[str, Any]) -> dict[str, Any]:
         return {"model": p.model, "created_at": _now(), **body}
@@ -211,11 +264,14 @@ class _OllamaBuilder(ResponseBuilder):
         choice = result.choices[0]
         start, now = p.state["start_ns"], time.monotonic_ns()
         final = {
-            **self._piece(text), "done": True,
+            **self._piece(text),
+            "done": True,
             "done_reason": DONE_REASON.get(choice.finish_reason, choice.finish_reason),
-            "total_duration": now - start, "load_duration": 0,
-            "prompt_eval_count": result.prompt_tokens, "eval_count": result.completion_tokens,
-        }  # fmt: skip
+            "total_duration": now - start,
+            "load_duration": 0,
+            "prompt_eval_count": result.prompt_tokens,
+            "eval_count": result.completion_tokens,
+        }
         first = p.state.get("first_ns")  # a stream's first piece: the prompt has been evaluated
         if first is not None:  # a whole response never sees its first piece: left out rather than made up
             final |= {"prompt_eval_duration": first - start, "eval_duration": now - first}
@@ -267,12 +323,22 @@ class OllamaResponseBuilder(_OllamaBuilder):
         params = list(engine.model.parameters())
         family = engine.model.config.architecture
         details = {
-            "parent_model": "", "format": "astrai", "family": family, "families": [family],
-            "parameter_size": f"{sum(p.numel() for p in params) / 1e6:.0f}M", "quantization_level": "",
-        }  # fmt: skip
+            "parent_model": "",
+            "format": "astrai",
+            "family": family,
+            "families": [family],
+            "parameter_size": f"{sum(p.numel() for p in params) / 1e6:.0f}M",
+            "quantization_level": "",
+        }
         size = sum(p.numel() * p.element_size() for p in params)
-        model = {"name": self.model_name, "model": self.model_name, "modified_at": self.modified_at,
-                 "size": size, "digest": "", "details": details}  # fmt: skip
+        model = {
+            "name": self.model_name,
+            "model": self.model_name,
+            "modified_at": self.modified_at,
+            "size": size,
+            "digest": "",
+            "details": details,
+        }
         return {"models": [model]}
 
 

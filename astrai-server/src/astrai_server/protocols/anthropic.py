@@ -1,4 +1,4 @@
-"""Anthropic Messages (``POST /v1/messages``, ``POST /v1/messages/count_tokens``), as the ``anthropic`` SDK expects.
+"""Anthropic Messages (``POST /v1/messages``, ``/v1/messages/count_tokens``), as Anthropic's SDK expects.
 
 Registered as entry point ``anthropic`` in ``astrai.protocols``. Parameters, defaults and ranges
 are the fields of ``MessagesRequest``; its base ``MessagesInput`` holds what shapes the prompt,
@@ -40,11 +40,26 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
+from astrai_server.request_parts import Strict, null_is_not_sent, select_tools
 from astrai_server.structured import anthropic_format
 from astrai_server.tools import open_tool_call
 
-STOP_REASON = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
-ERROR_TYPE = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
+STOP_REASON = {
+    "stop": "end_turn",
+    "stop_sequence": "stop_sequence",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "abort": "end_turn",
+}
+ERROR_TYPE = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 #: What astrai refuses of Anthropic's request (a 400 naming the field). The top-level fields that
 #: no value of is served are not declared (the handler refuses them; JSON null means "not sent").
@@ -57,12 +72,17 @@ REFUSED = {
     "output_config": "effort is not supported (format is: structured output); {} is accepted",
     "thinking": 'extended thinking is not supported; {"type": "disabled"} is accepted',
     "messages[].role": '"system" is not supported; the system prompt goes in system',
-    "messages[].content[].type": "blocks other than text, tool_use and tool_result (image, document, thinking, ...)",
+    "messages[].content[].type": (
+        "blocks other than text, tool_use and tool_result (image, document, thinking, ...)"
+    ),
     "messages[].content[].citations": "citations are not supported; null or [] is accepted",
     "messages[].content[].caller": 'callers other than {"type": "direct"} (no programmatic tool calling)',
     "messages[].content[].toolset_name": "MCP toolsets are not supported",
     "tools[].type": 'server tools (web search, code execution, ...) are not supported; "custom" is accepted',
-    "tools[].strict": "true: calls are constrained where the chat template uses <tool_call> (the default model's), which strict cannot promise for every template",
+    "tools[].strict": (
+        "true: calls are constrained where the chat template uses <tool_call> (the default model's), "
+        "which strict cannot promise for every template"
+    ),
     "tools[].defer_loading": "true: there is no tool search",
     "tools[].allowed_callers": 'anything but ["direct"] (no programmatic tool calling)',
     "tools[].input_examples": "examples are not shown to the model; null or [] is accepted",
@@ -70,7 +90,9 @@ REFUSED = {
 
 #: Fields accepted and ignored: metadata that changes nothing a client can observe.
 IGNORED = {
-    "cache_control": "Prompt-caching marks (top level, on blocks and tools): the prefix cache reuses any shared prefix.",
+    "cache_control": (
+        "Prompt-caching marks (top level, on blocks and tools): the prefix cache reuses any shared prefix."
+    ),
     "inference_geo": "Where inference runs: where astrai is deployed.",
     "metadata": "An end-user id (user_id) for abuse detection.",
     "service_tier": "A capacity tier; astrai has one.",
@@ -101,12 +123,6 @@ def _blocks(value: Any) -> Any:
 TextBlocks = BeforeValidator(_blocks)
 
 
-class Strict(BaseModel):
-    """A nested object of the request: a key the SDK never sends is refused (400 naming it)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 class CacheControl(Strict):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
@@ -116,7 +132,9 @@ class TextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
-    citations: Annotated[list[dict[str, Any]] | None, _unless(lambda v: not v, "messages[].content[].citations")] = None
+    citations: Annotated[
+        list[dict[str, Any]] | None, _unless(lambda v: not v, "messages[].content[].citations")
+    ] = None
 
 
 class ToolUseBlock(Strict):
@@ -125,16 +143,29 @@ class ToolUseBlock(Strict):
     name: str
     input: dict[str, Any] = Field(default_factory=dict)
     cache_control: CacheControl | None = None
-    caller: Annotated[dict[str, Any] | None, _unless(lambda v: v == {"type": "direct"}, "messages[].content[].caller")] = None
+    caller: Annotated[
+        dict[str, Any] | None, _unless(lambda v: v == {"type": "direct"}, "messages[].content[].caller")
+    ] = None
     toolset_name: Annotated[str | None, _unless(lambda v: False, "messages[].content[].toolset_name")] = None
 
 
 UNSUPPORTED_BLOCKS = (
-    "image", "document", "search_result", "thinking", "redacted_thinking", "server_tool_use",
-    "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
-    "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "tool_search_tool_result",
-    "container_upload", "tool_reference", "browser_state",
-)  # fmt: skip
+    "image",
+    "document",
+    "search_result",
+    "thinking",
+    "redacted_thinking",
+    "server_tool_use",
+    "web_search_tool_result",
+    "web_fetch_tool_result",
+    "code_execution_tool_result",
+    "bash_code_execution_tool_result",
+    "text_editor_code_execution_tool_result",
+    "tool_search_tool_result",
+    "container_upload",
+    "tool_reference",
+    "browser_state",
+)
 
 
 class UnsupportedBlock(BaseModel):
@@ -152,7 +183,9 @@ class UnsupportedBlock(BaseModel):
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Annotated[list[Annotated[TextBlock | UnsupportedBlock, Field(discriminator="type")]] | None, TextBlocks] = None
+    content: Annotated[
+        list[Annotated[TextBlock | UnsupportedBlock, Field(discriminator="type")]] | None, TextBlocks
+    ] = None
     is_error: bool = False
     cache_control: CacheControl | None = None
     toolset_name: Annotated[str | None, _unless(lambda v: False, "messages[].content[].toolset_name")] = None
@@ -177,9 +210,13 @@ class ToolDef(Strict):
     cache_control: CacheControl | None = None
     strict: Annotated[bool | None, _unless(lambda v: v is False, "tools[].strict")] = None
     defer_loading: Annotated[bool | None, _unless(lambda v: v is False, "tools[].defer_loading")] = None
-    allowed_callers: Annotated[list[str] | None, _unless(lambda v: v == ["direct"], "tools[].allowed_callers")] = None
+    allowed_callers: Annotated[
+        list[str] | None, _unless(lambda v: v == ["direct"], "tools[].allowed_callers")
+    ] = None
     eager_input_streaming: bool | None = None
-    input_examples: Annotated[list[dict[str, Any]] | None, _unless(lambda v: not v, "tools[].input_examples")] = None
+    input_examples: Annotated[
+        list[dict[str, Any]] | None, _unless(lambda v: not v, "tools[].input_examples")
+    ] = None
 
 
 class ToolChoice(Strict):
@@ -221,13 +258,7 @@ class MessagesInput(BaseModel):
     user_profile_id: str | None = None
     workspace_id: str | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_not_sent(cls, data: Any) -> Any:
-        # "container": null asks for nothing; the handler refuses an undeclared field whatever its value
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields or k not in REFUSED}
-        return data
+    _null_is_not_sent = null_is_not_sent(REFUSED)  # "container": null asks for nothing
 
 
 class MessagesRequest(MessagesInput):
@@ -240,7 +271,8 @@ class MessagesRequest(MessagesInput):
     min_p: float | None = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0)
     min_tokens: int | None = Field(0, ge=0)
-    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
+    # vLLM's: smaller first, with --scheduling-policy priority
+    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
     stream: bool | None = False
@@ -278,13 +310,16 @@ def _refuse_unimplemented(req: MessagesInput) -> None:
     if req.thinking is not None and req.thinking.type != "disabled":
         raise RequestRejected(f"thinking: {REFUSED['thinking']}", param="thinking")
     if req.output_config is not None and req.output_config.effort is not None:
-        raise RequestRejected(f"output_config.effort: {REFUSED['output_config']}", param="output_config.effort")
+        raise RequestRejected(
+            f"output_config.effort: {REFUSED['output_config']}", param="output_config.effort"
+        )
     if req.output_config is not None:
         anthropic_format(req.output_config.format)  # a malformed format is refused before templating
 
 
 def _template_messages(req: MessagesInput) -> list[dict[str, Any]]:
-    """Messages in the Hugging Face chat-template convention: tool_use -> tool_calls, tool_result -> role tool."""
+    """Messages in the Hugging Face chat-template convention: tool_use -> tool_calls, tool_result ->
+    role tool."""
     out: list[dict[str, Any]] = []
     if req.system and (system := "".join(b.text for b in req.system)):
         out.append({"role": "system", "content": system})
@@ -302,21 +337,30 @@ def _template_messages(req: MessagesInput) -> list[dict[str, Any]]:
     return out
 
 
+#: Anthropic's ``tool_choice.type`` as ``select_tools``' mode.
+TOOL_MODE = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
+
+
 def _select_tools(req: MessagesInput) -> list[dict[str, Any]]:
     choice = req.tool_choice or ToolChoice()
-    if not req.tools and choice.type in ("any", "tool"):
-        raise RequestRejected(f"tool_choice {choice.type!r} requires tools", param="tool_choice")
-    if not req.tools or choice.type == "none":
-        return []
-    tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
-        for t in req.tools
+    return select_tools(
+        req.tools,
+        TOOL_MODE[choice.type],
+        choice.name,
+        to_template=_tool_dicts,
+        requires=f"tool_choice {choice.type!r} requires tools",
+        noun="tool",
+    )
+
+
+def _tool_dicts(tools: list[ToolDef]) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in tools
     ]
-    if choice.type == "tool":
-        tools = [t for t in tools if t["function"]["name"] == choice.name]
-        if not tools:
-            raise RequestRejected(f"tool_choice names tool {choice.name!r}, which is not in tools", param="tool_choice")
-    return tools
 
 
 def _prompt(req: MessagesInput, engine: Any) -> tuple[list[int], list[dict[str, Any]], bool]:
@@ -329,7 +373,10 @@ def _prompt(req: MessagesInput, engine: Any) -> tuple[list[int], list[dict[str, 
         prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace; we trim it
     required = bool(tools) and req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
     if required and prefill:
-        raise RequestRejected(f"tool_choice {req.tool_choice.type!r} cannot continue a prefilled assistant turn", param="tool_choice")
+        raise RequestRejected(
+            f"tool_choice {req.tool_choice.type!r} cannot continue a prefilled assistant turn",
+            param="tool_choice",
+        )
     return chat_prompt_ids(tok, messages, tools, prefill=prefill), tools, required
 
 
@@ -345,10 +392,18 @@ class AnthropicResponseBuilder(ResponseBuilder):
         prompt_ids, tools, required = _prompt(request, engine)
         one_call = bool(request.tool_choice and request.tool_choice.disable_parallel_tool_use)
         return Prepared(
-            request=request, prompt_ids=prompt_ids, params=request.sampling_params(), stream=bool(request.stream),
-            tools=tools, tool_call_required=required, max_tokens_explicit="max_tokens" in request.model_fields_set,
-            cache_salt=request.cache_salt, response_id=new_id("msg_"), model=request.model, state={"one_call": one_call},
-        )  # fmt: skip
+            request=request,
+            prompt_ids=prompt_ids,
+            params=request.sampling_params(),
+            stream=bool(request.stream),
+            tools=tools,
+            tool_call_required=required,
+            max_tokens_explicit="max_tokens" in request.model_fields_set,
+            cache_salt=request.cache_salt,
+            response_id=new_id("msg_"),
+            model=request.model,
+            state={"one_call": one_call},
+        )
 
     def post_routes(self) -> dict[str, tuple[type[BaseModel], Callable[[Any, Any], dict[str, Any]]]]:
         return {"/v1/messages/count_tokens": (MessagesInput, self.count_tokens)}
@@ -357,18 +412,32 @@ class AnthropicResponseBuilder(ResponseBuilder):
         """``{"input_tokens": N}``, the ``usage.input_tokens`` of ``/v1/messages`` for the same input
         (a forced call's opening included); the context limit is not checked: nothing runs."""
         prompt_ids, tools, required = _prompt(request, engine)
-        prepared = Prepared(request=request, prompt_ids=prompt_ids, params=SamplingParams(), tools=tools, tool_call_required=required)
+        prepared = Prepared(
+            request=request,
+            prompt_ids=prompt_ids,
+            params=SamplingParams(),
+            tools=tools,
+            tool_call_required=required,
+        )
         open_tool_call(prepared, engine.tokenizer)  # the handler's rule, not a copy of it
         return {"input_tokens": len(prepared.prompt_ids)}
 
     def format_stream_start(self, prepared: Prepared) -> list[str]:
         message = {
-            "id": prepared.response_id, "type": "message", "role": "assistant", "model": prepared.model,
-            "content": [], "stop_reason": None, "stop_sequence": None,
+            "id": prepared.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": prepared.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
             "usage": {"input_tokens": len(prepared.prompt_ids), "output_tokens": 0},
-        }  # fmt: skip
+        }
         block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-        return [sse({"type": "message_start", "message": message}, "message_start"), sse(block, "content_block_start")]
+        return [
+            sse({"type": "message_start", "message": message}, "message_start"),
+            sse(block, "content_block_start"),
+        ]
 
     def format_chunk(self, prepared: Prepared, index: int, text: str, **logprobs: Any) -> list[str]:
         delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
@@ -381,7 +450,9 @@ class AnthropicResponseBuilder(ResponseBuilder):
             start = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
             delta = {"type": "input_json_delta", "partial_json": call.arguments}
             frames += [
-                sse({"type": "content_block_start", "index": k, "content_block": start}, "content_block_start"),
+                sse(
+                    {"type": "content_block_start", "index": k, "content_block": start}, "content_block_start"
+                ),
                 sse({"type": "content_block_delta", "index": k, "delta": delta}, "content_block_delta"),
                 sse({"type": "content_block_stop", "index": k}, "content_block_stop"),
             ]
@@ -404,11 +475,15 @@ class AnthropicResponseBuilder(ResponseBuilder):
             for t in _calls(prepared, choice)
         ]
         return {
-            "id": prepared.response_id, "type": "message", "role": "assistant", "model": prepared.model,
-            "content": content, "stop_reason": STOP_REASON[choice.finish_reason],
+            "id": prepared.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": prepared.model,
+            "content": content,
+            "stop_reason": STOP_REASON[choice.finish_reason],
             "stop_sequence": choice.stop_sequence,
             "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens},
-        }  # fmt: skip
+        }
 
     def format_error(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
         # Anthropic's shape has no param: the message names the field instead

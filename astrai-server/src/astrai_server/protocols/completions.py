@@ -1,8 +1,9 @@
 """OpenAI legacy Completions (``POST /v1/completions``), as vLLM serves it to lm-eval, litellm and ``openai``.
 
 Registered as entry point ``completions`` in ``astrai.protocols``. Parameters, defaults and
-ranges are the fields of ``CompletionRequest`` (docs/http-api.md); errors have OpenAI's shape,
-the chat builder's. Where OpenAI leaves a detail open this follows vLLM's ``serving_completion.py``:
+ranges are the fields of ``CompletionRequest`` (docs/http-api.md); errors, ``usage`` and
+``stream_options`` have OpenAI's shapes, as chat's do (``astrai_server.openai_shapes``). Where
+OpenAI leaves a detail open this follows vLLM's ``serving_completion.py``:
 
 - ``prompt`` is a string, a list of strings, a list of token ids or a list of such lists. A string
   is encoded with the tokenizer's special tokens (``add_special_tokens=True``: BOS where the
@@ -23,6 +24,9 @@ the chat builder's. Where OpenAI leaves a detail open this follows vLLM's ``serv
   choice's first chunk (at the end when it generated no text), then per choice a ``"text": ""``
   chunk with the finish reason and the log-probs of the tokens that brought no text, the usage
   chunk (``"choices": []``, unless ``stream_options.include_usage`` is false) and ``data: [DONE]``.
+
+Over 300 lines because a builder is one file: the request model, and each of the rules above a few
+lines of log-probs, echo or framing.
 """
 
 from __future__ import annotations
@@ -45,16 +49,13 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
-from astrai_server.protocols.openai import FINISH, OpenAIResponseBuilder, StreamOptions
-from astrai_server.protocols.openai import _usage as usage
+from astrai_server.openai_shapes import FINISH, LOGPROB_FLOOR, StreamOptions, openai_error, openai_usage
 from astrai_server.structured import one_of, openai_response_format, vllm_structured_outputs
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
 
 __all__ = ["CompletionRequest", "CompletionsResponseBuilder", "StreamOptions"]
-
-FLOOR = -9999.0  # a log-prob of -inf goes out as this (JSON has no infinity), as vLLM sends it
 
 Entry = tuple[int, "TokenLogprob | None"]  # a token id and its log-prob (None: the first prompt token)
 
@@ -85,7 +86,8 @@ class CompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0)
     min_tokens: int | None = Field(0, ge=0)
-    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
+    # vLLM's: smaller first, with --scheduling-policy priority
+    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     ignore_eos: bool = False
     response_format: dict[str, Any] | None = None  # vLLM accepts it on completions too
@@ -170,9 +172,6 @@ class CompletionsResponseBuilder(ResponseBuilder):
     name = "completions"
     route = "/v1/completions"
     request_model = CompletionRequest
-    # the chat builder's error bodies: one OpenAI error shape for both routes
-    format_error = OpenAIResponseBuilder.format_error
-    format_stream_error = OpenAIResponseBuilder.format_stream_error
 
     def fan_out(self, request: CompletionRequest) -> list[tuple[str, int]]:
         """Every prompt of the list, times ``n``."""
@@ -190,15 +189,26 @@ class CompletionsResponseBuilder(ResponseBuilder):
         prompts = request.prompt_ids(tokenizer)
         include_usage = request.stream_options.include_usage if request.stream_options else True
         state = {
-            "include_usage": include_usage, "k": request.logprobs, "token_text": tokenizer.token_text,
+            "include_usage": include_usage,
+            "k": request.logprobs,
+            "token_text": tokenizer.token_text,
             "echo": request.echo_texts(prompts, tokenizer) if request.echo else None,
-            "echoed": set(), "offsets": {},  # streaming: choices whose echo went out; text_offset so far
-        }  # fmt: skip
+            "echoed": set(),
+            "offsets": {},  # streaming: choices whose echo went out; text_offset so far
+        }
         return Prepared(
-            request=request, prompt_ids=prompts[0], params=request.sampling_params(), prompts=prompts,
-            stream=bool(request.stream), n=n, max_tokens_explicit=request.max_tokens_explicit, cache_salt=request.cache_salt,
-            response_id=new_id("cmpl-"), model=request.model, state=state,
-        )  # fmt: skip
+            request=request,
+            prompt_ids=prompts[0],
+            params=request.sampling_params(),
+            prompts=prompts,
+            stream=bool(request.stream),
+            n=n,
+            max_tokens_explicit=request.max_tokens_explicit,
+            cache_salt=request.cache_salt,
+            response_id=new_id("cmpl-"),
+            model=request.model,
+            state=state,
+        )
 
     # ------------------------------------------------------------ log-probs
     def _echo(
@@ -228,7 +238,7 @@ class CompletionsResponseBuilder(ResponseBuilder):
             out["tokens"].append(text)
             out["text_offset"].append(offset)
             offset += len(text)
-            out["token_logprobs"].append(None if lp is None else max(lp.logprob, FLOOR))
+            out["token_logprobs"].append(None if lp is None else max(lp.logprob, LOGPROB_FLOOR))
             out["top_logprobs"].append(None if lp is None else _top(lp, k, token_text))
         return out, offset
 
@@ -265,16 +275,25 @@ class CompletionsResponseBuilder(ResponseBuilder):
             rest = [(lp.token_id, lp) for lp in (c.logprobs or [])[c.logprobs_streamed :]]
             frames.append(self._piece(prepared, c.index, "", rest, FINISH[c.finish_reason]))
         if prepared.state["include_usage"]:
-            frames.append(self._chunk(prepared, [], usage=usage(result)))
+            frames.append(self._chunk(prepared, [], usage=openai_usage(result)))
         frames.append(sse("[DONE]"))
         return frames
 
     def format_response(self, prepared: Prepared, result: ChatResult) -> dict[str, Any]:
         return {
-            "id": prepared.response_id, "object": "text_completion", "created": prepared.created,
-            "model": prepared.model, "choices": [self._choice(prepared, c) for c in result.choices],
-            "usage": usage(result),
-        }  # fmt: skip
+            "id": prepared.response_id,
+            "object": "text_completion",
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": [self._choice(prepared, c) for c in result.choices],
+            "usage": openai_usage(result),
+        }
+
+    def format_error(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+        return openai_error(status, message, param)
+
+    def format_stream_error(self, prepared: Prepared, status: int, message: str) -> list[str]:
+        return [sse(openai_error(status, message))]  # the SDK raises on a data line with "error"
 
     def _choice(self, p: Prepared, c: Choice) -> dict[str, Any]:
         head, entries = self._echo(p, c.prompt_index, c.prompt_logprobs)
@@ -293,4 +312,4 @@ def _top(lp: TokenLogprob, k: int, token_text: Callable[[int], str]) -> dict[str
     ranked = {lp.token_id: lp.logprob}
     for token_id, logprob in lp.top[:k]:
         ranked.setdefault(token_id, logprob)
-    return {token_text(t): max(v, FLOOR) for t, v in ranked.items()}
+    return {token_text(t): max(v, LOGPROB_FLOOR) for t, v in ranked.items()}

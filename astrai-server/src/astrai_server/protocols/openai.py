@@ -17,7 +17,6 @@ endpoints, at the end, are the first candidate for a module of their own).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -32,19 +31,25 @@ from astrai.protocol import (
     Prepared,
     ResponseBuilder,
     chat_prompt_ids,
-    error_type_for,
     new_id,
     plugin_sampling,
     sse,
     value_or_default,
 )
 from astrai.sampling import SamplingParams
+from astrai_server.openai_shapes import FINISH, StreamOptions, logprob_entries, openai_error, openai_usage
+from astrai_server.request_parts import (
+    Strict,
+    decode_arguments,
+    json_kind,
+    null_is_not_sent,
+    select_tools,
+    text_or_parts,
+)
 from astrai_server.structured import one_of, openai_response_format, vllm_structured_outputs
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
-
-FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "abort"}
 
 #: Request fields of OpenAI's API that astrai refuses (400, ``param`` naming the field), and when.
 #: Fields none of whose values can be served stay undeclared (the handler refuses undeclared
@@ -62,7 +67,10 @@ REFUSED = {
     "web_search_options": "any value: astrai does not search the web",
     "messages[].audio": "any value: an earlier audio answer cannot be resolved",
     "messages[].function_call": "any value: deprecated by OpenAI; use tool_calls",
-    "tools[].function.strict": "true: calls are constrained where the chat template uses <tool_call> (the default model's), which strict cannot promise for every template",
+    "tools[].function.strict": (
+        "true: calls are constrained where the chat template uses <tool_call> (the default model's), "
+        "which strict cannot promise for every template"
+    ),
 }
 
 #: Fields accepted and ignored: metadata that changes nothing a client can observe.
@@ -81,37 +89,10 @@ IGNORED = {
 }
 
 
-class Strict(BaseModel):
-    """A nested object of the request: a key the SDK never sends is refused (400 naming it)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 class TextPart(Strict):
     type: Literal["text"]
     text: str
     prompt_cache_breakpoint: dict[str, Any] | None = None
-
-
-def json_kind(value: Any) -> str | None:
-    """The JSON type of a value to validate, as the tag of a union member: ``"str"``, ``"list"`` or ``"dict"``
-    (a model instance too). Error locations leave these tags out (``app._union_label``), so a union told
-    apart by them reports the member that was meant (``messages.0.content.0.text: Field required``), not
-    one error per member."""
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, list):
-        return "list"
-    return "dict" if isinstance(value, (dict, BaseModel)) else None
-
-
-def text_or_parts(part: type[BaseModel]) -> Any:
-    """``str | list[part]``, told apart by the JSON type (see ``json_kind``)."""
-    return Annotated[
-        Annotated[str, Tag("str")] | Annotated[list[part], Tag("list")],
-        Discriminator(json_kind, custom_error_type="content",
-                      custom_error_message="Input should be a string or a list of content parts"),
-    ]  # fmt: skip
 
 
 class FunctionCall(Strict):
@@ -198,14 +179,14 @@ class NamedToolChoice(Strict):
 #: ``tool_choice``: a mode or a named function, told apart by the JSON type (``json_kind``).
 ToolChoice = Annotated[
     Annotated[Literal["none", "auto", "required"], Tag("str")] | Annotated[NamedToolChoice, Tag("dict")],
-    Discriminator(json_kind, custom_error_type="tool_choice",
-                  custom_error_message='Input should be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'),
-]  # fmt: skip
-
-
-class StreamOptions(Strict):
-    include_usage: bool = True
-    include_obfuscation: bool | None = None
+    Discriminator(
+        json_kind,
+        custom_error_type="tool_choice",
+        custom_error_message=(
+            'Input should be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        ),
+    ),
+]
 
 
 class ChatCompletionRequest(BaseModel):
@@ -248,18 +229,13 @@ class ChatCompletionRequest(BaseModel):
     min_p: float | None = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0)
     min_tokens: int | None = Field(0, ge=0)
-    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
+    # vLLM's: smaller first, with --scheduling-policy priority
+    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shares pages only within a salt
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_not_sent(cls, data: Any) -> Any:
-        # JSON null is OpenAI's "not set": a refused field that is null is no request for it
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields or k not in REFUSED}
-        return data
+    _null_is_not_sent = null_is_not_sent(REFUSED)  # JSON null is OpenAI's "not set"
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters for this request: null is the field's default (for ``top_k``: off).
@@ -297,7 +273,8 @@ class ChatCompletionRequest(BaseModel):
         )
         if params.min_tokens > params.max_tokens:
             raise RequestRejected(
-                f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})", param="min_tokens"
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
+                param="min_tokens",
             )
         return params
 
@@ -314,7 +291,11 @@ def _template_message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": m.text()}
     if m.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": decode_arguments(c.function.arguments)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": decode_arguments(c.function.arguments)},
+            }
             for c in m.tool_calls
         ]
     if m.tool_call_id is not None:
@@ -356,44 +337,24 @@ def _refuse_unserved(req: ChatCompletionRequest) -> None:
             raise _refused(name, name)
 
 
-#: How deep a call's decoded arguments may nest before they go to the template as text instead: a
-#: string may hold JSON the body's own depth bound never saw, and rendering it re-encodes it recursively.
-MAX_ARGUMENT_DEPTH = 64
-
-
-def decode_arguments(arguments: str) -> Any:
-    """A call's JSON arguments decoded for a chat template (the text itself when it is not JSON, or
-    when it nests deeper than ``MAX_ARGUMENT_DEPTH``)."""
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        return arguments  # templates render it as given
-    return arguments if _deeper_than(value, MAX_ARGUMENT_DEPTH) else value
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether lists and objects in ``value`` nest more than ``limit`` levels (iterative: no recursion)."""
-    level = [value] if isinstance(value, (list, dict)) else []
-    for _ in range(limit):  # ``level``: the lists and objects one level further in
-        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (list, dict))]
-        if not level:
-            return False
-    return True
-
-
 def _select_tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    if not req.tools and req.tool_choice not in ("none", "auto", None):
-        raise RequestRejected("tool_choice requires tools")
-    if not req.tools or req.tool_choice == "none":
-        return []
-    tools = _tool_dicts(req.tools)
-    if isinstance(req.tool_choice, NamedToolChoice):
-        if req.tool_choice.function is None:  # another type: only named functions are served
-            raise RequestRejected(f"tool_choice of type {req.tool_choice.type!r} is not supported", param="tool_choice.type")
-        name = req.tool_choice.function.name
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise RequestRejected(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice.function.name")
+    """The tools shown to the model; RequestRejected for a tool_choice that cannot be served."""
+    choice = req.tool_choice
+    named = isinstance(choice, NamedToolChoice)
+    # another type than function asks a call as "required" does: refused after the checks those get
+    mode = ("named" if choice.function else "required") if named else choice or "auto"
+    tools = select_tools(
+        req.tools,
+        mode,
+        choice.function.name if named and choice.function else None,
+        to_template=_tool_dicts,
+        requires_param=None,
+        name_param="tool_choice.function.name",
+    )
+    if named and choice.function is None:  # only named functions are served
+        raise RequestRejected(
+            f"tool_choice of type {choice.type!r} is not supported", param="tool_choice.type"
+        )
     return tools
 
 
@@ -417,13 +378,23 @@ class OpenAIResponseBuilder(ResponseBuilder):
         }
         if params.logprobs is not None:
             state["tokenizer"] = engine.tokenizer
-        required = bool(tools) and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice))
+        required = bool(tools) and (
+            request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)
+        )
         return Prepared(
-            request=request, prompt_ids=list(prompt_ids), params=params, stream=bool(request.stream),
-            n=value_or_default(request, "n"), tools=tools, tool_call_required=required,
-            max_tokens_explicit=request.max_tokens_explicit, cache_salt=request.cache_salt,
-            response_id=new_id("chatcmpl-"), model=request.model, state=state,
-        )  # fmt: skip
+            request=request,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            stream=bool(request.stream),
+            n=value_or_default(request, "n"),
+            tools=tools,
+            tool_call_required=required,
+            max_tokens_explicit=request.max_tokens_explicit,
+            cache_salt=request.cache_salt,
+            response_id=new_id("chatcmpl-"),
+            model=request.model,
+            state=state,
+        )
 
     def __init__(self, model_name: str = "astrai") -> None:
         super().__init__(model_name)
@@ -439,9 +410,13 @@ class OpenAIResponseBuilder(ResponseBuilder):
     def _card(self, engine: Any) -> dict[str, Any]:
         limit = engine.context_limit
         return {
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "astrai",
-            "context_length": limit, "max_model_len": limit,
-        }  # fmt: skip
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "astrai",
+            "context_length": limit,
+            "max_model_len": limit,
+        }
 
     def _models(self, engine: Any) -> dict[str, Any]:
         return {"object": "list", "data": [self._card(engine)]}
@@ -452,7 +427,12 @@ class OpenAIResponseBuilder(ResponseBuilder):
         return self._card(engine)
 
     def _chunk(self, p: Prepared, choices: list[dict[str, Any]], **extra: Any) -> str:
-        body = {"id": p.response_id, "object": "chat.completion.chunk", "created": p.created, "model": p.model}
+        body = {
+            "id": p.response_id,
+            "object": "chat.completion.chunk",
+            "created": p.created,
+            "model": p.model,
+        }
         return sse({**body, "choices": choices, **extra})
 
     def format_stream_start(self, prepared: Prepared) -> list[str]:
@@ -472,56 +452,61 @@ class OpenAIResponseBuilder(ResponseBuilder):
         for c in result.choices:
             if calls := _calls(prepared, c):
                 delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-                frames.append(self._chunk(prepared, [{"index": c.index, "delta": delta, "finish_reason": None}]))
+                frames.append(
+                    self._chunk(prepared, [{"index": c.index, "delta": delta, "finish_reason": None}])
+                )
             end: dict[str, Any] = {"index": c.index, "delta": {}}
-            rest = None if c.logprobs is None else c.logprobs[c.logprobs_streamed :]  # tokens that brought no text
+            # the log-probs of tokens that brought no text
+            rest = None if c.logprobs is None else c.logprobs[c.logprobs_streamed :]
             if (entries := _logprobs(prepared, rest)) is not None:
                 end["logprobs"] = entries
             frames.append(self._chunk(prepared, [{**end, "finish_reason": FINISH[c.finish_reason]}]))
         if prepared.state.get("include_usage", True):
-            frames.append(self._chunk(prepared, [], usage=_usage(result)))
+            frames.append(self._chunk(prepared, [], usage=openai_usage(result)))
         frames.append(sse("[DONE]"))
         return frames
 
     def format_response(self, prepared: Prepared, result: ChatResult) -> dict[str, Any]:
         choices = []
         for c in result.choices:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text if (c.text or not c.tool_calls) else None}
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": c.text if (c.text or not c.tool_calls) else None,
+            }
             if calls := _calls(prepared, c):
                 message["tool_calls"] = calls
             logprobs = _logprobs(prepared, c.logprobs)
-            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": FINISH[c.finish_reason]})
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": FINISH[c.finish_reason],
+                }
+            )
         return {
-            "id": prepared.response_id, "object": "chat.completion", "created": prepared.created,
-            "model": prepared.model, "choices": choices, "usage": _usage(result),
-        }  # fmt: skip
+            "id": prepared.response_id,
+            "object": "chat.completion",
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": choices,
+            "usage": openai_usage(result),
+        }
 
     def format_error(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
-        """OpenAI's error body; a 404 (an unknown model) is OpenAI's invalid_request_error, model_not_found."""
-        code = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}.get(status)
-        kind = "server_error" if status >= 500 else "invalid_request_error" if status == 404 else error_type_for(status)
-        kind = "requests" if status == 429 else kind  # OpenAI's request-rate limit: type "requests"
-        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        return openai_error(status, message, param)
 
     def format_stream_error(self, prepared: Prepared, status: int, message: str) -> list[str]:
         return [sse(self.format_error(status, message))]  # the SDK raises on a data line with "error"
 
 
-def _usage(result: ChatResult) -> dict[str, Any]:
-    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache served
-    in the caller's own namespace (its API key's, its ``cache_salt``'s)."""
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-    }
-
-
 def _calls(p: Prepared, c: Choice) -> list[dict[str, Any]]:
     """The choice's tool calls in OpenAI's shape; only the first with ``parallel_tool_calls`` false."""
     calls = c.tool_calls[:1] if p.state.get("one_call") else c.tool_calls
-    return [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}} for t in calls]
+    return [
+        {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+        for t in calls
+    ]
 
 
 def _logprobs(p: Prepared, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -530,22 +515,13 @@ def _logprobs(p: Prepared, entries: list[TokenLogprob] | None) -> dict[str, Any]
     tokenizer = p.state.get("tokenizer")
     if tokenizer is None or entries is None:
         return None
-
-    texts: dict[int, tuple[str, list[int]]] = {}  # alternatives repeat: look each token up once
-
-    def token(token_id: int, logprob: float) -> dict[str, Any]:
-        if token_id not in texts:
-            texts[token_id] = (tokenizer.token_text(token_id), list(tokenizer.token_bytes(token_id)))
-        text, raw = texts[token_id]
-        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": raw}  # -inf is no JSON number (vLLM clamps too)
-
-    content = [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]
-    return {"content": content, "refusal": None}
+    return {"content": logprob_entries(tokenizer, entries), "refusal": None}
 
 
 # ---------------------------------------------------------------- vLLM's tokenizer endpoints
 class TokenizeRequest(Strict):
-    """``POST /tokenize``: vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest`` (``messages``)."""
+    """``POST /tokenize``: vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest``
+    (``messages``)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -578,10 +554,15 @@ def _tokenize(req: TokenizeRequest, engine: Any) -> dict[str, Any]:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
         if req.add_special_tokens:
-            raise RequestRejected("add_special_tokens with messages is not supported: the chat template "
-                                  "writes the special tokens", param="add_special_tokens")  # fmt: skip
+            raise RequestRejected(
+                "add_special_tokens with messages is not supported: the chat template "
+                "writes the special tokens",
+                param="add_special_tokens",
+            )
         if not req.add_generation_prompt:
-            raise RequestRejected("add_generation_prompt false is not supported yet", param="add_generation_prompt")
+            raise RequestRejected(
+                "add_generation_prompt false is not supported yet", param="add_generation_prompt"
+            )
         ids = chat_prompt_ids(tokenizer, _template_messages(req.messages), _tool_dicts(req.tools or []))
     strs = [tokenizer.token_text(i) for i in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": engine.context_limit, "tokens": list(ids), "token_strs": strs}

@@ -1,4 +1,4 @@
-"""OpenAI Responses (``POST /v1/responses``), stateless, as the ``openai`` SDK and the OpenAI Agents SDK use it.
+"""OpenAI Responses (``POST /v1/responses``), stateless, as the ``openai`` and OpenAI Agents SDKs use it.
 
 Registered as entry point ``responses`` in ``astrai.protocols``. Stateless, as Ollama and
 llama-server serve it: nothing is stored, so every request carries its whole conversation in
@@ -35,11 +35,13 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
-from astrai_server.protocols.openai import (
-    OpenAIResponseBuilder,
+from astrai_server.openai_shapes import logprob_entries, openai_error
+from astrai_server.request_parts import (
     Strict,
     decode_arguments,
     json_kind,
+    null_is_not_sent,
+    select_tools,
     text_or_parts,
 )
 from astrai_server.structured import responses_text_format
@@ -148,7 +150,8 @@ class InputItem(Strict):
 
 
 class FunctionTool(Strict):
-    """A function tool. Another type (web_search, mcp, ...) keeps only its ``type``, to be refused naming it."""
+    """A function tool. Another type (web_search, mcp, ...) keeps only its ``type``, to be refused
+    naming it."""
 
     type: str
     name: str | None = Field(None, min_length=1, max_length=64)
@@ -170,13 +173,18 @@ class FunctionTool(Strict):
         return self
 
 
-#: ``tool_choice``: a mode or an object (refused unless ``{"type": "function", "name": ...}``), told apart by
-#: the JSON type (``openai.json_kind``)
+#: ``tool_choice``: a mode or an object (refused unless ``{"type": "function", "name": ...}``), told
+#: apart by the JSON type (``json_kind``)
 ToolChoice = Annotated[
     Annotated[Literal["none", "auto", "required"], Tag("str")] | Annotated[dict[str, Any], Tag("dict")],
-    Discriminator(json_kind, custom_error_type="tool_choice",
-                  custom_error_message='Input should be "none", "auto", "required" or {"type": "function", "name": ...}'),
-]  # fmt: skip
+    Discriminator(
+        json_kind,
+        custom_error_type="tool_choice",
+        custom_error_message=(
+            'Input should be "none", "auto", "required" or {"type": "function", "name": ...}'
+        ),
+    ),
+]
 
 
 class TextConfig(Strict):
@@ -222,17 +230,17 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: smaller first, with --scheduling-policy priority
+    # vLLM's: smaller first, with --scheduling-policy priority
+    priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1)
+
+    _null_is_not_sent = null_is_not_sent(REFUSED)  # JSON null is OpenAI's "not set"
 
     @model_validator(mode="before")
     @classmethod
-    def _normalise(cls, data: Any) -> Any:
-        # JSON null is OpenAI's "not set": a refused field that is null is no request for it;
-        # a string input is one user message
-        if isinstance(data, dict):
-            data = {k: v for k, v in data.items() if v is not None or k in cls.model_fields or k not in REFUSED}
-            if isinstance(data.get("input"), str):  # so that the errors of a list name its items only
-                data["input"] = [{"role": "user", "content": data["input"]}]
+    def _string_input(cls, data: Any) -> Any:
+        # a string input is one user message: so that the errors of a list name its items only
+        if isinstance(data, dict) and isinstance(data.get("input"), str):
+            data = {**data, "input": [{"role": "user", "content": data["input"]}]}
         return data
 
     def refuse_unserved(self) -> None:
@@ -250,12 +258,14 @@ class ResponsesRequest(BaseModel):
         for i, tool in enumerate(self.tools or ()):
             unserved[f"tools.{i}.type"] = ("tools[].type", tool.type != "function")
         choice = self.tool_choice
-        named = isinstance(choice, dict) and (choice.get("type"), set(choice)) == ("function", {"type", "name"})
+        named = isinstance(choice, dict) and set(choice) == {"type", "name"} and choice["type"] == "function"
         named = named and isinstance(choice["name"], str)
         unserved["tool_choice"] = ("tool_choice", isinstance(choice, dict) and not named)
         for param, (entry, refused) in unserved.items():
             if refused:
-                raise RequestRejected(f"unsupported value for {param} (refused for {REFUSED[entry]})", param=param)
+                raise RequestRejected(
+                    f"unsupported value for {param} (refused for {REFUSED[entry]})", param=param
+                )
 
     def sampling_params(self, context_limit: int) -> SamplingParams:
         """The engine's parameters: without ``max_output_tokens``, all the context has room for (the
@@ -277,7 +287,9 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     for item in req.input:
         if item.type == "message":
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": _text(item.content)})
+            out.append(
+                {"role": "system" if item.role == "developer" else item.role, "content": _text(item.content)}
+            )
         elif item.type == "function_call_output":
             named = {"name": item.name} if item.name is not None else {}  # the template's to render or not
             out.append({"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id, **named})
@@ -285,23 +297,30 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
             function = {"name": item.name, "arguments": decode_arguments(item.arguments)}
-            out[-1].setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": function})
+            out[-1].setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": function}
+            )
     return out
 
 
 def _select_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The function tools to show the model, in the chat form ``chat_prompt_ids`` takes."""
-    if not req.tools and req.tool_choice not in ("none", "auto", None):
-        raise RequestRejected("tool_choice requires tools", param="tool_choice")
-    if not req.tools or req.tool_choice == "none":
-        return []
-    tools = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)} for t in req.tools]
-    if isinstance(req.tool_choice, dict):
-        name = req.tool_choice["name"]
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise RequestRejected(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-    return tools
+    """The function tools to show the model, in the chat form ``chat_prompt_ids`` takes (``tool_choice``
+    is a mode or, once ``refuse_unserved`` passed it, ``{"type": "function", "name": ...}``)."""
+    choice = req.tool_choice
+    named = isinstance(choice, dict)
+    return select_tools(
+        req.tools,
+        "named" if named else choice or "auto",
+        choice["name"] if named else None,
+        to_template=_tool_dicts,
+    )
+
+
+def _tool_dicts(tools: list[FunctionTool]) -> list[dict[str, Any]]:
+    return [
+        {"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
+        for t in tools
+    ]
 
 
 class ResponsesBuilder(ResponseBuilder):
@@ -310,7 +329,6 @@ class ResponsesBuilder(ResponseBuilder):
     name = "responses"
     route = "/v1/responses"
     request_model = ResponsesRequest
-    format_error = OpenAIResponseBuilder.format_error  # chat completions' error body
 
     def prepare(self, request: ResponsesRequest, engine: Any) -> Prepared:
         """``state``: ``seq`` (the next event's sequence number), ``message_id``, ``opened`` (whether the
@@ -323,11 +341,18 @@ class ResponsesBuilder(ResponseBuilder):
         if params.logprobs is not None:
             state["tokenizer"] = engine.tokenizer
         return Prepared(
-            request=request, prompt_ids=prompt_ids, params=params, stream=bool(request.stream),
-            tools=tools, tool_call_required=bool(tools) and request.tool_choice not in ("auto", None),
-            max_tokens_explicit=request.max_output_tokens is not None, cache_salt=request.cache_salt,
-            response_id=new_id("resp_"), model=request.model, state=state,
-        )  # fmt: skip
+            request=request,
+            prompt_ids=prompt_ids,
+            params=params,
+            stream=bool(request.stream),
+            tools=tools,
+            tool_call_required=bool(tools) and request.tool_choice not in ("auto", None),
+            max_tokens_explicit=request.max_output_tokens is not None,
+            cache_salt=request.cache_salt,
+            response_id=new_id("resp_"),
+            model=request.model,
+            state=state,
+        )
 
     # ---------------------------------------------------------------- the response object
     def _response(self, p: Prepared, result: ChatResult | None = None) -> dict[str, Any]:
@@ -336,17 +361,32 @@ class ResponsesBuilder(ResponseBuilder):
         c = result.choices[0] if result else None
         status = "in_progress" if c is None else "incomplete" if c.finish_reason == "length" else "completed"
         return {
-            "id": p.response_id, "object": "response", "created_at": p.created, "status": status,
-            "completed_at": int(time.time()) if status == "completed" else None, "error": None,
+            "id": p.response_id,
+            "object": "response",
+            "created_at": p.created,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": p.model,
-            "output": self._output(p, c) if c else [], "parallel_tool_calls": value_or_default(req, "parallel_tool_calls"),
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": p.params.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": value_or_default(req, "tool_choice"), "tools": [t.model_dump() for t in req.tools or ()],
-            "top_logprobs": req.top_logprobs, "top_p": p.params.top_p, "truncation": "disabled",
-            "usage": _usage(result) if result else None, "user": req.user, "metadata": req.metadata or {},
-        }  # fmt: skip
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": p.model,
+            "output": self._output(p, c) if c else [],
+            "parallel_tool_calls": value_or_default(req, "parallel_tool_calls"),
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "temperature": p.params.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": value_or_default(req, "tool_choice"),
+            "tools": [t.model_dump() for t in req.tools or ()],
+            "top_logprobs": req.top_logprobs,
+            "top_p": p.params.top_p,
+            "truncation": "disabled",
+            "usage": _usage(result) if result else None,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
 
     def _output(self, p: Prepared, c: Choice) -> list[dict[str, Any]]:
         """A message when there is text or no call (an empty answer is an empty message) or the stream
@@ -358,10 +398,21 @@ class ResponsesBuilder(ResponseBuilder):
         """The assistant message item: in progress and empty (``c`` None), or finished."""
         status = "in_progress" if c is None else "incomplete" if c.finish_reason == "length" else "completed"
         content = [] if c is None else [self._part(p, c.text, c.logprobs)]
-        return {"type": "message", "id": p.state["message_id"], "status": status, "role": "assistant", "content": content}
+        return {
+            "type": "message",
+            "id": p.state["message_id"],
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
 
     def _part(self, p: Prepared, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": _logprobs(p, logprobs, True)}
+        return {
+            "type": "output_text",
+            "text": text,
+            "annotations": [],
+            "logprobs": _logprobs(p, logprobs, True),
+        }
 
     def format_response(self, prepared: Prepared, result: ChatResult) -> dict[str, Any]:
         return self._response(prepared, result)
@@ -372,7 +423,8 @@ class ResponsesBuilder(ResponseBuilder):
         return sse({"type": kind, "sequence_number": seq, **fields}, event=kind)
 
     def _open_message(self, p: Prepared) -> list[str]:
-        """The message item and its text part, before the first text (an answer that is only calls has none)."""
+        """The message item and its text part, before the first text (an answer that is only calls has
+        none)."""
         if p.state["opened"]:
             return []
         p.state["opened"] = True
@@ -393,7 +445,10 @@ class ResponsesBuilder(ResponseBuilder):
         frames = self._open_message(prepared)  # first: sequence numbers follow the frames' order
         entries = _logprobs(prepared, logprobs.get("logprobs"), False)
         where = _in_message(prepared)
-        return [*frames, self._event(prepared, "response.output_text.delta", **where, delta=text, logprobs=entries)]
+        return [
+            *frames,
+            self._event(prepared, "response.output_text.delta", **where, delta=text, logprobs=entries),
+        ]
 
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         p, c = prepared, result.choices[0]
@@ -402,7 +457,9 @@ class ResponsesBuilder(ResponseBuilder):
             entries = _logprobs(p, c.logprobs, False)  # every token's, those that brought no text included
             frames += self._open_message(p) + [
                 self._event(p, "response.output_text.done", **_in_message(p), text=c.text, logprobs=entries),
-                self._event(p, "response.content_part.done", **_in_message(p), part=self._part(p, c.text, c.logprobs)),
+                self._event(
+                    p, "response.content_part.done", **_in_message(p), part=self._part(p, c.text, c.logprobs)
+                ),
                 self._event(p, "response.output_item.done", output_index=0, item=self._message(p, c)),
             ]
         for k, call in enumerate(_calls(p, c), start=1 if frames else 0):  # after the message, if any
@@ -412,14 +469,21 @@ class ResponsesBuilder(ResponseBuilder):
                 self._event(p, "response.output_item.added", output_index=k, item={**item, "arguments": ""}),
                 self._event(p, "response.function_call_arguments.delta", **where, delta=call.arguments),
                 self._event(p, "response.function_call_arguments.done", **where, arguments=call.arguments),
-                self._event(p, "response.output_item.done", output_index=k, item=_function_call(call, "completed")),
+                self._event(
+                    p, "response.output_item.done", output_index=k, item=_function_call(call, "completed")
+                ),
             ]
         response = self._response(p, result)
         return [*frames, self._event(p, f"response.{response['status']}", response=response)]
 
+    def format_error(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+        return openai_error(status, message, param)
+
     def format_stream_error(self, prepared: Prepared, status: int, message: str) -> list[str]:
-        error = self.format_error(status, message)["error"]
-        return [self._event(prepared, "error", code=error["code"] or error["type"], message=message, param=None)]
+        error = openai_error(status, message)["error"]
+        return [
+            self._event(prepared, "error", code=error["code"] or error["type"], message=message, param=None)
+        ]
 
 
 def _in_message(p: Prepared) -> dict[str, Any]:
@@ -433,9 +497,13 @@ def _calls(p: Prepared, c: Choice) -> list[ToolCall]:
 
 def _function_call(call: ToolCall, status: str) -> dict[str, Any]:
     return {
-        "type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
-        "name": call.name, "arguments": call.arguments, "status": status,
-    }  # fmt: skip
+        "type": "function_call",
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
 
 
 def _usage(result: ChatResult) -> dict[str, Any]:
@@ -449,13 +517,9 @@ def _usage(result: ChatResult) -> dict[str, Any]:
 
 
 def _logprobs(p: Prepared, entries: list[TokenLogprob] | None, with_bytes: bool) -> list[dict[str, Any]]:
-    """OpenAI log-prob entries (a content part's carry ``bytes``, a stream event's do not); [] when not asked."""
+    """OpenAI log-prob entries (a content part's carry ``bytes``, a stream event's do not); [] when not
+    asked."""
     tokenizer = p.state.get("tokenizer")
     if tokenizer is None or not entries:
         return []
-
-    def token(token_id: int, logprob: float) -> dict[str, Any]:
-        out = {"token": tokenizer.token_text(token_id), "logprob": max(logprob, -9999.0)}  # -inf is no JSON number
-        return {**out, "bytes": list(tokenizer.token_bytes(token_id))} if with_bytes else out
-
-    return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]
+    return logprob_entries(tokenizer, entries, with_bytes)
