@@ -44,8 +44,14 @@ class _CpuPlan(NamedTuple):
 
 
 def _prefill_kernel_runs(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """``astrai_cpu::prefill_attention`` takes the step's prefill rows (bf16, head dim 64 or 128, an AVX512-BF16 build)."""
-    return q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and _has_prefill_kernel()
+    """``astrai_cpu::prefill_attention`` takes the step's prefill rows (bf16, head dim 64 or 128, an
+    AVX512-BF16 build)."""
+    return (
+        q.dtype == torch.bfloat16
+        and k_buf.dtype == torch.bfloat16
+        and q.shape[-1] in (64, 128)
+        and _has_prefill_kernel()
+    )
 
 
 def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
@@ -127,7 +133,9 @@ class CpuBackend(TorchNativeBackend):
             if plan.tok_rows is None:  # a pure decode step
                 return decoded
         if plan.chunks is not None:
-            out = torch.ops.astrai_cpu.prefill_attention(q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale)
+            out = torch.ops.astrai_cpu.prefill_attention(
+                q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale
+            )
         else:
             out = self.attend(q, k, v, k_buf, v_buf, plan.native._replace(decode=None), scale)
         return out.index_copy_(0, plan.tok_rows, decoded) if plan.rows.numel() else out

@@ -31,7 +31,17 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "astrai_cpu_kernels"
 CACHE_ENV = "ASTRAI_CPU_CACHE"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "prefill.cpp", "fused.cpp", "linear.cpp", "decode_stack.cpp", "quant.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in (
+        "paged_decode.cpp",
+        "prefill.cpp",
+        "fused.cpp",
+        "linear.cpp",
+        "decode_stack.cpp",
+        "quant.cpp",
+    )
+]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only
 # keeps infinities meaningful; -march=native: the cache is per CPU (see cache_dir).
 CXX_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -42,7 +52,9 @@ _loaded: str | None = None
 
 def _cpu_tag() -> str:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
     except (OSError, StopIteration):
         flags = platform.processor()
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
@@ -69,7 +81,9 @@ def load_kernels() -> str:
             return _loaded
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
-            raise KernelUnavailable(f"no C++ compiler ({compiler!r} is not on PATH) to build the astrai CPU kernels")
+            raise KernelUnavailable(
+                f"no C++ compiler ({compiler!r} is not on PATH) to build the astrai CPU kernels"
+            )
         build = cache_dir()
         try:
             from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
@@ -86,7 +100,9 @@ def load_kernels() -> str:
                     verbose=logger.isEnabledFor(logging.DEBUG),
                 )
         except Exception as err:  # compiler, ninja, linker or loader: all mean "no kernels here"
-            raise KernelUnavailable(f"astrai CPU kernels could not be built or loaded: {type(err).__name__}: {err}") from err
+            raise KernelUnavailable(
+                f"astrai CPU kernels could not be built or loaded: {type(err).__name__}: {err}"
+            ) from err
         _loaded = str(build)
         return _loaded
 

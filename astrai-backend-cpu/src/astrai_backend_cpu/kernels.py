@@ -14,7 +14,8 @@ from astrai_backend_cpu.stack import DecoderLayersKernel
 
 
 def rotary_kernel(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_emb``'s contract on ``astrai_cpu::rotary`` (``[..., heads, D]`` with contiguous heads)."""
+    """``apply_rotary_emb``'s contract on ``astrai_cpu::rotary`` (``[..., heads, D]`` with contiguous
+    heads)."""
     heads, dim = x.shape[-2:]
     if x.stride(-1) != 1 or x.stride(-2) != dim or freqs.shape[:-2] != x.shape[:-2] or x.dim() < 3:
         return rotate_torch(x, freqs)  # broadcasting or exotic strides: the torch path
@@ -43,7 +44,11 @@ class LinearKernel:
         return torch.ops.astrai_cpu.linear_pack(weight.contiguous()), weight.shape[0]
 
     def __call__(
-        self, x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None, float_out: bool = False
+        self,
+        x: torch.Tensor,
+        packed: tuple[torch.Tensor, int],
+        bias: torch.Tensor | None,
+        float_out: bool = False,
     ) -> torch.Tensor:
         return torch.ops.astrai_cpu.linear_packed(x, packed[0], packed[1], bias, float_out)
 
@@ -73,7 +78,9 @@ class QuantLinearKernel:
         self.amx = torch.cpu._is_amx_tile_supported()
         self.amx_kernel = self.amx and ops.has_quant_linear_amx()
 
-    def wide(self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+    def wide(
+        self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None
+    ) -> torch.Tensor:
         ops = torch.ops.astrai_cpu
         if not self.amx:
             return ops.quant_linear_wide(x, packed, layout, bias)
@@ -83,7 +90,12 @@ class QuantLinearKernel:
         return torch.matmul(x, wt) if bias is None else torch.addmm(bias, x, wt)
 
     def __call__(
-        self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None, float_out: bool = False
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        layout: list[int],
+        bias: torch.Tensor | None,
+        float_out: bool = False,
     ) -> torch.Tensor:
         return torch.ops.astrai_cpu.quant_linear(x, packed, layout, bias, float_out)
 
@@ -114,11 +126,15 @@ def install(backend: type) -> None:
     register_kernel("rotary", rotary_kernel, "cpu")
     register_kernel("rms_norm", lambda x, w, eps: ops.rms_norm(x.contiguous(), w.to(x.dtype), eps), "cpu")
     register_kernel(
-        "add_rms_norm", lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps), "cpu"
+        "add_rms_norm",
+        lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps),
+        "cpu",
     )
     if ops.has_linear_packed():  # the compiler targeted AVX512-BF16: small-batch GEMMs at the read bandwidth
         linear = LinearKernel()
         register_kernel("linear", linear, "cpu")
-        register_kernel("decoder_layers", DecoderLayersKernel(linear, backend), "cpu")  # on the same packed weights
+        register_kernel(
+            "decoder_layers", DecoderLayersKernel(linear, backend), "cpu"
+        )  # on the same packed weights
     if ops.has_quant_linear():
         register_kernel("quant_linear", QuantLinearKernel(), "cpu")

@@ -52,13 +52,22 @@ class DecoderLayersKernel:
 
     def __call__(self, model, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
         t = x.shape[0]
-        if x.dtype != torch.bfloat16 or kv_cache.k_buffer.dtype != torch.bfloat16 or type(kv_cache.backend) is not self._backend:
+        if (
+            x.dtype != torch.bfloat16
+            or kv_cache.k_buffer.dtype != torch.bfloat16
+            or type(kv_cache.backend) is not self._backend
+        ):
             return None
         if kv_cache.max_q_len == 1:
             rows, seq_lens = kv_cache.req_pool_indices, kv_cache.seq_lens
         else:  # a verify step: every token a decode row of the backend's plan, or not the stack's
             plan = kv_cache.plan.get(self._backend.name)
-            if plan is None or plan.tok_rows is not None or plan.native is not None or plan.chunks is not None:
+            if (
+                plan is None
+                or plan.tok_rows is not None
+                or plan.native is not None
+                or plan.chunks is not None
+            ):
                 return None
             rows, seq_lens = plan.rows, plan.seq_lens
         try:
@@ -68,9 +77,15 @@ class DecoderLayersKernel:
         if stack is None or any(limit is not None and t > limit for limit in self._row_limits(kinds, x)):
             return None
         return stack.forward(
-            x, freqs.reshape(t, -1, 2), kv_cache.k_buffer, kv_cache.v_buffer, kv_cache.req_to_token,
-            rows, seq_lens, kv_cache.out_cache_loc,
-        )  # fmt: skip
+            x,
+            freqs.reshape(t, -1, 2),
+            kv_cache.k_buffer,
+            kv_cache.v_buffer,
+            kv_cache.req_to_token,
+            rows,
+            seq_lens,
+            kv_cache.out_cache_loc,
+        )
 
     def _row_limits(self, kinds: frozenset[str], x: torch.Tensor) -> list[int | None]:
         """The most rows each kind of linear kernel the stack calls takes (None: any number)."""
@@ -104,7 +119,15 @@ class DecoderLayersKernel:
         norms = [w.detach().to(torch.bfloat16).contiguous() for w in spec.norms]
         biases = [b.detach().to(torch.bfloat16).contiguous() for b in spec.qkv_biases]
         stack = torch.classes.astrai_cpu.DecodeStack(
-            spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.intermediate_size, spec.eps, spec.scale,
-            norms, packed, biases, layouts,
-        )  # fmt: skip
+            spec.n_heads,
+            spec.n_kv_heads,
+            spec.head_dim,
+            spec.intermediate_size,
+            spec.eps,
+            spec.scale,
+            norms,
+            packed,
+            biases,
+            layouts,
+        )
         return stack, frozenset(kinds)

@@ -98,7 +98,8 @@ class CudaBackend(AttentionBackend):
                 kv.decode_o_part, kv.decode_ml_part, kv.decode_out = o_part[:b], ml_part[:b], out[:b]
             kv.plan[self.name] = self._decode_splits(q, kv)
         elif kv.q_tile_to_batch is None:
-            q_lens = kv.q_lens_host or tuple(kv.qo_indptr.diff().tolist())  # hand-built steps may lack host facts
+            # hand-built steps may lack host facts
+            q_lens = kv.q_lens_host or tuple(kv.qo_indptr.diff().tolist())
             to_batch, to_index = prefill_tiles(q_lens)
             tiles = torch.tensor([to_batch, to_index], dtype=torch.int32).to(q.device)
             kv.q_tile_to_batch, kv.q_tile_to_index = tiles[0], tiles[1]
@@ -119,18 +120,40 @@ class CudaBackend(AttentionBackend):
                 self.prepare(q, kv)
             splits = kv.plan[self.name]
             return ops.attn_paged_decode(
-                q, k, v, kv.k_buffer, kv.v_buffer, layer_id, kv.req_to_token, kv.req_pool_indices,
-                kv.seq_lens, kv.out_cache_loc, kv.max_len, splits, kv.decode_o_part, kv.decode_ml_part,
-                kv.decode_out, scale,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                kv.k_buffer,
+                kv.v_buffer,
+                layer_id,
+                kv.req_to_token,
+                kv.req_pool_indices,
+                kv.seq_lens,
+                kv.out_cache_loc,
+                kv.max_len,
+                splits,
+                kv.decode_o_part,
+                kv.decode_ml_part,
+                kv.decode_out,
+                scale,
+            )
         if kv.q_tile_to_batch is None:  # a direct call, without prepare()
             self.prepare(q, kv)
         kv.k_buffer[layer_id].index_copy_(0, kv.out_cache_loc, k)
         kv.v_buffer[layer_id].index_copy_(0, kv.out_cache_loc, v)
         return ops.attn_paged_prefill(
-            q, kv.k_buffer, kv.v_buffer, layer_id, kv.req_to_token, kv.req_pool_indices, kv.qo_indptr,
-            kv.kv_indptr, kv.q_tile_to_batch, kv.q_tile_to_index, scale,
-        )  # fmt: skip
+            q,
+            kv.k_buffer,
+            kv.v_buffer,
+            layer_id,
+            kv.req_to_token,
+            kv.req_pool_indices,
+            kv.qo_indptr,
+            kv.kv_indptr,
+            kv.q_tile_to_batch,
+            kv.q_tile_to_index,
+            scale,
+        )
 
     def _decode_splits(self, q: torch.Tensor, kv: KVCache) -> int:
         """The step's split count, from host facts and the (cached) size of the device."""
@@ -140,7 +163,9 @@ class CudaBackend(AttentionBackend):
             kv.req_pool_indices.shape[0], n_kv, kv.max_len, num_sms, blocks_per_sm, kv.decode_o_part.shape[2]
         )
 
-    def _decode_scratch(self, q: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode_scratch(
+        self, q: torch.Tensor, kv: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(o_part, ml_part, out)`` for every row of ``req_to_token``, made once per pool shape."""
         rows, n_heads, head_dim = kv.req_to_token.shape[0], q.shape[1], q.shape[-1]
         key = (q.device, q.dtype, rows, n_heads, head_dim)

@@ -4,8 +4,9 @@
 
 1. AOT: ``astrai_backend_cuda/_C*.so``, built by ``pip install`` when torch with CUDA
    and nvcc were present at build time (see setup.py);
-2. JIT: otherwise, or when that library does not load (built for another torch), ``torch.utils.cpp_extension.load`` compiles the sources with ninja
-   for the visible device into a persistent cache, ``$ASTRAI_CUDA_CACHE`` or
+2. JIT: otherwise, or when that library does not load (built for another torch),
+   ``torch.utils.cpp_extension.load`` compiles the sources with ninja for the visible device
+   into a persistent cache, ``$ASTRAI_CUDA_CACHE`` or
    ``~/.cache/astrai/cuda-kernels/<torch>-cu<cuda>``; torch rebuilds only when a source
    or flag changes, so only the first use on a machine pays the compile (about a minute).
    The build runs under ``astrai.extension.build_lock``: one builder per cache directory at a

@@ -65,7 +65,8 @@ def kernel_for(op: str, x: torch.Tensor) -> Callable | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x) * weight``: float32 inside, rounded to ``x``'s dtype, then the weight product rounded."""
+    """``F.rms_norm(x) * weight``: float32 inside, rounded to ``x``'s dtype, then the weight product
+    rounded."""
     kernel = kernel_for("rms_norm", x)
     if kernel is not None and x.dim() == 2:
         return kernel(x, weight, eps)

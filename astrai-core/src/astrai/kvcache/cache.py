@@ -43,7 +43,7 @@ class KVCache:
     qo_indptr: torch.Tensor  # [B + 1] int32: prefix sum of per-request q_len
     # Filled by the backend that reads them (astrai-backend-cuda), in its prepare():
     q_tile_to_batch: torch.Tensor | None = None  # [num_q_tiles] int32: prefill Q tile -> request
-    q_tile_to_index: torch.Tensor | None = None  # [num_q_tiles] int32: prefill Q tile -> tile index within its request
+    q_tile_to_index: torch.Tensor | None = None  # [num_q_tiles] int32: Q tile -> request-local tile index
     decode_o_part: torch.Tensor | None = None  # [B, n_heads, splits, head_dim] f32: split-K partial outputs
     decode_ml_part: torch.Tensor | None = None  # [B, n_heads, splits] f32: split-K partial log-sum-exp
     decode_out: torch.Tensor | None = None  # [B, n_heads, head_dim] model dtype: decode output accumulator

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def load_attention_backends() -> LoadedPlugins:
     """Every installed ``astrai.attention_backends`` class (validated; failures kept)."""
     return load_plugins(ATTENTION_BACKENDS, check_backend_class)

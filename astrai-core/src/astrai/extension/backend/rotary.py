@@ -20,7 +20,6 @@ from astrai.extension import fused
 RotaryKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-
 def _inv_freq(dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
     """``[dim/2]`` float64 inverse frequencies, scaled as ``rope_scaling`` says."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
