@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from astrai.errors import KernelUnavailable
-from astrai.extension.backend.torch_native import NativePlan, TorchNativeBackend, plan_step
+from astrai.extension.api import KernelUnavailable, NativePlan, TorchNativeBackend, plan_step
 from astrai_backend_cpu import kernels
 from astrai_backend_cpu.build import load_kernels
 
 if TYPE_CHECKING:
-    from astrai.kvcache.cache import KVCache
+    from collections.abc import Mapping
+
+    from astrai.extension.api import Kernel, KVCache
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -101,11 +102,13 @@ class CpuBackend(TorchNativeBackend):
             return False, str(err)
         return True, ""
 
-    @classmethod
-    def install(cls) -> None:
-        """The fused CPU kernels (norms, rotary, ``linear``, whole-step decode) into ``astrai.extension.fused``."""
+    def kernels(self, device_type: str) -> Mapping[str, Kernel]:
+        """For CPU tensors, the fused CPU kernels: norms, rotary, and where the build has them
+        ``linear``, whole-step decode and ``quant_linear`` (``astrai_backend_cpu.kernels``)."""
+        if device_type != "cpu":
+            return {}
         load_kernels()
-        kernels.install(cls)
+        return kernels.fused_kernels(type(self))
 
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         """``None`` for CPU tensors of a supported dtype, else the reason."""

@@ -1,13 +1,13 @@
 """Building and loading the CPU kernels: a just-in-time build into a persistent cache.
 
-``load_kernels()`` registers ``torch.ops.astrai_cpu.*`` in this process, once (installing
-them into astrai's fused ops is ``CpuBackend.install``'s, in ``astrai_backend_cpu.kernels``). The
+``load_kernels()`` registers ``torch.ops.astrai_cpu.*`` in this process, once (lending
+them to the model's fused ops is ``CpuBackend.kernels``'s, from ``astrai_backend_cpu.kernels``). The
 sources are compiled by ``torch.utils.cpp_extension.load`` (ninja, the system's C++
 compiler, ``-march=native``) into ``$ASTRAI_CPU_CACHE`` or
 ``~/.cache/astrai/cpu-kernels/<torch>-<machine>-<cpu flags hash>``; torch rebuilds only
 when a source or a flag changes, so only the first use on a machine pays the compile
 (about 20 seconds). The cache is per instruction set: a build for one CPU never loads on
-another. The build and load run under ``astrai.extension.build_lock``: processes sharing a
+another. The build and load run under ``build_lock`` (``astrai.extension.api``): processes sharing a
 cache (replicas on one volume) build one at a time, and a build killed half-way (its torch
 ``lock`` file left behind) holds up no later start.
 """
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from astrai.errors import KernelUnavailable
-from astrai.extension.build_lock import build_lock
+from astrai.extension.api import KernelUnavailable, build_lock
 
 logger = logging.getLogger(__name__)
 

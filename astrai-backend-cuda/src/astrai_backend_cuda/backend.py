@@ -15,18 +15,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrai.errors import KernelUnavailable
-from astrai.extension import ops
-from astrai.extension.backend.base import AttentionBackend
-from astrai.extension.backend.rotary import register_rotary_kernel
+from astrai.extension.api import AttentionBackend, KernelUnavailable, ops
 from astrai_backend_cuda.build import load_kernels, rotary_kernel
 from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, HEAD_DIMS, MAX_GROUP, decode_num_splits, prefill_tiles
 
 if TYPE_CHECKING:
-    from astrai.kvcache.cache import KVCache
+    from collections.abc import Mapping
+
+    from astrai.extension.api import Kernel, KVCache
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_installed = False  # the rotary kernel is in apply_rotary_emb's dispatch
 
 
 class CudaBackend(AttentionBackend):
@@ -63,14 +61,12 @@ class CudaBackend(AttentionBackend):
             return False, str(err)
         return True, ""
 
-    @classmethod
-    def install(cls) -> None:
-        """The fused rotary kernel into ``apply_rotary_emb``'s dispatch for CUDA tensors (once per process)."""
-        global _installed
-        if not _installed:
-            load_kernels()
-            register_rotary_kernel(rotary_kernel, "cuda")
-            _installed = True
+    def kernels(self, device_type: str) -> Mapping[str, Kernel]:
+        """For CUDA tensors, the fused rotary kernel (``apply_rotary_emb`` takes it for bf16)."""
+        if device_type != "cuda":
+            return {}
+        load_kernels()
+        return {"rotary": rotary_kernel}
 
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         """None, or the first of: dtype, head_dim, head grouping, device (host facts only)."""
