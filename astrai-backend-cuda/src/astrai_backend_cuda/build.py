@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+import astrai_backend_cuda._sources as _sources
 from astrai.extension.api import KernelUnavailable, build_lock, ops
-from astrai_backend_cuda import _sources
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import astrai_backend_flash.kernels as flash_kernels
 from astrai.extension.api import AttentionBackend
-from astrai_backend_flash import kernels as flash_kernels
 from astrai_backend_flash.plan import BLOCK, build_plan, paged_view
 
 if TYPE_CHECKING:
