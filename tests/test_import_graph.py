@@ -142,3 +142,58 @@ def test_the_checker_sees_cycles_and_lazy_imports() -> None:
     assert "astrai.groups" in GRAPH["astrai.cli"]  # imported inside plugin_rows()
     assert "astrai.engine" not in GRAPH["astrai.hookspecs"]  # annotations only
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+BACKENDS = ("astrai-backend-cpu", "astrai-backend-cuda", "astrai-backend-flash")
+PLUGIN_API = "astrai.extension.api"
+
+
+def _named_modules(module: str, *, type_checking: bool) -> Iterator[tuple[int, str]]:
+    """``(line, module named)`` of every import statement of ``module`` (also those under
+    ``if TYPE_CHECKING:`` when ``type_checking``); a from-import names the module it is from."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    nodes = ast.walk(tree) if type_checking else _runtime_imports(tree)
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node.lineno, node.module or ""
+
+
+@pytest.mark.parametrize("dist", BACKENDS)
+def test_a_backend_imports_astrai_through_its_plugin_api_alone(dist: str) -> None:
+    """The backend distributions name one module of astrai-core, annotations included."""
+    core = {m for m, owner in OWNER.items() if owner == "astrai-core"}
+    found = [
+        f"{module}:{line} {name}"
+        for module, owner in OWNER.items()
+        if owner == dist
+        for line, name in _named_modules(module, type_checking=True)
+        if (name in core or name.startswith("astrai.")) and name != PLUGIN_API
+    ]
+    assert found == []
+
+
+def _reaches(start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module == goal:
+            return True
+        if module not in seen:
+            seen.add(module)
+            todo.extend(GRAPH.get(module, ()))
+    return False
+
+
+def test_no_module_imports_a_package_that_imports_it() -> None:
+    """``from pkg import x`` inside ``pkg`` runs while ``pkg/__init__`` may still be importing the
+    module (the reading above counts it as an edge to ``pkg.x``): a hidden circle when that
+    ``__init__`` reaches the module."""
+    found = [
+        f"{module}:{line} from {name}"
+        for module in MODULES
+        for line, name in _named_modules(module, type_checking=False)
+        if name != module and module.startswith(name + ".") and name in MODULES and _reaches(name, module)
+    ]
+    assert found == []

@@ -23,27 +23,38 @@ tiny_model, tiny_tokenizer, pool_guard, make_engine, tiny_engine = (
 
 @pytest.fixture(scope="session")
 def cpu_kernels():
-    """Build (or load from the cache) the CPU kernels and install the fused ones, as loading the
-    backend does; a missing compiler skips with the reason."""
+    """Build (or load from the cache) the CPU kernels; a missing compiler skips with the reason.
+    A test that uses it runs with every available backend loaded (``fresh_registry``): the CPU
+    plugin's fused kernels serve the model, as after an engine's start."""
     from astrai.errors import KernelUnavailable
     from astrai_backend_cpu import load_kernels
-    from astrai_backend_cpu.backend import CpuBackend
 
     try:
-        path = load_kernels()
+        return load_kernels()
     except KernelUnavailable as err:
         if "no C++ compiler" in str(err):
             pytest.skip(str(err))
         raise
-    CpuBackend.install()
-    return path
 
 
 @pytest.fixture(autouse=True)
-def fresh_registry():
-    """Each test discovers the backends anew (tests may select them by name)."""
-    from astrai.extension.backend.policy import reset_registry
+def fresh_registry(request):
+    """Each test discovers the backends anew (tests may select them by name), and one that uses
+    ``cpu_kernels`` loads them all, as an engine does when it starts."""
+    from astrai.extension.backend.policy import load_backends, reset_registry
 
     reset_registry()
+    if "cpu_kernels" in request.fixturenames:
+        request.getfixturevalue("cpu_kernels")
+        load_backends()
     yield
     reset_registry()
+
+
+@pytest.fixture
+def in_force(cpu_kernels):
+    """``{op: kernel}`` in force for CPU tensors: the very dict the model's lookups read (a test
+    may pin a kernel in it, or take one out, for a while)."""
+    from astrai.extension.backend.policy import get_registry
+
+    return get_registry().kernels.for_device("cpu")

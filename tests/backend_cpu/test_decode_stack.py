@@ -46,21 +46,24 @@ def bf16_model(layers=3, bias=False, fuse=True, seed=0, dtype=torch.bfloat16):
 
 
 @contextlib.contextmanager
-def installed(kernel):
-    """``kernel`` (``None``: none) as the CPU's ``decoder_layers`` inside the block."""
-    previous = fused.register_kernel("decoder_layers", kernel, "cpu")
+def without_stack():
+    """No ``decoder_layers`` kernel for the CPU inside the block: the model runs its layers."""
+    from astrai.extension.backend.policy import get_registry
+
+    in_force = get_registry().kernels.for_device("cpu")
+    kernel = in_force.pop("decoder_layers")
     try:
         yield
     finally:
-        fused.register_kernel("decoder_layers", previous, "cpu")
+        in_force["decoder_layers"] = kernel
 
 
 @pytest.fixture
-def spy():
-    """Wraps the installed ``decoder_layers`` kernel; records whether each call ran the step."""
+def spy(in_force, monkeypatch):
+    """Wraps the ``decoder_layers`` kernel the cpu backend lends; records whether each call ran the step."""
     with torch.no_grad():  # kernels are for inference: none is given while grad is enabled
         real = fused.kernel_for("decoder_layers", torch.empty(0))
-    assert real is not None, "astrai-backend-cpu did not install decoder_layers"
+    assert real is not None, "astrai-backend-cpu lends no decoder_layers"
     ran: list[bool] = []
 
     def kernel(*args):
@@ -68,9 +71,8 @@ def spy():
         ran.append(out is not None)
         return out
 
-    fused.register_kernel("decoder_layers", kernel, "cpu")
-    yield ran
-    fused.register_kernel("decoder_layers", real, "cpu")
+    monkeypatch.setitem(in_force, "decoder_layers", kernel)
+    return ran
 
 
 def new_pool(model, rows=16, paged=True):
@@ -117,7 +119,7 @@ def both_ways(model, pool, rows, tokens, lens, spy):
     assert spy[-1] is True, "the stack declined a step it should run"
     pool.k_buffer.copy_(k0)
     pool.v_buffer.copy_(v0)
-    with installed(None):
+    with without_stack():
         layer_logits = decode_step(model, pool, rows, tokens, lens)
     return (fused_logits, *fused_kv), (layer_logits, pool.k_buffer, pool.v_buffer)
 
@@ -140,7 +142,7 @@ def test_bit_for_bit_the_layers_result(spy, batch, bias, paged):
     release(pool, rows)
 
 
-def test_declines_what_the_layers_must_run(spy):
+def test_declines_what_the_layers_must_run(spy, in_force):
     model = bf16_model()
     pool = new_pool(model)
     gen = torch.Generator().manual_seed(5)
@@ -148,7 +150,7 @@ def test_declines_what_the_layers_must_run(spy):
     rows, tokens = prefill(model, pool, prompts)
     assert spy == [False], "a prefill step is the layers'"
     lens = [len(p) for p in prompts]
-    linear = fused._table[("linear", "cpu")]
+    linear = in_force["linear"]
     linear.max_rows, before = 8, linear.max_rows
     try:
         decode_step(model, pool, rows, tokens, lens)  # 9 rows: more than the linear kernel takes
@@ -192,7 +194,7 @@ def test_verify_steps_run_on_it_bit_for_bit(spy):
     assert spy[-1] is True, "the stack declined a verify step"
     pool.k_buffer.copy_(k0)
     pool.v_buffer.copy_(v0)
-    with installed(None):
+    with without_stack():
         want = verify_step(model, pool, rows, tokens, lens, drafts), pool.k_buffer, pool.v_buffer
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
@@ -231,7 +233,7 @@ def test_engine_runs_decode_steps_on_it_and_matches_the_layers(spy, make_engine,
     outputs = []
     for stack in (True, False):
         engine = make_engine(model, tiny_tokenizer, max_batch_size=8, page_size=4, n_tokens=2048)
-        with contextlib.nullcontext() if stack else installed(None):
+        with contextlib.nullcontext() if stack else without_stack():
             results = [engine.submit(p, params) for p in prompts]
             assert all(r.wait_completion(60) for r in results)
         engine.shutdown()

@@ -25,10 +25,15 @@ def close(got, want):
         assert (got != want).float().mean() < 0.01
 
 
-def test_kernels_are_installed_for_the_cpu():
-    installed = {op for op, device in fused._table if device == "cpu"}
-    assert {"rotary", "rms_norm", "add_rms_norm"} <= installed and "silu_and_mul" not in installed
-    assert ("linear" in installed) == torch.cpu._is_avx512_bf16_supported()
+def test_the_loaded_backend_lends_its_kernels_for_the_cpu_alone(in_force):
+    from astrai.extension.backend.policy import get_registry
+    from astrai_backend_cpu.backend import CpuBackend
+
+    lent = set(in_force)
+    assert {"rotary", "rms_norm", "add_rms_norm"} <= lent and "silu_and_mul" not in lent
+    assert ("linear" in lent) == torch.cpu._is_avx512_bf16_supported()
+    assert type(get_registry().instance("cpu")) is CpuBackend
+    assert CpuBackend().kernels("cuda") == {} and CpuBackend().kernels("meta") == {}
 
 
 @DTYPES
@@ -121,8 +126,8 @@ def test_linear_float_out_is_the_unrounded_sum_for_an_lm_head(rows):
 
 
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16")
-def test_linear_takes_any_number_of_rows_where_there_is_no_amx():
-    kernel = fused._table[("linear", "cpu")]
+def test_linear_takes_any_number_of_rows_where_there_is_no_amx(in_force):
+    kernel = in_force["linear"]
     assert kernel.max_rows == (64 if torch.cpu._is_amx_tile_supported() else None)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(300, 64, generator=gen).bfloat16()  # 37 blocks of 8 rows and a partial one

@@ -52,7 +52,7 @@ def test_bf16_greedy_is_independent_of_the_batch(gguf_bf16, make_engine):
     kernel running the quantized linears, with float32 logits. Every step stays within the
     kernel's 64 rows (prefill chunks of 32 tokens): a larger step takes the bf16-rounded weights
     of ``quant_linear_wide``, so a prompt prefilled among many tokens may continue differently."""
-    from astrai.extension.fused import _table
+    from astrai.extension.backend.policy import get_registry
     from astrai_backend_cpu.stack import DecoderLayersKernel
 
     model, tokenizer = gguf_bf16
@@ -60,7 +60,7 @@ def test_bf16_greedy_is_independent_of_the_batch(gguf_bf16, make_engine):
     together = _greedy(engine, PROMPTS)
     alone = [_greedy(engine, [p])[0] for p in PROMPTS[:2]]
     assert alone == together[:2]
-    stack_kernel = _table[("decoder_layers", "cpu")]
+    stack_kernel = get_registry().kernels.get("decoder_layers", "cpu")
     assert isinstance(stack_kernel, DecoderLayersKernel) and stack_kernel._stacks[model][0] is not None
 
 
@@ -101,7 +101,9 @@ def test_serve_defaults_to_auto_weights():
     assert ServerSettings().weights == "auto"
 
 
-def test_the_decode_stack_takes_a_quantized_models_steps_up_to_the_quantized_kernels_rows(gguf_bf16, make_engine):
+def test_the_decode_stack_takes_a_quantized_models_steps_up_to_the_quantized_kernels_rows(
+    gguf_bf16, make_engine, in_force, monkeypatch
+):
     """The stack's row limit is that of the kernels its linears call: on quantized weights
     ``quant_linear``'s ``max_rows``, not the dense ``linear`` kernel's (oneDNN's on an AMX CPU)."""
     from astrai.extension import fused
@@ -119,7 +121,7 @@ def test_the_decode_stack_takes_a_quantized_models_steps_up_to_the_quantized_ker
         return out
 
     before = linear.max_rows
-    fused.register_kernel("decoder_layers", spy, "cpu")
+    monkeypatch.setitem(in_force, "decoder_layers", spy)
     try:
         engine = make_engine(model, tokenizer, max_batch_size=4)
         linear.max_rows = 1  # the dense kernel's limit: not this model's
@@ -132,4 +134,3 @@ def test_the_decode_stack_takes_a_quantized_models_steps_up_to_the_quantized_ker
     finally:
         linear.max_rows = before
         quant.__dict__.pop("max_rows", None)
-        fused.register_kernel("decoder_layers", real, "cpu")

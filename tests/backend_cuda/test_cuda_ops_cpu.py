@@ -108,10 +108,6 @@ class CpuCudaBackend(CudaBackend):
     def is_available(cls) -> tuple[bool, str]:
         return True, ""
 
-    @classmethod
-    def install(cls) -> None:
-        """Nothing to install: the ops run the reference on CPU tensors."""
-
     def _device_slots(self, q: torch.Tensor, group: int) -> tuple[int, int]:
         return 132, 3
 

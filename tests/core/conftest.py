@@ -169,3 +169,29 @@ def tiny_engine(make_engine, tiny_model, tiny_tokenizer):
         return make_engine(tiny_model, tiny_tokenizer, **config)
 
     return make
+
+
+@pytest.fixture
+def kernel_registry(monkeypatch):
+    """``kernel_registry(*lent)``: the process registry for the test, every backend of it loaded
+    (as an engine's start loads them): torch_native and, for each ``{device type: {op: kernel}}``
+    of ``lent``, a torch_native that lends those kernels (the first the most preferred).
+    ``kernel_registry()``: no kernels at all. Returns the registry."""
+    from astrai.extension.backend import policy
+    from astrai.extension.backend.torch_native import TorchNativeBackend
+
+    def make(*lent):
+        classes = [TorchNativeBackend]
+        for i, by_device in enumerate(lent):
+
+            def kernels(self, device_type, by_device=by_device):
+                return by_device.get(device_type, {})
+
+            attrs = {"name": f"lender{i}", "priority": 90 + i, "kernels": kernels}
+            classes.append(type(f"Lender{i}", (TorchNativeBackend,), attrs))
+        registry = policy.BackendRegistry(classes)
+        monkeypatch.setattr(policy, "_registry", registry)
+        registry.load()
+        return registry
+
+    return make

@@ -75,6 +75,7 @@ def test_automatic_falls_back_per_call_by_priority():
         ("cuda", False),
         ("flash", True),
         ("torch_native", True),
+        ("cpu", False),  # known by name (ATTN_BACKEND), not installed in this registry
     ]
 
 
@@ -114,7 +115,7 @@ def test_invalid_env_value_names_the_valid_ones(monkeypatch):
     monkeypatch.setenv("ASTR_BACKEND", "cdua")
     with pytest.raises(BackendUnavailable, match="cdua") as err:
         run(make_registry())
-    assert all(name in str(err.value) for name in ("cuda", "flash", "torch_native"))
+    assert all(name in str(err.value) for name in ("cpu", "cuda", "flash", "torch_native"))
 
 
 def test_known_name_not_installed(monkeypatch):
@@ -125,6 +126,16 @@ def test_known_name_not_installed(monkeypatch):
     ):
         run(reg)
     assert ("cuda", False, "not installed") in reg.available_backends()
+
+
+def test_attn_backend_names_the_cpu_backend():
+    reg = BackendRegistry([fake("torch_native", 100), fake("cpu", 50, reject=f32_unsupported)])
+    assert [b.value for b in ATTN_BACKEND] == ["cuda", "flash", "cpu", "torch_native"]  # by priority
+    with attn_backend(ATTN_BACKEND.CPU):
+        assert requested_backend() == ("cpu", "attn_backend()")
+        assert run(reg, torch.float16) == 50
+        with pytest.raises(BackendUnavailable, match=r"'cpu'.*dtype torch.float32 not supported"):
+            run(reg, torch.float32)
 
 
 def test_context_nests_restores_and_survives_errors():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai.extension import fused
 from astrai.model.llama import RMSNorm
 
 
@@ -17,9 +16,9 @@ def _hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rmsnorm_matches_the_hf_formulation_bit_for_bit(dtype, monkeypatch):
+def test_rmsnorm_matches_the_hf_formulation_bit_for_bit(dtype, kernel_registry):
     # the PyTorch formulation; a plugin's fused kernel (tests/backend_cpu) sums in another order
-    monkeypatch.setattr(fused, "_table", {})
+    kernel_registry()
     gen = torch.Generator().manual_seed(0)
     # rows of very different scales: a bf16 mean of squares would lose them, float32 does not
     x = (torch.randn(33, 576, generator=gen) * torch.logspace(-3, 3, 33)[:, None]).to(dtype)

@@ -9,7 +9,6 @@ import torch
 
 from astrai.errors import AstraiError
 from astrai.extension import RotaryEmbedding, apply_rotary_emb
-from astrai.extension.backend.rotary import register_rotary_kernel
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -149,39 +148,37 @@ def test_backward_matches_real_formula():
     torch.testing.assert_close(x1.grad, x2.grad, atol=1e-6, rtol=1e-6)
 
 
-@pytest.fixture
-def fake_kernel():
-    """Register a recording kernel for CPU (standing in for CUDA); restore whatever was there."""
-    calls = []
+def recording_kernel(calls, value):
+    """A rotary kernel that records the dtypes it is given and fills its output with ``value``."""
 
     def kernel(x, freqs):
         calls.append(x.dtype)
-        return torch.full_like(x, 7.0)
+        return torch.full_like(x, value)
 
-    previous = register_rotary_kernel(kernel, device_type="cpu")
-    yield calls
-    register_rotary_kernel(previous, device_type="cpu")
+    return kernel
 
 
-def test_dispatch_uses_kernel_only_for_bf16_inference(fake_kernel):
+def test_dispatch_uses_kernel_only_for_bf16_inference(kernel_registry):
+    calls = []
+    kernel_registry({"cpu": {"rotary": recording_kernel(calls, 7.0)}})  # a CPU kernel standing in for CUDA's
     freqs = RotaryEmbedding(8, 4)(torch.zeros(1, 2, dtype=torch.long))
     x16, x32 = torch.ones(1, 2, 1, 8, dtype=torch.bfloat16), torch.ones(1, 2, 1, 8)
     with torch.no_grad():
         assert (apply_rotary_emb(x16, freqs) == 7).all()  # bf16, kernel's device, no grad: kernel
         assert torch.equal(apply_rotary_emb(x32, freqs), x32)  # f32: torch path (angle 0 = identity)
     assert torch.equal(apply_rotary_emb(x16, freqs), x16)  # grad enabled: torch path
-    assert fake_kernel == [torch.bfloat16]
+    assert calls == [torch.bfloat16]
 
 
-def test_dispatch_keeps_one_kernel_per_device_type(fake_kernel):
+def test_dispatch_takes_the_kernel_of_the_tensors_device_type(kernel_registry):
     freqs = RotaryEmbedding(8, 4)(torch.zeros(1, 2, dtype=torch.long))
     x = torch.ones(1, 2, 1, 8, dtype=torch.bfloat16)
-    previous = register_rotary_kernel(lambda x, f: torch.full_like(x, 5.0), device_type="cuda")
-    try:
-        with torch.no_grad():
-            assert (apply_rotary_emb(x, freqs) == 7).all()  # a CUDA kernel leaves the CPU one in place
-        assert register_rotary_kernel(None, device_type="cpu") is not None  # removes the CPU one only
-        with torch.no_grad():
-            assert torch.equal(apply_rotary_emb(x, freqs), x)  # CPU tensor, no CPU kernel: torch path
-    finally:
-        register_rotary_kernel(previous, device_type="cuda")
+    calls = []
+    cpu, cuda = recording_kernel(calls, 7.0), recording_kernel(calls, 5.0)
+    kernel_registry({"cpu": {"rotary": cpu}, "cuda": {"rotary": cuda}})
+    with torch.no_grad():
+        assert (apply_rotary_emb(x, freqs) == 7).all()  # a CUDA kernel leaves the CPU one in place
+    kernel_registry({"cuda": {"rotary": cuda}})
+    with torch.no_grad():
+        assert torch.equal(apply_rotary_emb(x, freqs), x)  # CPU tensor, no CPU kernel: torch path
+    assert calls == [torch.bfloat16]

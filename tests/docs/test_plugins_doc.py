@@ -81,6 +81,20 @@ def test_dataclass_table_lists_its_fields(block: Block) -> None:
     assert all(r["Meaning"] for r in block.records()), f"{block.where}: say what each field means"
 
 
+MODULE_NAME_TABLES = all_blocks("module-names")
+
+
+@pytest.mark.parametrize("block", MODULE_NAME_TABLES, ids=_ids(MODULE_NAME_TABLES))
+def test_module_table_lists_its_public_names(block: Block) -> None:
+    """Every name of the module's ``__all__`` once, none other, each said what it is."""
+    module = importlib.import_module(block.argument)
+    names = [r["Name"] for r in block.records()]
+    assert len(names) == len(set(names)), f"{block.where}: a name listed twice"
+    assert sorted(names) == sorted(module.__all__), block.where
+    assert all(hasattr(module, n) for n in names), block.where
+    assert all(r["What"] for r in block.records()), f"{block.where}: say what each name is"
+
+
 def _installed(distribution: str) -> bool:
     try:
         importlib.metadata.distribution(distribution)

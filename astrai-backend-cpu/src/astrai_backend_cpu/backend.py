@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from astrai.errors import KernelUnavailable
-from astrai.extension.backend.torch_native import NativePlan, TorchNativeBackend, plan_step
+from astrai.extension.api import KernelUnavailable, NativePlan, TorchNativeBackend, plan_step
 from astrai_backend_cpu import kernels
 from astrai_backend_cpu.build import load_kernels
 
 if TYPE_CHECKING:
-    from astrai.kvcache.cache import KVCache
+    from collections.abc import Mapping
+
+    from astrai.extension.api import Kernel, KVCache
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,8 +45,14 @@ class _CpuPlan(NamedTuple):
 
 
 def _prefill_kernel_runs(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """``astrai_cpu::prefill_attention`` takes the step's prefill rows (bf16, head dim 64 or 128, an AVX512-BF16 build)."""
-    return q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and _has_prefill_kernel()
+    """``astrai_cpu::prefill_attention`` takes the step's prefill rows (bf16, head dim 64 or 128, an
+    AVX512-BF16 build)."""
+    return (
+        q.dtype == torch.bfloat16
+        and k_buf.dtype == torch.bfloat16
+        and q.shape[-1] in (64, 128)
+        and _has_prefill_kernel()
+    )
 
 
 def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
@@ -95,11 +102,13 @@ class CpuBackend(TorchNativeBackend):
             return False, str(err)
         return True, ""
 
-    @classmethod
-    def install(cls) -> None:
-        """The fused CPU kernels (norms, rotary, ``linear``, whole-step decode) into ``astrai.extension.fused``."""
+    def kernels(self, device_type: str) -> Mapping[str, Kernel]:
+        """For CPU tensors, the fused CPU kernels: norms, rotary, and where the build has them
+        ``linear``, whole-step decode and ``quant_linear`` (``astrai_backend_cpu.kernels``)."""
+        if device_type != "cpu":
+            return {}
         load_kernels()
-        kernels.install(cls)
+        return kernels.fused_kernels(type(self))
 
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         """``None`` for CPU tensors of a supported dtype, else the reason."""
@@ -127,7 +136,9 @@ class CpuBackend(TorchNativeBackend):
             if plan.tok_rows is None:  # a pure decode step
                 return decoded
         if plan.chunks is not None:
-            out = torch.ops.astrai_cpu.prefill_attention(q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale)
+            out = torch.ops.astrai_cpu.prefill_attention(
+                q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale
+            )
         else:
             out = self.attend(q, k, v, k_buf, v_buf, plan.native._replace(decode=None), scale)
         return out.index_copy_(0, plan.tok_rows, decoded) if plan.rows.numel() else out

@@ -1,13 +1,13 @@
 """Building and loading the CPU kernels: a just-in-time build into a persistent cache.
 
-``load_kernels()`` registers ``torch.ops.astrai_cpu.*`` in this process, once (installing
-them into astrai's fused ops is ``CpuBackend.install``'s, in ``astrai_backend_cpu.kernels``). The
+``load_kernels()`` registers ``torch.ops.astrai_cpu.*`` in this process, once (lending
+them to the model's fused ops is ``CpuBackend.kernels``'s, from ``astrai_backend_cpu.kernels``). The
 sources are compiled by ``torch.utils.cpp_extension.load`` (ninja, the system's C++
 compiler, ``-march=native``) into ``$ASTRAI_CPU_CACHE`` or
 ``~/.cache/astrai/cpu-kernels/<torch>-<machine>-<cpu flags hash>``; torch rebuilds only
 when a source or a flag changes, so only the first use on a machine pays the compile
 (about 20 seconds). The cache is per instruction set: a build for one CPU never loads on
-another. The build and load run under ``astrai.extension.build_lock``: processes sharing a
+another. The build and load run under ``build_lock`` (``astrai.extension.api``): processes sharing a
 cache (replicas on one volume) build one at a time, and a build killed half-way (its torch
 ``lock`` file left behind) holds up no later start.
 """
@@ -24,14 +24,23 @@ from pathlib import Path
 
 import torch
 
-from astrai.errors import KernelUnavailable
-from astrai.extension.build_lock import build_lock
+from astrai.extension.api import KernelUnavailable, build_lock
 
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "astrai_cpu_kernels"
 CACHE_ENV = "ASTRAI_CPU_CACHE"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "prefill.cpp", "fused.cpp", "linear.cpp", "decode_stack.cpp", "quant.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in (
+        "paged_decode.cpp",
+        "prefill.cpp",
+        "fused.cpp",
+        "linear.cpp",
+        "decode_stack.cpp",
+        "quant.cpp",
+    )
+]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only
 # keeps infinities meaningful; -march=native: the cache is per CPU (see cache_dir).
 CXX_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -42,7 +51,9 @@ _loaded: str | None = None
 
 def _cpu_tag() -> str:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
     except (OSError, StopIteration):
         flags = platform.processor()
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
@@ -69,7 +80,9 @@ def load_kernels() -> str:
             return _loaded
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
-            raise KernelUnavailable(f"no C++ compiler ({compiler!r} is not on PATH) to build the astrai CPU kernels")
+            raise KernelUnavailable(
+                f"no C++ compiler ({compiler!r} is not on PATH) to build the astrai CPU kernels"
+            )
         build = cache_dir()
         try:
             from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
@@ -86,7 +99,9 @@ def load_kernels() -> str:
                     verbose=logger.isEnabledFor(logging.DEBUG),
                 )
         except Exception as err:  # compiler, ninja, linker or loader: all mean "no kernels here"
-            raise KernelUnavailable(f"astrai CPU kernels could not be built or loaded: {type(err).__name__}: {err}") from err
+            raise KernelUnavailable(
+                f"astrai CPU kernels could not be built or loaded: {type(err).__name__}: {err}"
+            ) from err
         _loaded = str(build)
         return _loaded
 

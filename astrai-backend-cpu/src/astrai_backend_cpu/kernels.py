@@ -1,20 +1,20 @@
-"""The plugin's fused kernels for ``astrai.extension.fused``: rotary, the norms, ``linear``, ``decoder_layers``, ``quant_linear``.
+"""The plugin's fused kernels: rotary, the norms, ``linear``, ``decoder_layers``, ``quant_linear``.
 
-``install(CpuBackend)`` puts them in place; ``CpuBackend.install`` calls it once per process,
-when the registry loads the backend.
+``fused_kernels(CpuBackend)`` makes them; ``CpuBackend.kernels("cpu")`` lends them to the model
+(the contract of each op is ``AttentionBackend.kernels``'s).
 """
 
 from __future__ import annotations
 
 import torch
 
-from astrai.extension.backend.rotary import rotate_torch
-from astrai.extension.fused import register_kernel
+from astrai.extension.api import Kernel, rotate_torch
 from astrai_backend_cpu.stack import DecoderLayersKernel
 
 
 def rotary_kernel(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_emb``'s contract on ``astrai_cpu::rotary`` (``[..., heads, D]`` with contiguous heads)."""
+    """``apply_rotary_emb``'s contract on ``astrai_cpu::rotary`` (``[..., heads, D]`` with contiguous
+    heads)."""
     heads, dim = x.shape[-2:]
     if x.stride(-1) != 1 or x.stride(-2) != dim or freqs.shape[:-2] != x.shape[:-2] or x.dim() < 3:
         return rotate_torch(x, freqs)  # broadcasting or exotic strides: the torch path
@@ -24,7 +24,7 @@ def rotary_kernel(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class LinearKernel:
-    """``astrai.extension.fused``'s ``linear`` on ``astrai_cpu::linear_pack``/``linear_packed`` (bf16 rows).
+    """The ``linear`` kernel on ``astrai_cpu::linear_pack``/``linear_packed`` (bf16 rows).
 
     ``max_rows``: any number where the CPU has no AMX (the kernel matches oneDNN from 256 rows
     and beats it below); with AMX, inputs over 64 rows go to oneDNN's tile GEMMs. Measured on 2
@@ -43,13 +43,17 @@ class LinearKernel:
         return torch.ops.astrai_cpu.linear_pack(weight.contiguous()), weight.shape[0]
 
     def __call__(
-        self, x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None, float_out: bool = False
+        self,
+        x: torch.Tensor,
+        packed: tuple[torch.Tensor, int],
+        bias: torch.Tensor | None,
+        float_out: bool = False,
     ) -> torch.Tensor:
         return torch.ops.astrai_cpu.linear_packed(x, packed[0], packed[1], bias, float_out)
 
 
 class QuantLinearKernel:
-    """``astrai.extension.fused``'s ``quant_linear`` on ``astrai_cpu::quant_linear`` (see ``csrc/quant.cpp``).
+    """The ``quant_linear`` kernel on ``astrai_cpu::quant_linear`` (see ``csrc/quant.cpp``).
 
     ``max_rows``: bf16 inputs up to 64 rows (decode steps) run on the kernel, which reads the
     quantized weight once per step; larger ones (prefill) go to ``wide``: the weight as the bf16
@@ -73,7 +77,9 @@ class QuantLinearKernel:
         self.amx = torch.cpu._is_amx_tile_supported()
         self.amx_kernel = self.amx and ops.has_quant_linear_amx()
 
-    def wide(self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+    def wide(
+        self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None
+    ) -> torch.Tensor:
         ops = torch.ops.astrai_cpu
         if not self.amx:
             return ops.quant_linear_wide(x, packed, layout, bias)
@@ -83,7 +89,12 @@ class QuantLinearKernel:
         return torch.matmul(x, wt) if bias is None else torch.addmm(bias, x, wt)
 
     def __call__(
-        self, x: torch.Tensor, packed: torch.Tensor, layout: list[int], bias: torch.Tensor | None, float_out: bool = False
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        layout: list[int],
+        bias: torch.Tensor | None,
+        float_out: bool = False,
     ) -> torch.Tensor:
         return torch.ops.astrai_cpu.quant_linear(x, packed, layout, bias, float_out)
 
@@ -96,29 +107,26 @@ class QuantLinearKernel:
         return torch.ops.astrai_cpu.quant_dequant(packed, layout, ids, dtype)
 
 
-_installed = False
-
-
-def install(backend: type) -> None:
-    """Install the fused CPU kernels into ``astrai.extension.fused`` (rotary: bf16 only, by its dispatch
-    rule), once per process: a later call (a registry discovered anew) changes nothing.
+def fused_kernels(backend: type) -> dict[str, Kernel]:
+    """``{op: kernel}`` of the fused CPU kernels (rotary: bf16 only, by its dispatch rule); new
+    kernel objects on each call (the backend asks once per instance).
 
     The kernels must be loaded (``build.load_kernels``). ``backend`` is the attention backend
     whose steps the whole-step decode kernel may run (see ``stack.DecoderLayersKernel``).
     """
-    global _installed
-    if _installed:
-        return
-    _installed = True
     ops = torch.ops.astrai_cpu
-    register_kernel("rotary", rotary_kernel, "cpu")
-    register_kernel("rms_norm", lambda x, w, eps: ops.rms_norm(x.contiguous(), w.to(x.dtype), eps), "cpu")
-    register_kernel(
-        "add_rms_norm", lambda x, r, w, eps: ops.add_rms_norm(x.contiguous(), r.contiguous(), w.to(x.dtype), eps), "cpu"
-    )
+    lent: dict[str, Kernel] = {
+        "rotary": rotary_kernel,
+        "rms_norm": lambda x, w, eps: ops.rms_norm(x.contiguous(), w.to(x.dtype), eps),
+        "add_rms_norm": lambda x, r, w, eps: ops.add_rms_norm(
+            x.contiguous(), r.contiguous(), w.to(x.dtype), eps
+        ),
+    }
+    quant = QuantLinearKernel() if ops.has_quant_linear() else None
+    if quant is not None:
+        lent["quant_linear"] = quant
     if ops.has_linear_packed():  # the compiler targeted AVX512-BF16: small-batch GEMMs at the read bandwidth
         linear = LinearKernel()
-        register_kernel("linear", linear, "cpu")
-        register_kernel("decoder_layers", DecoderLayersKernel(linear, backend), "cpu")  # on the same packed weights
-    if ops.has_quant_linear():
-        register_kernel("quant_linear", QuantLinearKernel(), "cpu")
+        lent["linear"] = linear
+        lent["decoder_layers"] = DecoderLayersKernel(linear, quant, backend)  # on the same packed weights
+    return lent

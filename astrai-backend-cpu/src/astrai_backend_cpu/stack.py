@@ -1,4 +1,4 @@
-"""``decoder_layers`` of ``astrai.extension.fused``: a decode step's decoder layers in one C++ call.
+"""The ``decoder_layers`` kernel: a decode step's decoder layers in one C++ call.
 
 Run layer by layer from Python, a SmolLM2 decode step at batch 1 spends about 6 ms in its GEMVs
 and another 1.5-2 ms dispatching the dozen small calls of each of its 30 layers.
@@ -26,60 +26,74 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrai.extension.fused import kernel_for
-from astrai.model.cpu_linear import PackedLinear
-from astrai.model.quant import QuantizedLinear
+from astrai.extension.api import PackedLinear, QuantizedLinear
 
 if TYPE_CHECKING:
-    from astrai.kvcache.cache import KVCache
+    from astrai.extension.api import KVCache
 
 
 class DecoderLayersKernel:
-    """``kernel(model, x, freqs, kv_cache)``: the contract of ``decoder_layers`` in ``astrai.extension.fused``.
+    """``kernel(model, x, freqs, kv_cache)``: ``decoder_layers``'s contract (``AttentionBackend.kernels``).
 
     ``linear`` is the plugin's ``linear`` kernel: the stack shares the weights it packs for
-    ``PackedLinear`` (no further copy). ``backend`` is the attention backend class whose steps
-    it runs (``CpuBackend``; not a subclass, which may attend differently). One
+    ``PackedLinear`` (no further copy); ``quant`` its ``quant_linear`` kernel (``None``: the build
+    has none), which the model's quantized linears run on. ``backend`` is the attention backend
+    class whose steps it runs (``CpuBackend``; not a subclass, which may attend differently). One
     ``DecodeStack`` per model, built on first use. A step runs on it when it has no more rows
     than each kind of its linears' kernels takes: ``linear``'s ``max_rows`` for dense ones
     (16 on an AMX CPU, where oneDNN's tile GEMMs then win), ``quant_linear``'s for quantized ones.
     """
 
-    def __init__(self, linear, backend: type) -> None:
+    def __init__(self, linear, quant, backend: type) -> None:
         self._linear = linear
+        self._quant = quant
         self._backend = backend
         self._stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, model, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
         t = x.shape[0]
-        if x.dtype != torch.bfloat16 or kv_cache.k_buffer.dtype != torch.bfloat16 or type(kv_cache.backend) is not self._backend:
+        if (
+            x.dtype != torch.bfloat16
+            or kv_cache.k_buffer.dtype != torch.bfloat16
+            or type(kv_cache.backend) is not self._backend
+        ):
             return None
         if kv_cache.max_q_len == 1:
             rows, seq_lens = kv_cache.req_pool_indices, kv_cache.seq_lens
         else:  # a verify step: every token a decode row of the backend's plan, or not the stack's
             plan = kv_cache.plan.get(self._backend.name)
-            if plan is None or plan.tok_rows is not None or plan.native is not None or plan.chunks is not None:
+            if (
+                plan is None
+                or plan.tok_rows is not None
+                or plan.native is not None
+                or plan.chunks is not None
+            ):
                 return None
             rows, seq_lens = plan.rows, plan.seq_lens
         try:
             stack, kinds = self._stacks[model]
         except KeyError:
             stack, kinds = self._stacks[model] = self._build(model)
-        if stack is None or any(limit is not None and t > limit for limit in self._row_limits(kinds, x)):
+        if stack is None or any(limit is not None and t > limit for limit in self._row_limits(kinds)):
             return None
         return stack.forward(
-            x, freqs.reshape(t, -1, 2), kv_cache.k_buffer, kv_cache.v_buffer, kv_cache.req_to_token,
-            rows, seq_lens, kv_cache.out_cache_loc,
-        )  # fmt: skip
+            x,
+            freqs.reshape(t, -1, 2),
+            kv_cache.k_buffer,
+            kv_cache.v_buffer,
+            kv_cache.req_to_token,
+            rows,
+            seq_lens,
+            kv_cache.out_cache_loc,
+        )
 
-    def _row_limits(self, kinds: frozenset[str], x: torch.Tensor) -> list[int | None]:
+    def _row_limits(self, kinds: frozenset[str]) -> list[int | None]:
         """The most rows each kind of linear kernel the stack calls takes (None: any number)."""
         limits = []
         if "dense" in kinds:
             limits.append(self._linear.max_rows)
         if "quant" in kinds:
-            quant = kernel_for("quant_linear", x)
-            limits.append(0 if quant is None else quant.max_rows)
+            limits.append(0 if self._quant is None else self._quant.max_rows)
         return limits
 
     def _build(self, model) -> tuple[object | None, frozenset[str]]:
@@ -104,7 +118,15 @@ class DecoderLayersKernel:
         norms = [w.detach().to(torch.bfloat16).contiguous() for w in spec.norms]
         biases = [b.detach().to(torch.bfloat16).contiguous() for b in spec.qkv_biases]
         stack = torch.classes.astrai_cpu.DecodeStack(
-            spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.intermediate_size, spec.eps, spec.scale,
-            norms, packed, biases, layouts,
-        )  # fmt: skip
+            spec.n_heads,
+            spec.n_kv_heads,
+            spec.head_dim,
+            spec.intermediate_size,
+            spec.eps,
+            spec.scale,
+            norms,
+            packed,
+            biases,
+            layouts,
+        )
         return stack, frozenset(kinds)

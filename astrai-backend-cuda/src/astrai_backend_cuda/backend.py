@@ -15,18 +15,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrai.errors import KernelUnavailable
-from astrai.extension import ops
-from astrai.extension.backend.base import AttentionBackend
-from astrai.extension.backend.rotary import register_rotary_kernel
+from astrai.extension.api import AttentionBackend, KernelUnavailable, ops
 from astrai_backend_cuda.build import load_kernels, rotary_kernel
 from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, HEAD_DIMS, MAX_GROUP, decode_num_splits, prefill_tiles
 
 if TYPE_CHECKING:
-    from astrai.kvcache.cache import KVCache
+    from collections.abc import Mapping
+
+    from astrai.extension.api import Kernel, KVCache
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_installed = False  # the rotary kernel is in apply_rotary_emb's dispatch
 
 
 class CudaBackend(AttentionBackend):
@@ -63,14 +61,12 @@ class CudaBackend(AttentionBackend):
             return False, str(err)
         return True, ""
 
-    @classmethod
-    def install(cls) -> None:
-        """The fused rotary kernel into ``apply_rotary_emb``'s dispatch for CUDA tensors (once per process)."""
-        global _installed
-        if not _installed:
-            load_kernels()
-            register_rotary_kernel(rotary_kernel, "cuda")
-            _installed = True
+    def kernels(self, device_type: str) -> Mapping[str, Kernel]:
+        """For CUDA tensors, the fused rotary kernel (``apply_rotary_emb`` takes it for bf16)."""
+        if device_type != "cuda":
+            return {}
+        load_kernels()
+        return {"rotary": rotary_kernel}
 
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         """None, or the first of: dtype, head_dim, head grouping, device (host facts only)."""
@@ -98,7 +94,8 @@ class CudaBackend(AttentionBackend):
                 kv.decode_o_part, kv.decode_ml_part, kv.decode_out = o_part[:b], ml_part[:b], out[:b]
             kv.plan[self.name] = self._decode_splits(q, kv)
         elif kv.q_tile_to_batch is None:
-            q_lens = kv.q_lens_host or tuple(kv.qo_indptr.diff().tolist())  # hand-built steps may lack host facts
+            # hand-built steps may lack host facts
+            q_lens = kv.q_lens_host or tuple(kv.qo_indptr.diff().tolist())
             to_batch, to_index = prefill_tiles(q_lens)
             tiles = torch.tensor([to_batch, to_index], dtype=torch.int32).to(q.device)
             kv.q_tile_to_batch, kv.q_tile_to_index = tiles[0], tiles[1]
@@ -119,18 +116,40 @@ class CudaBackend(AttentionBackend):
                 self.prepare(q, kv)
             splits = kv.plan[self.name]
             return ops.attn_paged_decode(
-                q, k, v, kv.k_buffer, kv.v_buffer, layer_id, kv.req_to_token, kv.req_pool_indices,
-                kv.seq_lens, kv.out_cache_loc, kv.max_len, splits, kv.decode_o_part, kv.decode_ml_part,
-                kv.decode_out, scale,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                kv.k_buffer,
+                kv.v_buffer,
+                layer_id,
+                kv.req_to_token,
+                kv.req_pool_indices,
+                kv.seq_lens,
+                kv.out_cache_loc,
+                kv.max_len,
+                splits,
+                kv.decode_o_part,
+                kv.decode_ml_part,
+                kv.decode_out,
+                scale,
+            )
         if kv.q_tile_to_batch is None:  # a direct call, without prepare()
             self.prepare(q, kv)
         kv.k_buffer[layer_id].index_copy_(0, kv.out_cache_loc, k)
         kv.v_buffer[layer_id].index_copy_(0, kv.out_cache_loc, v)
         return ops.attn_paged_prefill(
-            q, kv.k_buffer, kv.v_buffer, layer_id, kv.req_to_token, kv.req_pool_indices, kv.qo_indptr,
-            kv.kv_indptr, kv.q_tile_to_batch, kv.q_tile_to_index, scale,
-        )  # fmt: skip
+            q,
+            kv.k_buffer,
+            kv.v_buffer,
+            layer_id,
+            kv.req_to_token,
+            kv.req_pool_indices,
+            kv.qo_indptr,
+            kv.kv_indptr,
+            kv.q_tile_to_batch,
+            kv.q_tile_to_index,
+            scale,
+        )
 
     def _decode_splits(self, q: torch.Tensor, kv: KVCache) -> int:
         """The step's split count, from host facts and the (cached) size of the device."""
@@ -140,7 +159,9 @@ class CudaBackend(AttentionBackend):
             kv.req_pool_indices.shape[0], n_kv, kv.max_len, num_sms, blocks_per_sm, kv.decode_o_part.shape[2]
         )
 
-    def _decode_scratch(self, q: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode_scratch(
+        self, q: torch.Tensor, kv: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(o_part, ml_part, out)`` for every row of ``req_to_token``, made once per pool shape."""
         rows, n_heads, head_dim = kv.req_to_token.shape[0], q.shape[1], q.shape[-1]
         key = (q.device, q.dtype, rows, n_heads, head_dim)

@@ -4,15 +4,17 @@
 
 1. AOT: ``astrai_backend_cuda/_C*.so``, built by ``pip install`` when torch with CUDA
    and nvcc were present at build time (see setup.py);
-2. JIT: otherwise, or when that library does not load (built for another torch), ``torch.utils.cpp_extension.load`` compiles the sources with ninja
-   for the visible device into a persistent cache, ``$ASTRAI_CUDA_CACHE`` or
+2. JIT: otherwise, or when that library does not load (built for another torch),
+   ``torch.utils.cpp_extension.load`` compiles the sources with ninja for the visible device
+   into a persistent cache, ``$ASTRAI_CUDA_CACHE`` or
    ``~/.cache/astrai/cuda-kernels/<torch>-cu<cuda>``; torch rebuilds only when a source
    or flag changes, so only the first use on a machine pays the compile (about a minute).
-   The build runs under ``astrai.extension.build_lock``: one builder per cache directory at a
-   time, and a build killed half-way (torch's ``lock`` file left behind) holds up no later start.
+   The build runs under ``build_lock`` (``astrai.extension.api``): one builder per cache
+   directory at a time, and a build killed half-way (torch's ``lock`` file left behind) holds
+   up no later start.
 
 It then registers fake (meta) implementations, so the ops trace under ``torch.compile``
-(installing the rotary kernel into ``apply_rotary_emb``'s dispatch is ``CudaBackend.install``'s).
+(lending the rotary kernel to ``apply_rotary_emb`` is ``CudaBackend.kernels``'s).
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from astrai.errors import KernelUnavailable
-from astrai.extension.build_lock import build_lock
-from astrai_backend_cuda import _sources
+import astrai_backend_cuda._sources as _sources
+from astrai.extension.api import KernelUnavailable, build_lock, ops
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,6 @@ def _register_fakes() -> None:
 
 def rotary_kernel(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """``apply_rotary_emb``'s contract on the fused kernel (freqs broadcast to x's leading shape)."""
-    from astrai.extension import ops
-
     want = (*x.shape[:-2], *freqs.shape[-2:])
     if freqs.shape != want or not freqs.is_contiguous():
         freqs = freqs.expand(want).contiguous()

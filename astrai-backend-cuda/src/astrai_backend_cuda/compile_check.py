@@ -54,14 +54,21 @@ def _cuda_includes() -> list[str]:
 
 
 def bindings_command(stub_dir: Path) -> list[str]:
-    """A host-compiler syntax check of bindings.cpp against torch's headers (torch's include dirs as system dirs)."""
+    """A host-compiler syntax check of bindings.cpp against torch's headers (torch's include dirs as
+    system dirs)."""
     from torch.utils.cpp_extension import include_paths
 
     system = [str(stub_dir), *include_paths(), *_cuda_includes(), sysconfig.get_paths()["include"]]
     return [
-        os.environ.get("CXX", "g++"), "-fsyntax-only", "-std=c++20", "-Wall", "-Wextra", "-Werror",
-        *(f for d in system for f in ("-isystem", d)), str(_sources.CSRC / _sources.BINDINGS),
-    ]  # fmt: skip
+        os.environ.get("CXX", "g++"),
+        "-fsyntax-only",
+        "-std=c++20",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        *(f for d in system for f in ("-isystem", d)),
+        str(_sources.CSRC / _sources.BINDINGS),
+    ]
 
 
 def _stub_cmake_macros(stub_dir: Path) -> None:

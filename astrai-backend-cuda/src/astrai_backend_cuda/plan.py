@@ -64,7 +64,8 @@ def decode_num_splits(
 
 
 def prefill_tiles(q_lens: tuple[int, ...] | list[int]) -> tuple[list[int], list[int]]:
-    """``(q_tile_to_batch, q_tile_to_index)`` of a step: one entry per ``PREFILL_Q_TILE`` rows of each request."""
+    """``(q_tile_to_batch, q_tile_to_index)`` of a step: one entry per ``PREFILL_Q_TILE`` rows of each
+    request."""
     to_batch, to_index = [], []
     for b, n in enumerate(q_lens):
         tiles = -(-n // PREFILL_Q_TILE)

@@ -34,9 +34,23 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: 
 
 
 def attn_paged_decode(
-    q, new_k, new_v, k_buffer, v_buffer, layer_id, req_to_token, req_pool_indices, seq_lens,
-    out_cache_loc, max_len, num_splits, o_part, ml_part, out, scale,
-) -> torch.Tensor:  # fmt: skip
+    q,
+    new_k,
+    new_v,
+    k_buffer,
+    v_buffer,
+    layer_id,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    out_cache_loc,
+    max_len,
+    num_splits,
+    o_part,
+    ml_part,
+    out,
+    scale,
+) -> torch.Tensor:
     """Reference of ``ops.attn_paged_decode``: pool write, split-K partials, combine into ``out``."""
     k_layer, v_layer = k_buffer[layer_id], v_buffer[layer_id]
     k_layer.index_copy_(0, out_cache_loc, new_k.to(k_layer.dtype))
@@ -59,9 +73,19 @@ def attn_paged_decode(
 
 
 def attn_paged_prefill(
-    q, k_buffer, v_buffer, layer_id, req_to_token, req_pool_indices, qo_indptr, kv_indptr,
-    q_tile_to_batch, q_tile_to_index, scale, out=None,
-) -> torch.Tensor:  # fmt: skip
+    q,
+    k_buffer,
+    v_buffer,
+    layer_id,
+    req_to_token,
+    req_pool_indices,
+    qo_indptr,
+    kv_indptr,
+    q_tile_to_batch,
+    q_tile_to_index,
+    scale,
+    out=None,
+) -> torch.Tensor:
     """Reference of ``ops.attn_paged_prefill``: causal attention tile by tile, offset ``kv_len - q_len``."""
     out = torch.empty_like(q) if out is None else out
     k_layer, v_layer = k_buffer[layer_id], v_buffer[layer_id]

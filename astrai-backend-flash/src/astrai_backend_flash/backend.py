@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrai.extension.backend.base import AttentionBackend
-from astrai_backend_flash import kernels as flash_kernels
+import astrai_backend_flash.kernels as flash_kernels
+from astrai.extension.api import AttentionBackend
 from astrai_backend_flash.plan import BLOCK, build_plan, paged_view
 
 if TYPE_CHECKING:
-    from astrai.kvcache.cache import KVCache
+    from astrai.extension.api import KVCache
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256

@@ -61,7 +61,8 @@ def device_reason(kernels: FlashKernels, device: torch.device) -> str | None:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < MIN_CAPABILITY:
             need = ".".join(map(str, MIN_CAPABILITY))
-            return f"CUDA device {device} has compute capability {major}.{minor}; flash-attn needs {need} or newer"
+            have = f"{major}.{minor}"
+            return f"CUDA device {device} has compute capability {have}; flash-attn needs {need} or newer"
     return None
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from astrai.kvcache.cache import KVCache
+    from astrai.extension.api import KVCache
 
 #: flash-attn 2's paged block size (``page_block_size`` must be a multiple of 256).
 BLOCK = 256

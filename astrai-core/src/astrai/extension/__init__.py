@@ -4,7 +4,8 @@ Model code calls ``attention(...)`` and ``apply_rotary_emb(...)`` from here;
 ``attn_backend``/``ATTN_BACKEND``/``ASTR_BACKEND`` choose the backend, and the engine's
 model runner resolves it once per step with ``bind_step`` (see
 ``astrai.extension.backend.policy``). ``astrai.extension.ops`` holds the raw
-compiled-kernel wrappers, which never fall back.
+compiled-kernel wrappers, which never fall back. A backend plugin imports what it needs
+from ``astrai.extension.api`` alone.
 """
 
 from __future__ import annotations

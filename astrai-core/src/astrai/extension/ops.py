@@ -79,9 +79,23 @@ def attn_paged_decode(
     """
     op = _op("attn_paged_decode")
     op(
-        q, new_k, new_v, k_buffer, v_buffer, layer_id, req_to_token, req_pool_indices,
-        seq_lens, out_cache_loc, max_len, num_splits, o_part, ml_part, out, scale,
-    )  # fmt: skip
+        q,
+        new_k,
+        new_v,
+        k_buffer,
+        v_buffer,
+        layer_id,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        out_cache_loc,
+        max_len,
+        num_splits,
+        o_part,
+        ml_part,
+        out,
+        scale,
+    )
     return out
 
 
@@ -117,9 +131,19 @@ def attn_paged_prefill(
     op = _op("attn_paged_prefill")
     out = torch.empty_like(q) if out is None else out
     op(
-        q, k_buffer, v_buffer, layer_id, req_to_token, req_pool_indices, qo_indptr,
-        kv_indptr, q_tile_to_batch, q_tile_to_index, scale, out,
-    )  # fmt: skip
+        q,
+        k_buffer,
+        v_buffer,
+        layer_id,
+        req_to_token,
+        req_pool_indices,
+        qo_indptr,
+        kv_indptr,
+        q_tile_to_batch,
+        q_tile_to_index,
+        scale,
+        out,
+    )
     return out
 
 

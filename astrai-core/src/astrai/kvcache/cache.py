@@ -22,11 +22,22 @@ class KVCache:
     New tokens are flattened request after request: ``T = qo_indptr[-1]``.
     A decode step is the case where every ``q_len`` is 1.
 
-    ``PagePool.bind_tasks`` fills every field a backend-neutral attention needs. The
-    fields that only one backend reads (the CUDA kernels' prefill tile maps and split-K
-    scratch) stay ``None`` until that backend's ``prepare`` fills them, once per step and
-    only for the steps it runs; ``backend`` is the attention backend resolved for the step
-    (``astrai.extension.bind_step``), which every layer uses as it is.
+    The fields, by who fills them:
+
+    - ``k_buffer`` to ``qo_indptr`` (the spec's): ``PagePool.bind_tasks``, for every backend.
+    - ``q_tile_to_batch`` to ``decode_out`` (the spec's too, read by the cuda backend's kernels
+      alone): ``None`` until that backend's ``prepare`` fills them, once per step and only for the
+      steps it runs. Other backends keep what they derive per step in ``plan``.
+    - ``max_q_len`` to ``page_size``, host facts: ``bind_tasks`` (``drafts_host``: the model
+      runner). Not in ``plan``, because no backend derives them: they are what the host knows of
+      the step (and of the pool's layout), and a backend could only learn them by reading device
+      tensors back, a device sync per step. Every backend reads ``max_q_len`` and the per-request
+      lengths, and a tensor-parallel step sends them to the other ranks (``astrai.distributed.tp``)
+      with ``num_tokens`` and ``page_size``; ``drafts_host`` (read by the cpu backend) and
+      ``page_size`` (by flash) are facts of the step that any backend may use. A hand-built step
+      may leave them at their defaults: backends then do without.
+    - ``backend`` (``astrai.extension.bind_step``): the step's attention backend, resolved once;
+      every layer uses it as it is. ``plan``: what backends derive once per step, by backend name.
 
     All tensors live on the pool's device. Integer index tensors are int64 unless
     stated; the ``*_indptr`` and tile maps are int32 (kernel-friendly).
@@ -43,7 +54,7 @@ class KVCache:
     qo_indptr: torch.Tensor  # [B + 1] int32: prefix sum of per-request q_len
     # Filled by the backend that reads them (astrai-backend-cuda), in its prepare():
     q_tile_to_batch: torch.Tensor | None = None  # [num_q_tiles] int32: prefill Q tile -> request
-    q_tile_to_index: torch.Tensor | None = None  # [num_q_tiles] int32: prefill Q tile -> tile index within its request
+    q_tile_to_index: torch.Tensor | None = None  # [num_q_tiles] int32: Q tile -> request-local tile index
     decode_o_part: torch.Tensor | None = None  # [B, n_heads, splits, head_dim] f32: split-K partial outputs
     decode_ml_part: torch.Tensor | None = None  # [B, n_heads, splits] f32: split-K partial log-sum-exp
     decode_out: torch.Tensor | None = None  # [B, n_heads, head_dim] model dtype: decode output accumulator

@@ -8,8 +8,11 @@ from typing import TYPE_CHECKING
 from astrai.plugins import check_class
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
 
+    from astrai.extension.kernels import Kernel
     from astrai.kvcache.cache import KVCache
 
 
@@ -24,7 +27,7 @@ class AttentionBackend(ABC):
 
     #: Entry-point name, e.g. ``"torch_native"``.
     name: str = ""
-    #: Lower runs first in automatic selection (cuda 10, flash 20, torch_native 100).
+    #: Lower runs first in automatic selection (cuda 10, flash 20, cpu 50, torch_native 100).
     priority: int = 100
 
     @classmethod
@@ -35,14 +38,6 @@ class AttentionBackend(ABC):
         Returns ``(ok, reason)``; ``reason`` says why not (missing package,
         no CUDA device, kernels not built) and is empty when ``ok``. Must not
         raise and must not allocate device memory.
-        """
-
-    @classmethod  # noqa: B027 - an optional hook: nothing by default
-    def install(cls) -> None:
-        """Put this backend's process-wide kernels in place (``astrai.extension.fused`` ops, rotary).
-
-        Called once per process by the registry when it loads the backend for use (its first
-        instance), after ``is_available()`` said yes; never by a capability check. Default: nothing.
         """
 
     @abstractmethod
@@ -64,6 +59,51 @@ class AttentionBackend(ABC):
         for the steps this backend runs; a ``forward`` called without it (a direct call)
         must prepare for itself. Default: nothing.
         """
+
+    def kernels(self, device_type: str) -> Mapping[str, Kernel]:
+        """The fused kernels this backend lends the model for tensors on ``device_type``: ``{op: kernel}``.
+
+        The registry asks each backend it has loaded for use (made its instance; an engine loads
+        every available backend when it starts), once per device type, the first time a tensor of
+        that type looks an op up (``astrai.extension.kernels.KernelTable``): it may load the
+        backend's compiled ops and make kernel objects, but must not allocate device memory or
+        synchronise the device. It is never asked from a capability check. Default: none.
+
+        The model calls an op's kernel only while grad is disabled, on tensors of ``device_type``,
+        in place of the op's PyTorch formulation, whose roundings it must keep (only the order
+        of its float32 sums may differ). A kernel allocates its outputs and mutates nothing else
+        unless said below. The ops (``astrai.extension.kernels.OPS``):
+
+        - ``rotary``: ``kernel(x, freqs)``, ``apply_rotary_emb``'s contract for bf16 ``x [...,
+          heads, head_dim]`` (other dtypes take the torch path) and float32 ``freqs [...,
+          head_dim/2, 2]`` (``[cos, sin]``; leading dims broadcast to x's): the rotated ``x``,
+          rounded once; it may rotate ``x`` in place and return it.
+        - ``rms_norm``: ``kernel(x, weight, eps)`` for ``x [rows, hidden]``, ``weight [hidden]``:
+          ``F.rms_norm(x) * weight``, float32 inside, rounded to x's dtype, then the product rounded.
+        - ``add_rms_norm``: ``kernel(x, residual, weight, eps) -> (s, rms_norm(s))`` with ``s = x +
+          residual`` rounded to the dtype first; ``[rows, hidden]`` each.
+        - ``silu_and_mul``: ``kernel(x)`` for ``x [rows, 2 * n] = [gate | up]``: ``F.silu(gate) *
+          up``, ``[rows, n]``, each rounded to the dtype.
+        - ``linear``: an object; ``pack(weight)`` puts an ``[N, K]`` weight in the kernel's layout
+          (once per weight, kept by ``PackedLinear``); ``kernel(x, packed, bias, float_out=False)``
+          for bf16 rows ``x [M, K]`` is ``F.linear``'s result (one rounding of the float32 sum,
+          after the bias), or with ``float_out`` the float32 sums unrounded, any number of rows (an
+          LM head's logits); ``max_rows``: the most rows it takes (``None``: any number), larger
+          inputs go to oneDNN.
+        - ``quant_linear``: an object running ``QuantizedLinear`` (GGUF weights in its tile layout):
+          ``kernel(x, packed, layout, bias, float_out=False)`` for bf16 or float32 ``x [M, K]``
+          (the dequantized weight's product summed in float32, the bias added, one rounding to x's
+          dtype; with ``float_out`` float32, any number of rows); ``max_rows``: the most bf16 rows
+          it takes, more go to ``wide(x, packed, layout, bias)`` when it has one, else to
+          ``weight_t(packed, layout, dtype)`` (the weight dequantized, ``[K, N]``) and oneDNN;
+          ``rows(packed, layout, ids, dtype)``: rows of the weight dequantized (embedding lookups).
+        - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
+          hidden]``, the rotary rows ``freqs [1, T, head_dim/2, 2]`` and the step's ``KVCache``: runs
+          all of ``model``'s decoder layers (writing the step's K/V as they would) and returns the
+          hidden states after the last one, bit for bit the layers' own on the same kernels; or
+          ``None``, without side effects, when it cannot run this model or step.
+        """
+        return {}
 
     @abstractmethod
     def forward(

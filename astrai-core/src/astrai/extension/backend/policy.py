@@ -37,6 +37,7 @@ from astrai.extension.backend.selection import (  # noqa: F401 - the policy's pu
     attn_backend,
     requested_backend,
 )
+from astrai.extension.kernels import KernelTable
 from astrai.plugins import LoadedPlugins, PluginFailure, load_plugins
 
 if TYPE_CHECKING:
@@ -46,13 +47,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def load_attention_backends() -> LoadedPlugins:
     """Every installed ``astrai.attention_backends`` class (validated; failures kept)."""
     return load_plugins(ATTENTION_BACKENDS, check_backend_class)
 
 
 class BackendRegistry:
-    """The attention backends of a process: classes, load failures, one instance each.
+    """The attention backends of a process: classes, load failures, one instance each, and the
+    fused kernels the instances lend the model (``kernels``, a ``KernelTable``).
 
     Built by ``discover()`` from the entry points, or directly from in-memory
     classes (tests). Thread-safe; instances are created on first use.
@@ -74,6 +77,8 @@ class BackendRegistry:
         self._availability: dict[str, tuple[bool, str]] = {}
         self._instances: dict[str, AttentionBackend] = {}
         self._auto: list[AttentionBackend] | None = None
+        #: The fused kernels of the backends loaded for use (``AttentionBackend.kernels``).
+        self.kernels = KernelTable()
 
     @classmethod
     def discover(cls) -> BackendRegistry:
@@ -92,17 +97,18 @@ class BackendRegistry:
             return self._availability[name]
 
     def instance(self, name: str) -> AttentionBackend:
-        """The one instance of a loaded backend (which must be available); making it installs
-        the backend's kernels (``AttentionBackend.install``)."""
+        """The one instance of a loaded backend (which must be available): the backend loaded for
+        use, whose fused kernels (``AttentionBackend.kernels``) then join ``kernels``."""
         with self._lock:
             if name not in self._instances:
-                cls = self._classes[name]
-                cls.install()
-                self._instances[name] = cls()
+                backend = self._classes[name]()
+                self.kernels.add(backend)
+                self._instances[name] = backend
             return self._instances[name]
 
     def load(self) -> list[tuple[str, bool, str]]:
-        """Load every available backend for use (their kernels installed); returns ``available_backends()``.
+        """Load every available backend for use (their fused kernels in ``kernels``); returns
+        ``available_backends()``.
 
         An engine calls this when it starts, so that a plugin which builds kernels on first
         use does so before the first request, and its fused kernels serve the first step.
@@ -205,8 +211,15 @@ def get_registry() -> BackendRegistry:
         return _registry
 
 
+def current_registry() -> BackendRegistry | None:
+    """The process-wide registry if one was discovered, else ``None``; never discovers (a fused
+    op's kernel lookup, ``astrai.extension.fused.kernel_for``: no registry, no loaded backend)."""
+    return _registry
+
+
 def reset_registry() -> None:
-    """Forget the discovered registry: the next call discovers again (tests, after installs)."""
+    """Forget the discovered registry, its backends and their kernels: the next call discovers
+    again (tests, after installs)."""
     global _registry
     with _registry_lock:
         _registry = None

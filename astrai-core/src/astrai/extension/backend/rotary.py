@@ -8,17 +8,14 @@ multiplied by ``exp(j * pos * inv_freq[i])``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from astrai.errors import AstraiError
-from astrai.extension import fused
-
-RotaryKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
+from astrai.extension.fused import kernel_for
 
 
 def _inv_freq(dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
@@ -75,18 +72,6 @@ class RotaryEmbedding(nn.Module):
         return self.freqs_cis[position_ids]
 
 
-def register_rotary_kernel(kernel: RotaryKernel | None, device_type: str = "cuda") -> RotaryKernel | None:
-    """Install a fused rotary kernel for ``device_type`` (``None`` removes it); returns the previous one.
-
-    ``kernel(x, freqs)`` has ``apply_rotary_emb``'s contract and may rotate
-    ``x`` in place and return it. It is used only for bf16 inputs on
-    ``device_type`` while ``torch.is_grad_enabled()`` is False; everything else
-    takes the torch path. One kernel per device type (``astrai.extension.fused``'s
-    table): the CUDA and CPU backend plugins each install theirs when their ops load.
-    """
-    return fused.register_kernel("rotary", kernel, device_type)
-
-
 def rotate_torch(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Complex-multiply path in float32; differentiable."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
@@ -99,10 +84,11 @@ def apply_rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
     ``x [batch, seq, heads, head_dim]`` (more generally ``[..., heads, head_dim]``),
     ``freqs [batch, seq, head_dim/2, 2]`` (``[..., head_dim/2, 2]``, f32 ``[cos, sin]``)
-    -> a tensor of ``x``'s shape and dtype. Uses the registered kernel when
-    ``x`` is bf16 on its device type and grad is disabled, else the torch path.
+    -> a tensor of ``x``'s shape and dtype. Uses the ``rotary`` kernel a loaded backend lends
+    for ``x``'s device type (``astrai.extension.fused.kernel_for``) when ``x`` is bf16 and grad
+    is disabled, else the torch path.
     """
-    kernel = fused.kernel_for("rotary", x)
+    kernel = kernel_for("rotary", x)
     if kernel is not None and x.dtype == torch.bfloat16:
         return kernel(x, freqs)
     return rotate_torch(x, freqs)

@@ -13,10 +13,12 @@ ENV_VAR = "ASTR_BACKEND"
 
 
 class ATTN_BACKEND(str, Enum):  # noqa: N801 - the documented public name (mirrors sdpa_kernel's enum)
-    """The backends astrai knows by name; the value is the entry-point name."""
+    """The backends astrai knows by name, in the order of their priority; the value is the
+    entry-point name (``cpu``, ``cuda`` and ``flash`` come with their distributions)."""
 
     CUDA = "cuda"
     FLASH = "flash"
+    CPU = "cpu"
     TORCH_NATIVE = "torch_native"
 
 

@@ -154,7 +154,7 @@ def _prefill_plan(kv: KVCache, sub: _Subset, whole: bool, dtype: torch.dtype) ->
 
 
 def plan_step(kv: KVCache, dtype: torch.dtype) -> NativePlan:
-    """Split the step on the host into decodes, fresh prompts and the rest; plan each part (masks in ``dtype``)."""
+    """Split the step on the host into decodes, fresh prompts and the rest; plan each (masks in ``dtype``)."""
     if kv.max_q_len == 1:
         return NativePlan(_decode_plan(kv, _subset(kv, None), whole=True), (), None)
     if not kv.q_lens_host:  # no host facts: everything through the tiled path, one tile each
@@ -193,8 +193,9 @@ def _decode_attention(q, k_buf, v_buf, plan: _DecodePlan, scale: float) -> torch
     n_req, n_heads, head_dim = q.shape
     n_kv = k_buf.shape[1]
     group = n_heads // n_kv
-    keys = k_buf.view(-1, head_dim).index_select(0, plan.flat_rows).view(n_kv * n_req, plan.max_len, head_dim)
-    values = v_buf.view(-1, head_dim).index_select(0, plan.flat_rows).view(n_kv * n_req, plan.max_len, head_dim)
+    rows, shape = plan.flat_rows, (n_kv * n_req, plan.max_len, head_dim)
+    keys = k_buf.view(-1, head_dim).index_select(0, rows).view(shape)
+    values = v_buf.view(-1, head_dim).index_select(0, rows).view(shape)
     compute = torch.float32 if n_req * plan.max_len <= _DECODE_F32_POSITIONS else q.dtype
     # [b, Hkv, group, D] -> [Hkv * b, group, D], scaled first so the scores need no extra pass
     queries = (q.view(n_req, n_kv, group, head_dim).transpose(0, 1).float() * scale).to(compute)
@@ -204,7 +205,8 @@ def _decode_attention(q, k_buf, v_buf, plan: _DecodePlan, scale: float) -> torch
         scores += plan.mask
     probs = torch.softmax(scores, -1).to(compute)
     out = torch.bmm(probs, values.to(compute))  # [Hkv * b, group, D]
-    return out.view(n_kv, n_req, group, head_dim).transpose(0, 1).reshape(n_req, n_heads, head_dim).to(q.dtype)
+    out = out.view(n_kv, n_req, group, head_dim).transpose(0, 1)
+    return out.reshape(n_req, n_heads, head_dim).to(q.dtype)
 
 
 def _prefill_attention(q, k_buf, v_buf, plan: _PrefillPlan, scale: float) -> torch.Tensor:
@@ -287,10 +289,12 @@ class TorchNativeBackend(AttentionBackend):
             rows = slice(start, start + n)
             # [1, heads, n, D] views: SDPA's fused CPU kernel wants 4-D inputs (3-D ones take
             # the unfused math path)
-            out[rows] = F.scaled_dot_product_attention(
-                *(x[rows].to(q.dtype).transpose(0, 1)[None] for x in (q, k, v)),
-                is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-            )[0].transpose(0, 1)  # fmt: skip
+            qkv = [x[rows].to(q.dtype).transpose(0, 1)[None] for x in (q, k, v)]
+            o = F.scaled_dot_product_attention(
+                *qkv, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+            out[rows] = o[0].transpose(0, 1)
         if plan.prefill is not None:
-            out.index_copy_(0, plan.prefill.tok_rows, _prefill_attention(q, k_buf, v_buf, plan.prefill, scale))
+            prefill = _prefill_attention(q, k_buf, v_buf, plan.prefill, scale)
+            out.index_copy_(0, plan.prefill.tok_rows, prefill)
         return out
