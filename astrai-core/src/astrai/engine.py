@@ -23,12 +23,12 @@ import torch
 
 from astrai.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from astrai.cpu_tuning import run_off_thread
-from astrai.malloc import tune_malloc
 from astrai.extension.backend.policy import load_backends
 from astrai.grammar import GrammarCache
 from astrai.hooks import HookThread, PluginManager
 from astrai.kvcache import PagePool
 from astrai.kvcache.sizing import kv_config
+from astrai.malloc import tune_malloc
 from astrai.model import IncrementalDecoder
 from astrai.request import FinishedRequest, Request
 from astrai.result import GenerateResult

@@ -3,15 +3,18 @@
 A token's log-prob is ``log_softmax`` of the raw logits (float32, before penalties, temperature
 or any filter), as vLLM returns by default; ``top`` holds the k most likely tokens of the same
 distribution. One ``log_softmax`` and one ``topk`` serve every row that asked, and the results
-reach the host in one copy, so a step in which no row asks pays nothing.
+reach the host in one copy, so a step in which no row asks pays nothing. ``TokenLogprob`` is a
+contract of the step's result: this module imports torch only when ``token_logprobs`` runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MAX_LOGPROBS", "TokenLogprob", "token_logprobs"]
 
@@ -28,7 +31,6 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@torch.no_grad()
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: Sequence[int]) -> list[TokenLogprob]:
     """``TokenLogprob`` of ``token_ids[i]`` under row ``i`` of ``logits``, with row ``i``'s ``top_k[i]`` best.
 
@@ -41,15 +43,18 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: Sequenc
     """
     if not len(top_k):
         return []
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, token_ids.view(-1, 1))
-    k = max(top_k)
-    if k:
-        top = lp.topk(k, dim=-1)
-        values = torch.cat([chosen, top.values], dim=1).tolist()
-        ids = top.indices.tolist()
-    else:
-        values, ids = chosen.tolist(), [[]] * len(top_k)
+    import torch
+
+    with torch.no_grad():
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, token_ids.view(-1, 1))
+        k = max(top_k)
+        if k:
+            top = lp.topk(k, dim=-1)
+            values = torch.cat([chosen, top.values], dim=1).tolist()
+            ids = top.indices.tolist()
+        else:
+            values, ids = chosen.tolist(), [[]] * len(top_k)
     return [
         TokenLogprob(tok, row[0], tuple(zip(row_ids[:n], row[1 : n + 1], strict=True)))
         for tok, row, row_ids, n in zip(token_ids.tolist(), values, ids, top_k, strict=True)

@@ -137,9 +137,9 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     """
     import uvicorn
 
+    from astrai.malloc import tune_malloc
     from astrai.sampling import SamplingPipeline
     from astrai_server.app import create_app
-    from astrai.malloc import tune_malloc
     from astrai_server.descriptors import raise_descriptor_limit
     from astrai_server.drain import DrainingServer
     from astrai_server.edge import uvicorn_options

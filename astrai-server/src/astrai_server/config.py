@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from astrai.config import EngineConfig
 from astrai_server.errors import ConfigError
 
 #: Top-level YAML sections: ``server`` is read, ``runtime`` belongs to the Docker scripts.
@@ -53,6 +54,9 @@ def check_key(value: str) -> str:
 
 
 ApiKey = Annotated[str, AfterValidator(check_key)]
+#: The engine's defaults (astrai.config), which the settings of the engine take rather than repeat; the
+#: few that differ say why where they are (max_queued_requests).
+_ENGINE = EngineConfig()
 _ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 _TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token: a method or header name
 
@@ -70,13 +74,13 @@ class ServerSettings(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: astrai.model.default_dtype
     weights: Literal["auto", "gguf", "dense"] = "auto"  # a GGUF file's quantized weights: kept (gguf), dequantized (dense), or auto
     attention_backend: str | None = None  # an astrai.attention_backends entry point: EngineConfig.attention_backend
-    max_batch_size: int = Field(64, ge=1)
+    max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1)
     max_seq_len: int | None = Field(None, ge=2)  # None: the model's context length
-    paged: bool = True
-    page_size: int = Field(16, ge=1)
-    prefix_caching: bool = True
+    paged: bool = _ENGINE.paged
+    page_size: int = Field(_ENGINE.page_size, ge=1)
+    prefix_caching: bool = _ENGINE.prefix_caching
     kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
-    max_prefill_tokens: int = Field(2048, ge=1)
+    max_prefill_tokens: int = Field(_ENGINE.max_prefill_tokens, ge=1)
     max_request_bytes: int = Field(32 * 2**20, ge=1)  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
     header_timeout: float = Field(10.0, gt=0)  # seconds to send a request head, or a body may stall; then 408
     max_connections: int | None = Field(None, ge=1)  # open connections, then 503; None: fd limit - 64
@@ -86,22 +90,22 @@ class ServerSettings(BaseModel):
     max_choices: int = Field(128, ge=1)  # engine requests one HTTP request may make (prompts x n); beyond: 400
     queue_timeout: float | None = Field(None, gt=0)  # seconds a request may wait for admission; then 429
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # "priority": the body's priority field orders requests
-    max_stop_sequences: int = Field(64, ge=1)  # stop strings of one request (astrai.limits.RequestLimits)
-    max_stop_length: int = Field(256, ge=1)  # characters of one stop string
-    max_logit_bias: int = Field(300, ge=1)  # logit_bias entries of one request (OpenAI's API takes 300)
-    grammar_workers: int = Field(1, ge=0)  # grammar compile processes (0: on the request's thread, unbounded)
-    grammar_queue: int = Field(8, ge=0)  # compiles that may wait for a worker; beyond: 429
-    grammar_compile_timeout: float = Field(15.0, gt=0)  # seconds one compile may take; then 400
-    max_grammar_bytes: int = Field(256 * 2**10, ge=1)  # largest schema, regex, choices, grammar or tool set (YAML/CLI: "256KiB")
-    grammar_cache_memory: int = Field(256 * 2**20, ge=0)  # compiled grammars kept for reuse (YAML/CLI: "256MiB")
+    max_stop_sequences: int = Field(_ENGINE.limits.max_stop_sequences, ge=1)  # stop strings of one request (astrai.limits.RequestLimits)
+    max_stop_length: int = Field(_ENGINE.limits.max_stop_length, ge=1)  # characters of one stop string
+    max_logit_bias: int = Field(_ENGINE.limits.max_logit_bias, ge=1)  # logit_bias entries of one request (OpenAI's API takes 300)
+    grammar_workers: int = Field(_ENGINE.grammar.workers, ge=0)  # grammar compile processes (0: on the request's thread, unbounded)
+    grammar_queue: int = Field(_ENGINE.grammar.max_pending, ge=0)  # compiles that may wait for a worker; beyond: 429
+    grammar_compile_timeout: float = Field(_ENGINE.grammar.timeout, gt=0)  # seconds one compile may take; then 400
+    max_grammar_bytes: int = Field(_ENGINE.grammar.max_bytes, ge=1)  # largest schema, regex, choices, grammar or tool set (YAML/CLI: "256KiB")
+    grammar_cache_memory: int = Field(_ENGINE.grammar.cache_bytes, ge=0)  # compiled grammars kept for reuse (YAML/CLI: "256MiB")
     speculative: Literal["ngram"] | None = None  # "ngram": prompt-lookup speculative decoding of greedy requests
-    num_speculative_tokens: int = Field(4, ge=1, le=15)  # drafts per request and step
-    ngram_min: int = Field(2, ge=1)  # shortest suffix n-gram matched against the request's earlier tokens
-    ngram_max: int = Field(4, ge=1)  # longest (tried first); >= ngram_min
+    num_speculative_tokens: int = Field(_ENGINE.num_speculative_tokens, ge=1, le=15)  # drafts per request and step
+    ngram_min: int = Field(_ENGINE.ngram_min, ge=1)  # shortest suffix n-gram matched against the request's earlier tokens
+    ngram_max: int = Field(_ENGINE.ngram_max, ge=1)  # longest (tried first); >= ngram_min
     shutdown_timeout: float = Field(20.0, ge=0)  # seconds requests in flight get after SIGTERM; then they are aborted
     on_load_failure: Literal["exit", "unhealthy"] = "exit"  # a failed model load: exit 1, or serve 503
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split over (astrai.distributed)
-    tp_timeout: float = Field(300.0, gt=0)  # seconds a tensor-parallel collective may wait
+    tp_timeout: float = Field(_ENGINE.tp_timeout, gt=0)  # seconds a tensor-parallel collective may wait
     data_parallel_size: int = Field(1, ge=1)  # engine replicas behind the SGLang Model Gateway (astrai_server.replicas)
     data_parallel_base_port: int | None = Field(None, ge=1, le=65535)  # replica i on 127.0.0.1:(this + i); None: free ports
     gateway_metrics_port: int | None = Field(None, ge=1, le=65535)  # the gateway's own Prometheus port (127.0.0.1); None: free

@@ -10,19 +10,38 @@ from ``astrai.extension.api`` alone.
 
 from __future__ import annotations
 
-from astrai.extension.backend.base import AttentionBackend
-from astrai.extension.backend.policy import (
-    ATTN_BACKEND,
-    AUTOMATIC,
-    BackendChoice,
-    attention,
-    attn_backend,
-    available_backends,
-    bind_step,
-    load_backends,
-    requested_backend,
-)
-from astrai.extension.backend.rotary import RotaryEmbedding, apply_rotary_emb
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from astrai.extension.backend.base import AttentionBackend
+    from astrai.extension.backend.policy import attention, available_backends, bind_step, load_backends
+    from astrai.extension.backend.rotary import RotaryEmbedding, apply_rotary_emb
+    from astrai.extension.backend.selection import (
+        ATTN_BACKEND,
+        AUTOMATIC,
+        BackendChoice,
+        attn_backend,
+        requested_backend,
+    )
+
+#: Public name -> the module that defines it (imported by ``__getattr__`` on first use), so that the
+#: torch-free contracts (``astrai.extension.backend.selection``: ``BackendChoice``, ``ATTN_BACKEND``)
+#: import without torch.
+_LAZY = {
+    "ATTN_BACKEND": "astrai.extension.backend.selection",
+    "AUTOMATIC": "astrai.extension.backend.selection",
+    "AttentionBackend": "astrai.extension.backend.base",
+    "BackendChoice": "astrai.extension.backend.selection",
+    "RotaryEmbedding": "astrai.extension.backend.rotary",
+    "apply_rotary_emb": "astrai.extension.backend.rotary",
+    "attention": "astrai.extension.backend.policy",
+    "attn_backend": "astrai.extension.backend.selection",
+    "available_backends": "astrai.extension.backend.policy",
+    "bind_step": "astrai.extension.backend.policy",
+    "load_backends": "astrai.extension.backend.policy",
+    "requested_backend": "astrai.extension.backend.selection",
+}
 
 __all__ = [
     "ATTN_BACKEND",
@@ -38,3 +57,16 @@ __all__ = [
     "load_backends",
     "requested_backend",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'astrai.extension' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

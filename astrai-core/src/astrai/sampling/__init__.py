@@ -37,7 +37,10 @@ _LAZY = {
     "apply_penalties": "astrai.sampling.penalties",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "BaseSamplingStrategy", "MinPStrategy", "SamplingBatch", "SamplingParams", "SamplingPipeline", "SamplingStrategy",
+    "TemperatureStrategy", "TopKStrategy", "TopPStrategy", "apply_penalties", "sample",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -87,6 +87,7 @@ class SamplingParams:
         RequestRejected: a value is out of range or of the wrong type (the message names it).
     """
 
+    # the engine API's default (generate(), submit()); each protocol sends its own, its HTTP default
     max_tokens: int = 256  # 0: only the prompt is computed (its log-probs), nothing is generated
     temperature: float = 1.0  # 0 = greedy (argmax of the penalised logits)
     top_p: float = 1.0  # 1 = off

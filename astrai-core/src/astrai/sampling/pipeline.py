@@ -1,4 +1,8 @@
-"""SamplingPipeline: penalties -> temperature -> top-k -> top-p -> min-p -> extras -> draw."""
+"""SamplingPipeline: penalties -> temperature -> top-k -> top-p -> min-p -> extras -> draw.
+
+Over 300 lines because the pipeline is one class: its plugin discovery, its per-request
+validation at admission and its per-step application read best together.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ import torch
 from astrai.errors import PluginError, RequestRejected
 from astrai.plugins import load_plugins
 from astrai.sampling.base import SAMPLING, SamplingStrategy, check_strategy_class
+from astrai.sampling.batch import SamplingBatch
 from astrai.sampling.min_p import MinPStrategy
 from astrai.sampling.noise import categorical
-from astrai.sampling.batch import SamplingBatch
 from astrai.sampling.params import SamplingParams
 from astrai.sampling.penalties import apply_penalties
 from astrai.sampling.temperature import TemperatureStrategy

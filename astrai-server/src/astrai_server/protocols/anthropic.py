@@ -264,7 +264,7 @@ class MessagesInput(BaseModel):
 class MessagesRequest(MessagesInput):
     """The request body of ``POST /v1/messages``; undeclared fields are kept for sampling plugins."""
 
-    max_tokens: int = Field(1024, ge=0)
+    max_tokens: int = Field(1024, ge=0)  # the spec's table (Anthropic's API requires the field)
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, ge=0.0, le=1.0)
     top_k: int | None = Field(50, ge=0)

@@ -68,7 +68,7 @@ class CompletionRequest(BaseModel):
     model: str = "astrai"
     prompt: str | list[str] | list[int] | list[list[int]]
     suffix: str | None = None
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's and vLLM's default for completions
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)

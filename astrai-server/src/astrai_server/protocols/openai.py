@@ -200,7 +200,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, ge=0.0, le=1.0)
     top_k: int | None = Field(50, ge=0)
-    max_tokens: int | None = Field(2048, gt=0)
+    max_tokens: int | None = Field(2048, gt=0)  # the spec's table; fitted to the context when not sent
     max_completion_tokens: int | None = Field(None, gt=0)
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -205,7 +205,7 @@ class ResponsesRequest(BaseModel):
     model: str = "astrai"
     input: list[InputItem] = Field(min_length=1)  # a string: one user message
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, gt=0)
+    max_output_tokens: int | None = Field(None, gt=0)  # OpenAI's: none, i.e. what the context leaves
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, ge=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=20)
