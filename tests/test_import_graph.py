@@ -48,7 +48,10 @@ def _runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     while stack:
         node = stack.pop()
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in (
+                "TYPE_CHECKING",
+                "typing.TYPE_CHECKING",
+            ):
                 stack.extend(child.orelse)
                 continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
@@ -67,7 +70,9 @@ def imports_of(module: str) -> set[str]:
         else:
             base = node.module or ""
             if node.level:
-                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], base]
+                ).strip(".")
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         for name in names:
             while name and name not in MODULES:  # `import a.b.c` of a function or attribute: its module
@@ -197,3 +202,92 @@ def test_no_module_imports_a_package_that_imports_it() -> None:
         if name != module and module.startswith(name + ".") and name in MODULES and _reaches(name, module)
     ]
     assert found == []
+
+
+def _every_import(module: str) -> set[str]:
+    """The modules of these distributions that ``module`` names in any import statement, those under
+    ``if TYPE_CHECKING:`` included (an annotation ties two modules together for a reader too)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], base]
+                ).strip(".")
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+CORE = {m for m, owner in OWNER.items() if owner == "astrai-core"}
+#: Core's floors, bottom first: a module imports (annotations included) only from its own floor or
+#: below. The bottom holds what has no dependency in astrai; the contracts are plain data that
+#: plugins, protocols and the step share (no torch: tests/test_contracts.py); the subsystems each
+#: have one idea; the engine's parts drive them; the top is what a user calls.
+FLOORS: list[tuple[str, set[str]]] = [
+    (
+        "bottom",
+        {"astrai.errors", "astrai.malloc", "astrai.cpu_tuning", "astrai.hookspecs", "astrai.chat_prompt"},
+    ),
+    (
+        "contracts",
+        {
+            "astrai.plugins",
+            "astrai.logprobs",
+            "astrai.limits",
+            "astrai.extension.backend.selection",
+            "astrai.grammar.base",
+            "astrai.sampling.params",
+            "astrai.step",
+            "astrai.config",
+            "astrai.protocol",
+        },
+    ),
+    ("subsystems", set()),  # every module not named on another floor
+    (
+        "engine parts",
+        {
+            "astrai.request",
+            "astrai.result",
+            "astrai.batching",
+            "astrai.runner",
+            "astrai.scheduler",
+            "astrai.groups",
+        },
+    ),
+    ("top", {"astrai", "astrai.engine", "astrai.cli"}),
+]
+
+
+def _floor(module: str) -> int:
+    named = [i for i, (_, members) in enumerate(FLOORS) if module in members]
+    return named[0] if named else 2
+
+
+def test_core_has_no_import_circle_even_counting_annotations() -> None:
+    graph = {m: {n for n in _every_import(m) if n in CORE} for m in CORE}
+    assert _cycles(graph) == []
+
+
+def test_core_imports_only_its_own_floor_or_below() -> None:
+    found = [
+        f"{module} ({FLOORS[_floor(module)][0]}) imports {name} ({FLOORS[_floor(name)][0]})"
+        for module in sorted(CORE)
+        for name in sorted(_every_import(module) & CORE)
+        if _floor(name) > _floor(module) and not module.startswith(name + ".")
+    ]
+    assert found == []
+    assert all(m in CORE for _, members in FLOORS for m in members), (
+        "a floor names a module that is not there"
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from astrai.grammar.cache import GrammarConfig
+from astrai.grammar.base import GrammarConfig
 from astrai.limits import RequestLimits
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS", "EngineConfig"]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from astrai.errors import RequestRejected
 
 if TYPE_CHECKING:
-    from astrai.sampling import SamplingParams
+    from astrai.sampling.params import SamplingParams
 
 __all__ = ["RequestLimits"]
 

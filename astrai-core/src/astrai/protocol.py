@@ -35,7 +35,7 @@ from astrai.plugins import LoadedPlugins, check_class, load_plugins
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
-    from astrai.sampling import SamplingParams
+    from astrai.sampling.params import SamplingParams
 
 __all__ = [
     "PROTOCOLS", "CacheSalt", "ChatResult", "Choice", "Prepared", "ResponseBuilder", "ToolCall", "chat_prompt_ids",

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 from astrai.errors import AstraiError, BackendUnavailable, KernelUnavailable, PluginError
 from astrai.extension import ops
-from astrai.extension.backend.base import AttentionBackend, check_backend_class
+from astrai.extension.backend.base import OPS, AttentionBackend, Kernel, RotaryKernel, check_backend_class
 from astrai.extension.backend.policy import BackendRegistry
 from astrai.extension.backend.rotary import rotate_torch
 from astrai.extension.backend.selection import ATTN_BACKEND, attn_backend
 from astrai.extension.backend.torch_native import NativePlan, TorchNativeBackend, plan_step
 from astrai.extension.build_lock import build_lock
-from astrai.extension.kernels import OPS, Kernel, RotaryKernel
 from astrai.kvcache.cache import KVCache
 from astrai.model.cpu_linear import PackedLinear
 from astrai.model.quant import QuantizedLinear

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from astrai.extension.backend import policy
 
 if TYPE_CHECKING:
-    from astrai.extension.kernels import Kernel
+    from astrai.extension.backend.base import Kernel
 
 
 def kernel_for(op: str, x: torch.Tensor) -> Kernel | None:

@@ -11,23 +11,14 @@ model's ops (``astrai.extension.fused``) run them, and their PyTorch formulation
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from astrai.errors import PluginError
+from astrai.extension.backend.base import OPS, Kernel
 
 if TYPE_CHECKING:
-    import torch
-
     from astrai.extension.backend.base import AttentionBackend
 
-#: The ops a backend may lend a kernel for (``AttentionBackend.kernels`` gives each one's contract).
-OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
-
-#: A fused kernel: a callable, or an object with the methods and attributes its op names.
-Kernel = Callable[..., Any]
-#: ``rotary``'s kernel: ``kernel(x, freqs) -> rotated x`` (``apply_rotary_emb``'s contract).
-RotaryKernel = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 class KernelTable:

@@ -6,11 +6,12 @@ from astrai.grammar.base import (
     GRAMMARS,
     KINDS,
     GrammarBackend,
+    GrammarConfig,
     GrammarMatcher,
     GrammarSpec,
     check_grammar_backend,
 )
-from astrai.grammar.cache import GrammarCache, GrammarConfig
+from astrai.grammar.cache import GrammarCache
 
 __all__ = [
     "GRAMMARS", "KINDS", "GrammarBackend", "GrammarCache", "GrammarConfig", "GrammarMatcher", "GrammarSpec",

@@ -22,9 +22,7 @@ from astrai.plugins import check_class
 if TYPE_CHECKING:
     import torch
 
-    from astrai.model import Tokenizer
-
-__all__ = ["GRAMMARS", "GrammarBackend", "GrammarMatcher", "GrammarSpec", "check_grammar_backend"]
+__all__ = ["GRAMMARS", "GrammarBackend", "GrammarConfig", "GrammarMatcher", "GrammarSpec", "check_grammar_backend"]
 
 GRAMMARS = "astrai.grammars"
 """The entry-point group of ``GrammarBackend`` subclasses; ``EngineConfig.grammar_backend`` names one."""
@@ -74,6 +72,27 @@ class GrammarSpec:
         return cls(kind, value)
 
 
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Bounds on constrained decoding's compiles (see the module doc).
+
+    ``workers`` 0 compiles on the requesting thread, as a backend that cannot ``export`` itself
+    always does: no time-out, no cancelling."""
+
+    workers: int = 1  # compile worker processes (compiles at once)
+    max_pending: int = 8  # compiles that may wait for a worker; one more: Overloaded (429)
+    timeout: float = 15.0  # seconds one compile may take; then its worker is killed and the request gets a 400
+    max_bytes: int = 256 * 2**10  # largest spec (schema, regex, choices, grammar, tool set), in bytes of its text
+    cache_bytes: int = 256 * 2**20  # memory the compiled grammars kept for reuse may hold
+    cache_entries: int = 256  # compiled grammars kept for reuse
+
+    def __post_init__(self) -> None:
+        if self.workers < 0 or self.max_pending < 0 or self.max_bytes < 1 or self.cache_bytes < 0:
+            raise ValueError(f"grammar bounds must be positive: {self}")
+        if not self.timeout > 0:
+            raise ValueError(f"grammar compile timeout must be > 0 seconds, got {self.timeout}")
+
+
 class GrammarMatcher(ABC):
     """One request's position in its grammar. Used on the scheduler thread only; ``backend`` is
     the backend that made it (its bitmask layout)."""
@@ -99,7 +118,8 @@ class GrammarBackend(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        # tokenizer: the engine's astrai.model.Tokenizer (not imported: this module is a contract)
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, tuple(stop_token_ids)
 
     @classmethod

@@ -1,6 +1,6 @@
 """``GrammarCache``: an engine's grammar backend and its compiled grammars, by spec, bounded.
 
-``GrammarConfig`` bounds the work one spec may cost: its size (``max_bytes``, checked before
+``GrammarConfig`` (``astrai.grammar.base``) bounds the work one spec may cost: its size (``max_bytes``, checked before
 anything is compiled), the compile's time (``timeout``) and how many compiles run and wait
 (``workers``, ``max_pending``: ``astrai.grammar.pool``); and the memory the compiled grammars
 keep (``cache_bytes``). Every bound is a 400 or a 429 naming its setting.
@@ -14,11 +14,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astrai.errors import PluginError, RequestRejected
-from astrai.grammar.base import GRAMMARS, GrammarBackend, GrammarMatcher, GrammarSpec, check_grammar_backend
+from astrai.grammar.base import (
+    GRAMMARS,
+    GrammarBackend,
+    GrammarConfig,
+    GrammarMatcher,
+    GrammarSpec,
+    check_grammar_backend,
+)
 from astrai.plugins import load_plugins
 
 if TYPE_CHECKING:
@@ -28,27 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["GrammarCache", "GrammarConfig"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GrammarConfig:
-    """Bounds on constrained decoding's compiles (see the module doc).
-
-    ``workers`` 0 compiles on the requesting thread, as a backend that cannot ``export`` itself
-    always does: no time-out, no cancelling."""
-
-    workers: int = 1  # compile worker processes (compiles at once)
-    max_pending: int = 8  # compiles that may wait for a worker; one more: Overloaded (429)
-    timeout: float = 15.0  # seconds one compile may take; then its worker is killed and the request gets a 400
-    max_bytes: int = 256 * 2**10  # largest spec (schema, regex, choices, grammar, tool set), in bytes of its text
-    cache_bytes: int = 256 * 2**20  # memory the compiled grammars kept for reuse may hold
-    cache_entries: int = 256  # compiled grammars kept for reuse
-
-    def __post_init__(self) -> None:
-        if self.workers < 0 or self.max_pending < 0 or self.max_bytes < 1 or self.cache_bytes < 0:
-            raise ValueError(f"grammar bounds must be positive: {self}")
-        if not self.timeout > 0:
-            raise ValueError(f"grammar compile timeout must be > 0 seconds, got {self.timeout}")
 
 
 class GrammarCache:

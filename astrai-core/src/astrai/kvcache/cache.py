@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from astrai.extension.backend.base import AttentionBackend
 
 
 @dataclass
@@ -70,8 +67,9 @@ class KVCache:
     # request sit in slots [p*page_size, (p+1)*page_size), in order. The pool's page size in
     # paged mode, max_seq_len in contiguous mode; 1 promises nothing.
     page_size: int = 1
-    # The attention backend of this step, resolved once (None: not yet; attention() resolves it).
-    backend: AttentionBackend | None = None
+    # The attention backend of this step (an astrai.extension AttentionBackend, which sits above this
+    # module: not imported here), resolved once (None: not yet; attention() resolves it).
+    backend: Any = None
     # Per-step scratch for backends: metadata a backend derives once per step (gather
     # indices, masks, block tables) and reuses in every layer, keyed by backend name.
     plan: dict[str, Any] = field(default_factory=dict)

@@ -347,4 +347,5 @@ class PagePool:
         Raises ValueError on an empty batch, mismatched lengths, a repeated or
         non-live row, ``q_len`` outside ``[1, seq_len]``, or a position without a slot.
         """
-        return step_kv_cache(self, req_indices, q_lens, seq_lens)
+        page_size = self.page_size if self.paged else self.max_ctx_len
+        return step_kv_cache(self.req_to_token_pool, self.storage, page_size, req_indices, q_lens, seq_lens)

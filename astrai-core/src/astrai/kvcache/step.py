@@ -1,29 +1,46 @@
-"""Building one step's ``KVCache`` from the pool (``PagePool.bind_tasks``)."""
+"""Building one step's ``KVCache`` from the pool's layers (``PagePool.bind_tasks``): its request table,
+its storage and the layout's page size (this module sits under the pool: it never sees one)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from astrai.kvcache.cache import KVCache
 
 if TYPE_CHECKING:
-    from astrai.kvcache.pool import PagePool
+    from astrai.kvcache.req_to_token import ReqToTokenPool
+    from astrai.kvcache.storage import KVStorage
 
 
-def step_kv_cache(pool: PagePool, req_indices: Sequence[int], q_lens: Sequence[int], seq_lens: Sequence[int]) -> KVCache:
-    """``PagePool.bind_tasks``: checks the step against the pool, then builds its ``KVCache``."""
+class _Layers(NamedTuple):
+    table: ReqToTokenPool
+    storage: KVStorage
+    page_size: int
+
+
+def step_kv_cache(
+    table: ReqToTokenPool,
+    storage: KVStorage,
+    page_size: int,
+    req_indices: Sequence[int],
+    q_lens: Sequence[int],
+    seq_lens: Sequence[int],
+) -> KVCache:
+    """``PagePool.bind_tasks``: checks the step against the request table, then builds its ``KVCache``
+    (``page_size``: the slots' layout, ``KVCache.page_size``)."""
+    pool = _Layers(table, storage, page_size)
     rows, ql, sl = [int(r) for r in req_indices], [int(q) for q in q_lens], [int(s) for s in seq_lens]
     b = len(rows)
     if b == 0 or len(ql) != b or len(sl) != b:
         raise ValueError(f"bind_tasks needs equal, non-empty lists, got {len(rows)}, {len(ql)}, {len(sl)}")
     if len(set(rows)) != b:
         raise ValueError(f"a request row appears twice in one step: {rows}")
-    lens = pool.req_to_token_pool.lens
+    lens = pool.table.lens
     for row, q, s in zip(rows, ql, sl, strict=True):
-        pool.req_to_token_pool.require_live(row)
+        pool.table.require_live(row)
         if not 1 <= q <= s:
             raise ValueError(f"row {row}: q_len {q} outside [1, seq_len {s}]")
         if s > lens[row]:
@@ -41,33 +58,35 @@ def step_kv_cache(pool: PagePool, req_indices: Sequence[int], q_lens: Sequence[i
     batch = torch.arange(b)
     tok_req = torch.repeat_interleave(batch, q_t, output_size=t)
     tok_pos = torch.arange(t) - qo_indptr[:-1][tok_req] + (s_t - q_t)[tok_req]
-    longs = torch.cat([rows_t, s_t, rows_t[tok_req], tok_pos]).to(pool.device)
-    ints = torch.cat([kv_indptr, qo_indptr]).to(torch.int32).to(pool.device)
+    longs = torch.cat([rows_t, s_t, rows_t[tok_req], tok_pos]).to(pool.storage.device)
+    ints = torch.cat([kv_indptr, qo_indptr]).to(torch.int32).to(pool.storage.device)
     req_pool_indices, seq_lens_d, tok_rows, tok_pos_d = torch.split(longs, [b, b, t, t])
     kv_indptr_d, qo_indptr_d = torch.split(ints, [b + 1, b + 1])
-    out_cache_loc = pool.req_to_token[tok_rows, tok_pos_d].to(torch.int64)
+    out_cache_loc = pool.table.req_to_token[tok_rows, tok_pos_d].to(torch.int64)
     return _kv_cache(pool, req_pool_indices, seq_lens_d, out_cache_loc, kv_indptr_d, qo_indptr_d, ql, sl)
 
 
-def _bind_decode(pool: PagePool, rows: list[int], sl: list[int]) -> KVCache:
+def _bind_decode(pool: _Layers, rows: list[int], sl: list[int]) -> KVCache:
     """``bind_tasks`` for a step of one token per request (the common case), from host lists:
     a few tensors instead of the general path's two dozen small ops."""
     b = len(rows)
     kv_indptr = [0] * (b + 1)
     for i, s in enumerate(sl):
         kv_indptr[i + 1] = kv_indptr[i] + s
-    longs = torch.tensor([rows, sl, [s - 1 for s in sl]], dtype=torch.int64).to(pool.device)
-    out_cache_loc = pool.req_to_token[longs[0], longs[2]].to(torch.int64)
-    ints = torch.tensor([*kv_indptr, *range(b + 1)], dtype=torch.int32).to(pool.device)  # kv_indptr, qo_indptr
+    longs = torch.tensor([rows, sl, [s - 1 for s in sl]], dtype=torch.int64).to(pool.storage.device)
+    out_cache_loc = pool.table.req_to_token[longs[0], longs[2]].to(torch.int64)
+    ints = torch.tensor([*kv_indptr, *range(b + 1)], dtype=torch.int32).to(
+        pool.storage.device
+    )  # kv_indptr, qo_indptr
     kv_indptr_d, qo_indptr_d = torch.split(ints, [b + 1, b + 1])
     return _kv_cache(pool, longs[0], longs[1], out_cache_loc, kv_indptr_d, qo_indptr_d, [1] * b, sl)
 
 
-def _kv_cache(pool: PagePool, req_pool_indices, seq_lens, out_cache_loc, kv_indptr, qo_indptr, ql, sl):
+def _kv_cache(pool: _Layers, req_pool_indices, seq_lens, out_cache_loc, kv_indptr, qo_indptr, ql, sl):
     return KVCache(
-        k_buffer=pool.k_buffer, v_buffer=pool.v_buffer, req_to_token=pool.req_to_token,
+        k_buffer=pool.storage.k_buffer, v_buffer=pool.storage.v_buffer, req_to_token=pool.table.req_to_token,
         req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
         max_len=max(sl), kv_indptr=kv_indptr, qo_indptr=qo_indptr,
         max_q_len=max(ql), num_tokens=sum(ql), q_lens_host=tuple(ql), seq_lens_host=tuple(sl),
-        page_size=pool.page_size if pool.paged else pool.max_ctx_len,
+        page_size=pool.page_size,
     )  # fmt: skip

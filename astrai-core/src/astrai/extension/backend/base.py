@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from astrai.plugins import check_class
 
@@ -12,8 +13,15 @@ if TYPE_CHECKING:
 
     import torch
 
-    from astrai.extension.kernels import Kernel
     from astrai.kvcache.cache import KVCache
+
+#: The ops a backend may lend a kernel for (``AttentionBackend.kernels`` gives each one's contract).
+OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
+
+#: A fused kernel: a callable, or an object with the methods and attributes its op names.
+Kernel = Callable[..., Any]
+#: ``rotary``'s kernel: ``kernel(x, freqs) -> rotated x`` (``apply_rotary_emb``'s contract).
+RotaryKernel = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 class AttentionBackend(ABC):
