@@ -8,6 +8,7 @@ are checked after every test (``pool_guard``).
 from __future__ import annotations
 
 import pytest
+from helpers import Stopper
 
 from astrai.batching import BatchPolicy
 from astrai.config import EngineConfig
@@ -31,15 +32,6 @@ class Sink:
         raise AssertionError("the policy never delivers: the scheduler does")
 
 
-class Stopper:
-    """A StopChecker without stop strings: one piece per token, never a match."""
-
-    def push(self, token: int) -> tuple[str, None]:
-        return f"<{token}>", None
-
-    def flush(self) -> tuple[str, None]:
-        return "", None
-
 
 def pool(n_tokens: int | None = 64, page_size: int = 4, rows: int = 4, radix: bool = True) -> PagePool:
     return PagePool(1, 1, 1, 2, KVConfig(rows, 64, page_size, n_tokens, prefix_caching=radix))
@@ -50,7 +42,7 @@ _arrivals = iter(range(10**6))
 
 def request(rid: str, prompt: list[int], max_tokens: int = 4, backend: BackendChoice | None = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    req = Request(rid, prompt, params, Sink(), Stopper(), backend=backend)
+    req = Request(rid, prompt, params, Sink(), Stopper(text=True), backend=backend)
     req.arrival = next(_arrivals)
     return req
 

@@ -14,23 +14,24 @@ import math
 
 import pytest
 import torch
+from helpers import EOS, GREEDY, prompt, run_until_done
+from helpers import submit as _submit
 
 from astrai.config import EngineConfig
-from astrai.engine import GenerateResult
 from astrai.errors import RequestRejected
 from astrai.kvcache import KVConfig, PagePool
-from astrai.model import IncrementalDecoder
-from astrai.request import FinishReason, Request
+from astrai.request import FinishReason
 from astrai.runner import run_apart
 from astrai.sampling import SamplingParams, SamplingPipeline, SamplingStrategy
 from astrai.scheduler import InferenceScheduler
-from astrai.stopping import StopChecker
 
-EOS = 1
 POISON = 299  # a token id no healthy prompt holds: the forward that carries it raises
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 _ids = itertools.count()
+
+
+def submit(sched, tokenizer, prompt_ids, **params):
+    return _submit(sched, tokenizer, prompt_ids, **{"max_tokens": 8, **params})
 
 
 class Poisoned(torch.nn.Module):
@@ -69,24 +70,7 @@ def make_scheduler(model, pool_guard, pipeline=None, **kv):
     return InferenceScheduler(model, pool, EngineConfig(max_prefill_tokens=512), eos_token_ids=[EOS], pipeline=pipeline)
 
 
-def submit(sched, tokenizer, prompt_ids, **params):
-    p = SamplingParams(**{**GREEDY, "max_tokens": 8, **params})
-    rid = f"r{next(_ids)}"
-    result = GenerateResult(rid, len(prompt_ids))
-    sched.submit(Request(rid, list(prompt_ids), p, result, StopChecker(IncrementalDecoder(tokenizer), p.stop)))
-    return result
 
-
-def run_until_done(sched, results, limit=200):
-    for _ in range(limit):
-        if all(r.done for r in results):
-            return
-        sched.step()
-    raise AssertionError("requests did not finish")
-
-
-def prompt(n, start=2):
-    return [start + (7 * i) % 90 for i in range(n)]
 
 
 @pytest.mark.parametrize("arrives", ["with the others", "while they decode"])

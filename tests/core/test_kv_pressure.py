@@ -15,6 +15,7 @@ import itertools
 import random
 
 import pytest
+from helpers import Stopper
 
 from astrai.batching import BatchPolicy
 from astrai.config import EngineConfig
@@ -30,15 +31,6 @@ from astrai.stopping import StopChecker
 EOS = 1
 _ids = itertools.count()
 
-
-class Stopper:
-    """A StopChecker without stop strings or text."""
-
-    def push(self, token: int) -> tuple[str, None]:
-        return "", None
-
-    def flush(self) -> tuple[str, None]:
-        return "", None
 
 
 def request(n_prompt: int, max_tokens: int, start: int = 10) -> Request:

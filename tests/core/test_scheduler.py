@@ -13,19 +13,15 @@ import time
 
 import pytest
 import torch
+from helpers import EOS, GREEDY, prompt, run_until_done, submit
 
 from astrai.config import EngineConfig
-from astrai.engine import GenerateResult
 from astrai.errors import EngineNotReady, RequestRejected
 from astrai.kvcache import KVConfig, PagePool, assert_nothing_held, check_pool_invariants
-from astrai.model import IncrementalDecoder
-from astrai.request import FinishReason, Request
+from astrai.request import FinishReason
 from astrai.sampling import SamplingParams
 from astrai.scheduler import InferenceScheduler
-from astrai.stopping import StopChecker
 
-EOS = 1
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 _ids = itertools.count()
 
@@ -56,25 +52,7 @@ def make_pool(model, pool_guard, **kv):
     return pool
 
 
-def submit(sched, tokenizer, prompt_ids, **params):
-    """Queue a request on a scheduler; returns its GenerateResult."""
-    p = SamplingParams(**{**GREEDY, **params})
-    rid = f"r{next(_ids)}"
-    result = GenerateResult(rid, len(prompt_ids))
-    sched.submit(Request(rid, list(prompt_ids), p, result, StopChecker(IncrementalDecoder(tokenizer), p.stop)))
-    return result
 
-
-def run_until_done(sched, results, limit=500):
-    for _ in range(limit):
-        if all(r.done for r in results):
-            return
-        sched.step()
-    raise AssertionError("requests did not finish")
-
-
-def prompt(n, start=2):
-    return [start + (7 * i) % 90 for i in range(n)]
 
 
 def test_one_forward_per_step_mixes_decodes_and_prefill_chunks(tiny_model, tiny_tokenizer, reference, pool_guard):

@@ -11,21 +11,23 @@ import itertools
 import time
 
 import pytest
+from helpers import EOS, prompt, request_of, run_until_done
+from helpers import submit as _submit
 
 from astrai.config import EngineConfig
-from astrai.engine import GenerateResult
 from astrai.errors import Overloaded, RequestRejected
 from astrai.kvcache import KVConfig, PagePool
-from astrai.model import IncrementalDecoder
-from astrai.request import FinishReason, Request
-from astrai.sampling import SamplingParams
+from astrai.request import FinishReason
 from astrai.scheduler import InferenceScheduler
-from astrai.stopping import StopChecker
 
-EOS = 1
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 _ids = itertools.count()
+
+
+def submit(sched, tokenizer, prompt_ids, **params):
+    """One greedy request of 4 tokens unless told: ``(its result, its Request)``."""
+    result = _submit(sched, tokenizer, prompt_ids, **{"max_tokens": 4, **params})
+    return result, request_of(result)
 
 
 def make_scheduler(model, pool_guard, max_batch_size=1, n_tokens=512, max_queued=None, queue_timeout=None, priority=False):
@@ -40,28 +42,7 @@ def make_scheduler(model, pool_guard, max_batch_size=1, n_tokens=512, max_queued
     return InferenceScheduler(model, pool, config, eos_token_ids=[EOS])
 
 
-def submit(sched, tokenizer, prompt_ids, priority=0, rid=None, done=None, **params):
-    """Submit one greedy request; returns (its result, its Request). ``done`` collects ids as they end."""
-    p = SamplingParams(**{**GREEDY, "max_tokens": 4, **params})
-    rid = rid or f"r{next(_ids)}"
-    on_done = None if done is None else (lambda r: done.append(r.request_id))
-    result = GenerateResult(rid, len(prompt_ids), on_done=on_done)
-    req = Request(rid, list(prompt_ids), p, result, StopChecker(IncrementalDecoder(tokenizer), p.stop), priority=priority)
-    result.bind(req)
-    sched.submit(req)
-    return result, req
 
-
-def run_until_done(sched, results, limit=500):
-    for _ in range(limit):
-        if all(r.done for r in results):
-            return
-        sched.step()
-    raise AssertionError("requests did not finish")
-
-
-def prompt(n, start=2):
-    return [start + (7 * i) % 90 for i in range(n)]
 
 
 def test_a_full_queue_refuses_at_once_and_takes_requests_again_as_it_drains(tiny_model, tiny_tokenizer, pool_guard):

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from helpers import Stopper
 
 from astrai.batching import BatchPolicy
 from astrai.engine import EngineConfig, GenerateResult, InferenceEngine
@@ -92,13 +93,6 @@ def test_engine_config_refuses_bad_speculative_settings(bad: dict) -> None:
 
 # ------------------------------------------------------------------ rollback, without a model
 
-
-class Stopper:
-    def push(self, token: int) -> tuple[str, None]:
-        return "", None
-
-    def flush(self) -> tuple[str, None]:
-        return "", None
 
 
 class Always(NgramProposer):
