@@ -72,6 +72,66 @@ def test_json_schema_answers_always_validate(openai_client: Any, name: str, temp
         jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
+#: Held-out-style requests (issue 30): free strings and numbers at temperature 0, where the model writes
+#: JSON as it learned to (pretty-printed, a bounded run of whitespace between tokens, as vLLM allows).
+HELD_OUT = {
+    "city": ("What is the largest city in the United States? Answer in JSON.",
+             {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "number"}},
+              "required": ["city", "population"]}),
+    "temperature": ("What is a comfortable room temperature in Celsius? Answer in JSON.",
+                    {"type": "object", "properties": {"celsius": {"type": "number"}}, "required": ["celsius"]}),
+    "book": ("Name a famous novel and its author, in JSON.",
+             {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "string"}},
+              "required": ["title", "author"]}),
+    "weather": ("What is the weather like in a desert? Answer as JSON.",
+                {"type": "object", "properties": {"temperature": {"type": "number"}, "conditions": {"type": "string"}},
+                 "required": ["temperature", "conditions"]}),
+}  # fmt: skip  (the schemas read as written)
+
+
+def _ask(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("case", list(HELD_OUT))
+def test_held_out_json_ends_with_valid_json_at_temperature_0(openai_client: Any, case: str, stream: bool) -> None:
+    question, schema = HELD_OUT[case]
+    fmt = {"type": "json_schema", "json_schema": {"name": case, "schema": schema}}
+    text = _chat(openai_client, stream, messages=_ask(question), temperature=0, response_format=fmt)  # "stop"
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_held_out_json_object_ends_with_an_object(openai_client: Any, stream: bool) -> None:
+    text = _chat(openai_client, stream, messages=_ask("What is 2 + 2? Reply with a JSON object."), temperature=0,
+                 response_format={"type": "json_object"})  # fmt: skip
+    assert isinstance(json.loads(text), dict) and "\n" in text  # laid out on lines, as the model writes JSON
+
+
+def test_held_out_json_through_anthropic_output_config(anthropic_client: Any) -> None:
+    question, schema = HELD_OUT["weather"]
+    kw = {"model": "astrai", "max_tokens": 200, "messages": _ask(question),
+          "extra_body": {"output_config": {"format": {"type": "json_schema", "schema": schema}}, "temperature": 0}}  # fmt: skip
+    msg = anthropic_client.messages.create(**kw)
+    assert msg.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(msg.content[0].text), schema)
+    with anthropic_client.messages.stream(**kw) as stream:
+        streamed = "".join(stream.text_stream)
+        assert stream.get_final_message().stop_reason == "end_turn"
+    assert streamed == msg.content[0].text
+
+
+def test_compact_json_on_request(openai_client: Any) -> None:
+    """vLLM's ``disable_any_whitespace``: no whitespace between JSON tokens but xgrammar's separators
+    (``", "``, ``": "``); the answer parses."""
+    question, schema = HELD_OUT["temperature"]
+    text = _chat(openai_client, False, messages=_ask(question), temperature=0,
+                 extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})  # fmt: skip
+    jsonschema.validate(json.loads(text), schema)
+    assert text == json.dumps(json.loads(text)), text
+
+
 def test_json_object_and_n_choices(openai_client: Any) -> None:
     r = openai_client.chat.completions.create(model="astrai", messages=ASK, max_tokens=300, n=3, temperature=1.0,
                                               seed=7, response_format={"type": "json_object"})  # fmt: skip
@@ -133,10 +193,12 @@ def test_completions_responses_and_anthropic_constrain_too(openai_client: Any, a
         ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "grammar"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+        ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, "structured_outputs.disable_any_whitespace"),
         ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice"),
         ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ],
-    ids=["bad-schema", "no-schema", "bad-type", "bad-regex", "bad-grammar", "two", "unknown-key", "choice-str", "both"],
+    ids=["bad-schema", "no-schema", "bad-type", "bad-regex", "bad-grammar", "two", "unknown-key", "compact-regex",
+         "choice-str", "both"],
 )
 def test_invalid_constraints_are_400s_in_openai_shape(base_url: str, body: dict[str, Any], param: str) -> None:
     r = httpx.post(base_url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, **body}, timeout=60)

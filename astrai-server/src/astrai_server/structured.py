@@ -36,11 +36,12 @@ STRUCTURED_OUTPUT_KEYS = {
     "structural_tag": "structural_tag",
 }
 """vLLM's ``structured_outputs`` keys -> ``GrammarSpec`` kinds (``json_object: true`` too)."""
+COMPACT = "disable_any_whitespace"  # vLLM's key for JSON without whitespace between tokens
 
 
-def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
+def _spec(kind: str, value: Any, param: str, compact: bool = False) -> GrammarSpec:
     try:
-        return GrammarSpec.of(kind, value)
+        return GrammarSpec.of(kind, value, compact=compact)
     except RequestRejected as e:
         raise RequestRejected(f"{param}: {e}", param=param) from None
 
@@ -98,26 +99,32 @@ def anthropic_format(value: dict[str, Any] | None, param: str = "output_config.f
 def vllm_structured_outputs(
     value: dict[str, Any] | None, param: str = "structured_outputs"
 ) -> GrammarSpec | None:
-    """The spec of vLLM's ``structured_outputs``: exactly one constraint. Other keys vLLM accepts
-    (``disable_fallback``, ``disable_any_whitespace``, ``whitespace_pattern``, ...) are refused."""
+    """The spec of vLLM's ``structured_outputs``: exactly one constraint, and ``disable_any_whitespace``
+    (true: JSON without whitespace between its tokens; it applies to ``json`` and ``json_object``).
+    Other keys vLLM accepts (``disable_fallback``, ``whitespace_pattern``, ...) are refused."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise RequestRejected(f"{param} must be an object", param=param)
-    unknown = set(value) - set(STRUCTURED_OUTPUT_KEYS) - {"json_object"}
+    unknown = set(value) - set(STRUCTURED_OUTPUT_KEYS) - {"json_object", COMPACT}
     if unknown:
         name = sorted(unknown)[0]
         raise RequestRejected(f"{param}.{name} is not supported", param=f"{param}.{name}")
-    chosen = [k for k, v in value.items() if v not in (None, False)]
+    compact = value.get(COMPACT)
+    if compact not in (None, True, False):
+        raise RequestRejected(f"{param}.{COMPACT} must be a boolean", param=f"{param}.{COMPACT}")
+    chosen = [k for k, v in value.items() if v not in (None, False) and k != COMPACT]
     if len(chosen) != 1:
         raise RequestRejected(
             f"{param} must set exactly one of {', '.join([*STRUCTURED_OUTPUT_KEYS, 'json_object'])}",
             param=param,
         )
     key = chosen[0]
+    if compact and key not in ("json", "json_object"):
+        raise RequestRejected(f"{param}.{COMPACT} applies to json and json_object only", param=f"{param}.{COMPACT}")
     if key == "json_object":
-        return GrammarSpec.of("json_object")
-    return _spec(STRUCTURED_OUTPUT_KEYS[key], value[key], f"{param}.{key}")
+        return GrammarSpec.of("json_object", compact=bool(compact))
+    return _spec(STRUCTURED_OUTPUT_KEYS[key], value[key], f"{param}.{key}", bool(compact))
 
 
 def one_of(*specs: tuple[str, GrammarSpec | None]) -> GrammarSpec | None:

@@ -39,17 +39,24 @@ class GrammarSpec:
     (``json_schema``), ``""`` (``json_object``: any JSON object), a regular expression
     (``regex``), the choices as a JSON array of strings (``choice``), an EBNF/Lark grammar
     (``grammar``) or a structural tag as JSON (``structural_tag``). Build with :meth:`of`.
+    ``compact`` (``json_schema`` and ``json_object`` only): JSON without whitespace between its
+    tokens (vLLM's ``disable_any_whitespace``); by default the model may lay its JSON out as it
+    learned to (pretty-printed, a bounded run of whitespace between tokens).
     """
 
     kind: str
     value: str = ""
+    compact: bool = False
 
     @classmethod
-    def of(cls, kind: str, value: Any = "") -> GrammarSpec:
+    def of(cls, kind: str, value: Any = "", compact: bool = False) -> GrammarSpec:
         """A spec from a protocol's value (a schema dict, a list of choices, a string).
 
-        Raises RequestRejected (``param`` "grammar") for an unknown kind or a value of the wrong type.
+        Raises RequestRejected (``param`` "grammar") for an unknown kind or a value of the wrong type,
+        or ``compact`` for a kind that is not JSON.
         """
+        if compact and kind not in ("json_schema", "json_object"):
+            raise RequestRejected(f"compact JSON applies to a JSON schema or object, not a {kind}", param="grammar")
         if kind not in KINDS:
             raise RequestRejected(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}", param="grammar")
         if kind in ("json_schema", "structural_tag"):
@@ -60,13 +67,14 @@ class GrammarSpec:
                     raise RequestRejected(f"{kind} is not valid JSON: {e}", param="grammar") from None
             if not isinstance(value, (dict, bool)):
                 raise RequestRejected(f"{kind} must be a JSON object, got {type(value).__name__}", param="grammar")
-            return cls(kind, json.dumps(value, separators=(",", ":")))  # key order kept: properties come in it
+            text = json.dumps(value, separators=(",", ":"))  # key order kept: properties come in it
+            return cls(kind, text, compact=compact and kind == "json_schema")
         if kind == "choice":
             if not (isinstance(value, (list, tuple)) and value and all(isinstance(c, str) for c in value)):
                 raise RequestRejected("choice must be a non-empty list of strings", param="grammar")
             return cls(kind, json.dumps(list(value)))
         if kind == "json_object":
-            return cls(kind, "")
+            return cls(kind, "", compact=compact)
         if not isinstance(value, str) or not value:
             raise RequestRejected(f"{kind} must be a non-empty string", param="grammar")
         return cls(kind, value)

@@ -2,11 +2,13 @@
 
 A grammar library compiles in native code that cannot be interrupted: xgrammar took 270 s and
 3.65 GiB for an enum of 100,000 strings, went on after its client left, and never gave the memory
-back. So compiles run in worker processes (``astrai.grammar.worker``), forked from a server
-process that has imported the backend once (``multiprocessing``'s forkserver): a compile past
-its time-out, whose client left (``cancel``) or that a drain ends (``cancel_all``) is stopped by
-killing its worker, which is replaced at the next compile in milliseconds. A worker whose resident
-set grew past ``recycle_bytes`` is replaced after its compile, so its memory goes back too.
+back. So compiles run in worker processes (``python -m astrai.grammar.worker``: a fresh interpreter,
+never a fork of the engine's threads, and never a re-run of the program's ``__main__``, which a
+program that embeds the engine may not guard as multiprocessing's spawn needs): a compile past its
+time-out, whose client left (``cancel``) or that a drain ends (``cancel_all``) is stopped by killing
+its worker, and a replacement starts at once in the background (importing the backend takes a few
+seconds). A worker whose resident set grew past ``recycle_bytes`` is replaced after its compile, so
+its memory goes back too.
 
 At most ``workers`` compiles run at once, and at most ``max_pending`` more wait for a worker; one
 more is refused at once (``Overloaded``: a 429). The threads that call ``compile`` wait on a pipe,
@@ -15,10 +17,15 @@ never on the event loop or the scheduler thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
+import weakref
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from astrai.errors import EngineNotReady, Overloaded, RequestRejected
@@ -40,24 +47,51 @@ class Cancelled(RequestRejected):
 
 
 class _Worker:
-    """One worker process and the engine's end of its pipe."""
+    """One worker process and the engine's ends of its two pipes (its stdio stays the server's)."""
 
-    def __init__(self, ctx: Any, backend: str, state: Any) -> None:
-        from astrai.grammar.worker import serve
-
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=serve, args=(child, backend, state), name="astrai-grammar", daemon=True
-        )
-        self.proc.start()
-        child.close()
+    def __init__(self, backend: str, state: Any) -> None:
+        from_parent, to_child = os.pipe()  # (read end, write end)
+        from_child, to_parent = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        command = [sys.executable, "-m", "astrai.grammar.worker", str(from_parent), str(to_parent), backend]
+        try:  # a session of its own: a terminal's Ctrl-C reaches the server, which stops its workers
+            self.proc = subprocess.Popen(
+                command,
+                pass_fds=(from_parent, to_parent),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )  # fmt: skip  (the call reads better with its options together)
+        finally:
+            os.close(from_parent)
+            os.close(to_parent)
+        self.inbox = Connection(from_child, writable=False)
+        self._outbox = Connection(to_child, readable=False)
         self.ready = False
         self.rss = 0
+        # the exported state (megabytes) goes on a thread: the pipe takes it as the worker reads it,
+        # once its imports are done, and nobody waits for that but the worker's first compile
+        threading.Thread(
+            target=self._send_quietly, args=(state,), name="astrai-grammar-start", daemon=True
+        ).start()
+
+    def _send_quietly(self, message: Any) -> None:
+        try:
+            self._outbox.send(message)
+        except OSError:  # killed before it read it
+            pass
+
+    def send(self, message: Any) -> None:
+        self._outbox.send(message)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.join()
-        self.conn.close()
+        self.proc.wait()
+        self.inbox.close()
+        self._outbox.close()
 
 
 class CompilePool:
@@ -80,14 +114,14 @@ class CompilePool:
         self._state = backend.export()
         self.workers, self.timeout = workers, timeout
         self.max_pending, self.recycle_bytes = max_pending, recycle_bytes
-        self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload([cls.__module__, "astrai.grammar.worker"])
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []  # started and waiting for a compile (at most ``workers``: the slots)
         self._slots = threading.Semaphore(workers)
         self._queued = 0  # compiles running or waiting for a worker
         self._epoch = 0  # bumped by cancel_all: compiles that began before it end
         self._closed = False
+        # a pool dropped without close() (a cache nobody closed) still stops its idle workers
+        weakref.finalize(self, _kill_all, self._idle)
 
     def compile(self, spec: GrammarSpec, cancel: threading.Event | None = None) -> bytes | str:
         """The serialized compiled grammar of ``spec`` (the backend's ``deserialize`` reads it).
@@ -126,7 +160,7 @@ class CompilePool:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return _Worker(self._ctx, self._path, self._state)
+        return _Worker(self._path, self._state)
 
     def _give_back(self, worker: _Worker) -> None:
         with self._lock:
@@ -142,7 +176,7 @@ class CompilePool:
             if not worker.ready:
                 self._wait(worker, cancel, epoch, time.monotonic() + START_TIMEOUT, "start")
                 worker.ready = True
-            worker.conn.send((spec.kind, spec.value))
+            worker.send(dataclasses.astuple(spec))
             started = time.monotonic()
             reply = self._wait(worker, cancel, epoch, started + self.timeout, "compile")
             took = time.monotonic() - started
@@ -161,7 +195,9 @@ class CompilePool:
         finally:
             if keep is None:
                 worker.kill()
-            else:
+                if worker.ready:  # it had started: its replacement starts now, in the background
+                    keep = _Worker(self._path, self._state)
+            if keep is not None:
                 self._give_back(keep)
 
     def _wait(
@@ -169,7 +205,7 @@ class CompilePool:
     ) -> Any:
         """The worker's next message; stops waiting (the caller kills the worker) on cancel, drain,
         deadline or the worker's death."""
-        while not worker.conn.poll(_POLL):
+        while not worker.inbox.poll(_POLL):
             self._check(cancel, epoch)
             if time.monotonic() > deadline:
                 if what == "start":
@@ -179,14 +215,15 @@ class CompilePool:
                     "(--grammar-compile-timeout); simplify the schema, pattern or choices",
                     param="grammar",
                 )
-            if not worker.proc.is_alive():
+            if not worker.alive():
                 break
         try:
-            return worker.conn.recv()
+            return worker.inbox.recv()
         except (EOFError, OSError):
-            code = worker.proc.exitcode
-            raise RequestRejected(f"the grammar compile worker died (exit code {code}) compiling this grammar",
-                                  param="grammar") from None  # fmt: skip
+            code = worker.proc.poll()
+            raise RequestRejected(
+                f"the grammar compile worker died (exit code {code}) compiling this grammar", param="grammar"
+            ) from None
 
     def cancel_all(self) -> None:
         """Stop every compile under way or waiting (EngineNotReady to their callers); later compiles run."""
@@ -198,6 +235,10 @@ class CompilePool:
         with self._lock:
             self._closed = True
             self._epoch += 1
-            idle, self._idle = self._idle, []
-        for worker in idle:
-            worker.kill()
+        _kill_all(self._idle)
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    """Kill every worker of ``workers`` (emptied)."""
+    while workers:
+        workers.pop().kill()

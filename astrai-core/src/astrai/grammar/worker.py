@@ -1,9 +1,10 @@
-"""The body of a grammar compile worker process (``astrai.grammar.pool``).
+"""A grammar compile worker process (``astrai.grammar.pool``): ``python -m astrai.grammar.worker IN OUT
+MODULE:CLASS``, reading from file descriptor IN and writing to OUT.
 
-``serve(conn, backend, state)`` runs in the worker: it makes the backend from its exported state
-(``GrammarBackend.restore``), says ``("ready", rss)``, then answers each ``(kind, value)`` it
-receives with ``("ok", serialized, rss)``, ``("rejected", message, param)`` or
-``("error", message, rss)``, until the pipe closes. ``rss`` is the worker's resident memory in
+It reads the backend's exported state, makes the backend from it (``GrammarBackend.restore``),
+says ``("ready", rss)``, then answers each spec's fields it receives with ``("ok", serialized,
+rss)``, ``("rejected", message, param)`` or ``("error", message, rss)``, until the engine's end of
+the pipe closes (the engine stopped, or exited). ``rss`` is the worker's resident memory in
 bytes, by which the pool decides to replace it (a large compile's memory then goes back to the
 system with the process). The worker holds no state of any request: killing it mid-compile (a
 time-out, a client that left, a drain) loses nothing but that compile.
@@ -12,10 +13,12 @@ time-out, a client that left, a drain) loses nothing but that compile.
 from __future__ import annotations
 
 import os
+import sys
 from importlib import import_module
+from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["rss_bytes", "serve"]
+__all__ = ["main", "rss_bytes", "serve"]
 
 
 def rss_bytes() -> int:
@@ -27,24 +30,42 @@ def rss_bytes() -> int:
         return 0
 
 
-def serve(conn: Any, backend: str, state: Any) -> None:
-    """Compile until ``conn`` closes; ``backend`` is ``"module:Class"`` of a ``GrammarBackend``."""
+def main(argv: list[str]) -> int:
+    """The worker's entry: ``argv`` is ``[IN, OUT, MODULE:CLASS]``."""
+    inbox = Connection(int(argv[0]), writable=False)
+    outbox = Connection(int(argv[1]), readable=False)
+    try:
+        state = inbox.recv()
+    except (EOFError, OSError):  # the engine is gone before it sent anything
+        return 0
+    serve(inbox, outbox, argv[2], state)
+    return 0
+
+
+def serve(inbox: Any, outbox: Any, backend: str, state: Any) -> None:
+    """Compile until ``inbox`` closes; ``backend`` is ``"module:Class"`` of a ``GrammarBackend``."""
     from astrai.errors import RequestRejected
     from astrai.grammar.base import GrammarSpec
 
     module, _, name = backend.partition(":")
     compiler = getattr(import_module(module), name).restore(state)
-    conn.send(("ready", rss_bytes()))
+    outbox.send(("ready", rss_bytes()))
     while True:
         try:
-            kind, value = conn.recv()
+            fields = inbox.recv()
         except (EOFError, OSError):  # the engine's process closed the pipe or exited
             return
         try:
-            data = compiler.serialize(compiler.compile(GrammarSpec(kind, value)))
+            reply = ("ok", compiler.serialize(compiler.compile(GrammarSpec(*fields))), rss_bytes())
         except RequestRejected as e:
-            conn.send(("rejected", str(e), e.param))
+            reply = ("rejected", str(e), e.param)
         except Exception as e:  # noqa: BLE001  a library's failure is this request's, never the worker's
-            conn.send(("error", f"{type(e).__name__}: {e}", rss_bytes()))
-        else:
-            conn.send(("ok", data, rss_bytes()))
+            reply = ("error", f"{type(e).__name__}: {e}", rss_bytes())
+        try:
+            outbox.send(reply)
+        except OSError:  # the engine's process is gone
+            return
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
