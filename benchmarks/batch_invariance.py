@@ -19,14 +19,36 @@ from astrai.engine import InferenceEngine
 from astrai.sampling import SamplingParams
 
 TOPICS = [
-    "the ocean", "a lighthouse", "machine learning", "the Roman empire", "coffee", "a rainy day",
-    "volcanoes", "the moon landing", "jazz music", "honey bees", "chess openings", "the printing press",
-    "deserts", "a city at night", "glaciers", "paper airplanes", "bread baking", "the internet",
-    "tigers", "clocks",
+    "the ocean",
+    "a lighthouse",
+    "machine learning",
+    "the Roman empire",
+    "coffee",
+    "a rainy day",
+    "volcanoes",
+    "the moon landing",
+    "jazz music",
+    "honey bees",
+    "chess openings",
+    "the printing press",
+    "deserts",
+    "a city at night",
+    "glaciers",
+    "paper airplanes",
+    "bread baking",
+    "the internet",
+    "tigers",
+    "clocks",
 ]
-FILLERS = ["Hi.", "Tell me a long story about a dragon who learns to paint.", "Count to ten.",
-           "List five fruits and describe each one in detail.", "What is 2+2?",
-           "Explain photosynthesis to a child, step by step, with examples.", "Say hello."]
+FILLERS = [
+    "Hi.",
+    "Tell me a long story about a dragon who learns to paint.",
+    "Count to ten.",
+    "List five fruits and describe each one in detail.",
+    "What is 2+2?",
+    "Explain photosynthesis to a child, step by step, with examples.",
+    "Say hello.",
+]
 
 
 def main() -> None:
@@ -43,17 +65,32 @@ def main() -> None:
             msg = [{"role": "user", "content": f"Write two sentences about {topic}."}]
             alone = engine.chat(msg, **sampling)
             batch = [msg] + [[{"role": "user", "content": f}] for f in FILLERS]
-            results = [engine.submit(engine.tokenizer.apply_chat_template(m), SamplingParams(**sampling)) for m in batch]
+            results = [
+                engine.submit(engine.tokenizer.apply_chat_template(m), SamplingParams(**sampling))
+                for m in batch
+            ]
             for r in results:
                 r.wait_completion()
             together = results[0].text
             if together != alone:
-                cut = next(i for i, (a, b) in enumerate(zip(alone + "\0", together + "\0", strict=False)) if a != b)
+                cut = next(
+                    i for i, (a, b) in enumerate(zip(alone + "\0", together + "\0", strict=False)) if a != b
+                )
                 differ.append({"topic": topic, "first_diff_char": cut})
     finally:
         engine.shutdown()
-    print(json.dumps({"dtype": args.dtype, "prompts": args.n, "max_tokens": args.max_tokens,
-                      "differ": len(differ), "cases": differ}, indent=2))
+    print(
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "prompts": args.n,
+                "max_tokens": args.max_tokens,
+                "differ": len(differ),
+                "cases": differ,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

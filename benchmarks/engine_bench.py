@@ -56,7 +56,7 @@ def _prompts(tokenizer, count: int, lo: int, hi: int, seed: int = 0) -> list[lis
     for _ in range(count):
         n = rng.randint(lo, hi)
         start = rng.randint(0, 63)
-        out.append(pool[start:start + n])
+        out.append(pool[start : start + n])
     return out
 
 
@@ -76,6 +76,7 @@ def _run_astrai(engine: InferenceEngine, prompts: list[list[int]], new_tokens: i
         def cb(_piece):
             with lock:
                 first.setdefault(i, time.perf_counter() - t0)
+
         return cb
 
     results = [engine.submit(p, params, on_piece=on_piece_for(i)) for i, p in enumerate(prompts)]
@@ -83,8 +84,12 @@ def _run_astrai(engine: InferenceEngine, prompts: list[list[int]], new_tokens: i
         r.wait_completion()
     wall = time.perf_counter() - t0
     out_tokens = sum(r.completion_tokens for r in results)
-    return {"wall_s": wall, "output_tokens": out_tokens, "tokens_per_s": out_tokens / wall,
-            "mean_ttft_s": sum(first.values()) / max(len(first), 1)}
+    return {
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "tokens_per_s": out_tokens / wall,
+        "mean_ttft_s": sum(first.values()) / max(len(first), 1),
+    }
 
 
 def _run_hf(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> dict:
@@ -92,12 +97,18 @@ def _run_hf(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> dict:
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
     wall = time.perf_counter() - t0
     produced = (out.shape[1] - width) * len(prompts)
     return {"wall_s": wall, "output_tokens": produced, "tokens_per_s": produced / wall}
@@ -118,14 +129,21 @@ def _decode_rate_hf(hf, prompt: list[int], new_tokens: int, pad_id: int) -> floa
         t0 = time.perf_counter()
         hf.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=pad_id)
         t1 = time.perf_counter()
-        hf.generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                    do_sample=False, pad_token_id=pad_id)
+        hf.generate(
+            input_ids=ids,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
         t2 = time.perf_counter()
     # time for new_tokens minus the time of the prefill + first token
     return (new_tokens - 1) / ((t2 - t1) - (t1 - t0))
 
 
-def _prefix_ttft(model, tokenizer, prefix_caching: bool, n_req: int, prefix_len: int, warm: bool = True) -> float:
+def _prefix_ttft(
+    model, tokenizer, prefix_caching: bool, n_req: int, prefix_len: int, warm: bool = True
+) -> float:
     """Mean TTFT of ``n_req`` requests sharing a ``prefix_len``-token system prompt, submitted at once;
     ``warm``: one request with that prompt has finished before them (else they arrive cold, together)."""
     cfg = EngineConfig(prefix_caching=prefix_caching)
@@ -159,9 +177,15 @@ def _astrai_side(args, dtype, n_req: int, new_tok: int, only: set[str]) -> dict:
         on = _prefix_ttft(model, tokenizer, True, n_pref, 1000)
         off = _prefix_ttft(model, tokenizer, False, n_pref, 1000)
         cold = _prefix_ttft(model, tokenizer, True, n_pref, 1000, warm=False)
-        out["prefix"] = {"requests": n_pref, "prefix_tokens": 1000, "ttft_cached_s": on,
-                         "ttft_uncached_s": off, "ratio": off / on,
-                         "ttft_cold_burst_s": cold, "cold_burst_ratio": off / cold}
+        out["prefix"] = {
+            "requests": n_pref,
+            "prefix_tokens": 1000,
+            "ttft_cached_s": on,
+            "ttft_uncached_s": off,
+            "ratio": off / on,
+            "ttft_cold_burst_s": cold,
+            "cold_burst_ratio": off / cold,
+        }
     return out
 
 
@@ -173,7 +197,8 @@ def _hf_side(dtype, n_req: int, new_tok: int, only: set[str]) -> dict:
     _, path = resolve_model(None)
     tokenizer = Tokenizer.from_gguf(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True).eval()
+        str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
+    ).eval()
     pad = tokenizer.eos_token_ids[0]
     out: dict = {}
     _run_hf(hf, _prompts(tokenizer, 2, 16, 32), 4, pad)  # warm-up
@@ -217,20 +242,34 @@ def main() -> None:
     a = _run_side("astrai", args, batch) if batch else {}
     h = _run_side("transformers", args, batch) if batch else {}
     if "single" in only:
-        pairs = [(_run_side("astrai", args, {"single"}), _run_side("transformers", args, {"single"}))
-                 for _ in range(SINGLE_RUNS)]
+        pairs = [
+            (_run_side("astrai", args, {"single"}), _run_side("transformers", args, {"single"}))
+            for _ in range(SINGLE_RUNS)
+        ]
         a = {**pairs[0][0], **a, "single": [x["single"] for x, _ in pairs]}
         h = {**h, "single": [y["single"] for _, y in pairs]}
-    summary: dict = {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                     "dtype": args.dtype, "model": a["model"]}
+    summary: dict = {
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "model": a["model"],
+    }
     if "offline" in only:
-        summary["offline"] = {"requests": n_req, "new_tokens": new_tok, "astrai": a["offline"],
-                              "transformers": h["offline"],
-                              "ratio": a["offline"]["tokens_per_s"] / h["offline"]["tokens_per_s"]}
+        summary["offline"] = {
+            "requests": n_req,
+            "new_tokens": new_tok,
+            "astrai": a["offline"],
+            "transformers": h["offline"],
+            "ratio": a["offline"]["tokens_per_s"] / h["offline"]["tokens_per_s"],
+        }
     if "single" in only:
         mine, theirs = statistics.median(a["single"]), statistics.median(h["single"])
-        summary["single"] = {"astrai_tokens_per_s": mine, "transformers_tokens_per_s": theirs,
-                             "ratio": mine / theirs, "runs": {"astrai": a["single"], "transformers": h["single"]}}
+        summary["single"] = {
+            "astrai_tokens_per_s": mine,
+            "transformers_tokens_per_s": theirs,
+            "ratio": mine / theirs,
+            "runs": {"astrai": a["single"], "transformers": h["single"]},
+        }
     if "prefix" in only:
         summary["prefix"] = a["prefix"]
     print(json.dumps(summary, indent=2))

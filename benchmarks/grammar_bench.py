@@ -63,29 +63,60 @@ from astrai.model.tokenizer import Tokenizer
 logger = logging.getLogger("grammar_bench")
 
 SCHEMAS: dict[str, dict] = {
-    "flat": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                              "active": {"type": "boolean"}},
-             "required": ["name", "age", "active"], "additionalProperties": False},
-    "nested": {"type": "object", "required": ["user"], "properties": {"user": {
-        "type": "object", "required": ["name", "address"], "properties": {
-            "name": {"type": "string"},
-            "address": {"type": "object", "required": ["city", "zip"],
-                        "properties": {"city": {"type": "string"}, "zip": {"type": "string"}}}}}}},
-    "enum": {"type": "object", "required": ["color"],
-             "properties": {"color": {"enum": ["red", "green", "blue"]}}},
-    "array": {"type": "object", "required": ["tags"], "properties": {
-        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3}}},
-    "pattern": {"type": "object", "required": ["code"],
-                "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}}},
-    "range": {"type": "object", "required": ["age", "score"], "properties": {
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "score": {"type": "number", "minimum": 0, "maximum": 1}}},
+    "flat": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "active": {"type": "boolean"}},
+        "required": ["name", "age", "active"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "required": ["user"],
+        "properties": {
+            "user": {
+                "type": "object",
+                "required": ["name", "address"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "address": {
+                        "type": "object",
+                        "required": ["city", "zip"],
+                        "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                    },
+                },
+            }
+        },
+    },
+    "enum": {
+        "type": "object",
+        "required": ["color"],
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+    },
+    "array": {
+        "type": "object",
+        "required": ["tags"],
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3}},
+    },
+    "pattern": {
+        "type": "object",
+        "required": ["code"],
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}},
+    },
+    "range": {
+        "type": "object",
+        "required": ["age", "score"],
+        "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+    },
 }
 REGEX = r"[0-9]{3}-[0-9]{4}( x[0-9]{1,4})?"
 CHOICE = ["positive", "negative", "neutral"]
 GRAMMARS: dict[str, tuple[str, Any]] = {
     **{f"json:{k}": ("json", v) for k, v in SCHEMAS.items()},
-    "regex": ("regex", REGEX), "choice": ("choice", CHOICE),
+    "regex": ("regex", REGEX),
+    "choice": ("choice", CHOICE),
 }
 LARK = r"""
 start: expr
@@ -103,13 +134,18 @@ factor ::= [0-9]+ | "(" expr ")"
 TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 # vLLM's structured_outputs.structural_tag (the legacy form its backends accept)
 STRUCTURAL_TAG = {
-    "type": "structural_tag", "triggers": ["<function="],
+    "type": "structural_tag",
+    "triggers": ["<function="],
     "structures": [{"begin": "<function=get_weather>", "schema": TOOL_SCHEMA, "end": "</function>"}],
 }
 CORPUS = [  # plausible answer tokens: what the random policy prefers, so answers end within ~64 tokens
-    '{"name":"Alice Smith","age":34,"active":true}', '{"name":"Bob","age":7,"active":false}',
-    '{"user":{"name":"Carol","address":{"city":"Paris","zip":"75001"}}}', '{"color":"green"}',
-    '{"tags":["red","fast","new"]}', '{"code":"ABC-1234"}', '{"age":42,"score":0.75}',
+    '{"name":"Alice Smith","age":34,"active":true}',
+    '{"name":"Bob","age":7,"active":false}',
+    '{"user":{"name":"Carol","address":{"city":"Paris","zip":"75001"}}}',
+    '{"color":"green"}',
+    '{"tags":["red","fast","new"]}',
+    '{"code":"ABC-1234"}',
+    '{"age":42,"score":0.75}',
     "The quick brown fox jumps over the lazy dog in Berlin, London and New York.",
 ]
 
@@ -149,7 +185,8 @@ class XGrammarLib:
 
     def build_tokenizer(self, tok: Tokenizer, vocab: int) -> None:
         self.info = self.xgr.TokenizerInfo.from_huggingface(
-            tok.hf, vocab_size=vocab, stop_token_ids=tok.eos_token_ids)
+            tok.hf, vocab_size=vocab, stop_token_ids=tok.eos_token_ids
+        )
 
     def info_without_specials(self, tok: Tokenizer, vocab: int):
         """A TokenizerInfo where added tokens other than EOS decode to "": xgrammar then treats them as
@@ -158,8 +195,13 @@ class XGrammarLib:
         for text, i in tok.hf.get_vocab().items():
             if i < vocab and (i not in tok.hf.added_tokens_decoder or i in tok.eos_token_ids):
                 encoded[i] = text
-        return self.xgr.TokenizerInfo(encoded, self.info.vocab_type, vocab_size=vocab,
-                                      stop_token_ids=tok.eos_token_ids, add_prefix_space=self.info.add_prefix_space)
+        return self.xgr.TokenizerInfo(
+            encoded,
+            self.info.vocab_type,
+            vocab_size=vocab,
+            stop_token_ids=tok.eos_token_ids,
+            add_prefix_space=self.info.add_prefix_space,
+        )
 
     def setup(self) -> None:
         self.compiler = self.xgr.GrammarCompiler(self.info, max_threads=self.threads)
@@ -181,8 +223,10 @@ class XGrammarLib:
         if kind == "ebnf":
             return c.compile_grammar(spec)
         if kind == "structural_tag":
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"])
-                     for s in spec["structures"]]
+            items = [
+                xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"])
+                for s in spec["structures"]
+            ]
             tag = xgr.StructuralTag.from_legacy_structural_tag(items, spec["triggers"])
             return c.compile_structural_tag(tag)
         raise NotImplementedError(kind)
@@ -241,9 +285,15 @@ class LLGuidanceLib:
         elif kind == "choice":
             grammar = llg.grammar_from("choice", json.dumps(spec))
         elif kind == "structural_tag":
-            tags = [llg.StructTag(trigger=next(t for t in spec["triggers"] if s["begin"].startswith(t)),
-                                  begin=s["begin"], grammar=s["schema"], end=s["end"])
-                    for s in spec["structures"]]
+            tags = [
+                llg.StructTag(
+                    trigger=next(t for t in spec["triggers"] if s["begin"].startswith(t)),
+                    begin=s["begin"],
+                    grammar=s["schema"],
+                    end=s["end"],
+                )
+                for s in spec["structures"]
+            ]
             grammar = llg.StructTag.to_grammar(tags)
         else:
             raise NotImplementedError(kind)
@@ -415,8 +465,12 @@ def bench_compile(lib, bits: _Bits, cold_n: int, warm_n: int, budget_s: float) -
             t0 = time.perf_counter()
             lib.new_matcher(lib.compile(kind, spec) if lib.compiler_cache else handle)
             warm.append(time.perf_counter() - t0)
-        out[gname] = {"first_ms": round(1e3 * first, 3), "cold": _pct(cold), "warm": _pct(warm),
-                      "first_mask": _pct(first_mask)}
+        out[gname] = {
+            "first_ms": round(1e3 * first, 3),
+            "cold": _pct(cold),
+            "warm": _pct(warm),
+            "first_mask": _pct(first_mask),
+        }
         handles[gname] = handle
         for key, xs in (("first", [first]), ("cold", cold), ("warm", warm), ("first_mask", first_mask)):
             pooled[key] += xs
@@ -432,11 +486,29 @@ def make_trajectories(libs: list, handles: dict, tok: Tokenizer, bits: _Bits, se
     plausible = _plausible(tok)
     width = math.ceil(bits.vocab / 32)
     trajs: dict[tuple[str, int], list[int]] = {}
-    stats = {lib.name: {"steps": 0, "eos_allowed_incomplete": 0, "eos_denied_complete": 0, "looser_steps": 0,
-                        "special_tokens_allowed_steps": 0, "allowed_mean": 0.0, "finished_after_eos": 0,
-                        "looser_examples": {}, "extra_tokens_top": collections.Counter()} for lib in libs}
-    agree = {"trajectories": 0, "ended_with_eos": 0, "valid_answers": 0, "diverged": 0, "mask_equal_steps": 0,
-             "steps": 0, "lengths": []}
+    stats = {
+        lib.name: {
+            "steps": 0,
+            "eos_allowed_incomplete": 0,
+            "eos_denied_complete": 0,
+            "looser_steps": 0,
+            "special_tokens_allowed_steps": 0,
+            "allowed_mean": 0.0,
+            "finished_after_eos": 0,
+            "looser_examples": {},
+            "extra_tokens_top": collections.Counter(),
+        }
+        for lib in libs
+    }
+    agree = {
+        "trajectories": 0,
+        "ended_with_eos": 0,
+        "valid_answers": 0,
+        "diverged": 0,
+        "mask_equal_steps": 0,
+        "steps": 0,
+        "lengths": [],
+    }
     for sname, schema in SCHEMAS.items():
         for seed in range(seeds):
             rng = random.Random(f"{sname}/{seed}")
@@ -461,8 +533,10 @@ def make_trajectories(libs: list, handles: dict, tok: Tokenizer, bits: _Bits, se
                     st["extra_tokens_top"].update(tok.token_text(t) for t in extra)
                     if extra and sname not in st["looser_examples"]:  # one per schema
                         st["looser_examples"][sname] = {
-                            "after": text.decode(errors="replace")[-40:], "extra": len(extra),
-                            "e.g.": [tok.token_text(t) for t in sorted(extra)[:4]]}
+                            "after": text.decode(errors="replace")[-40:],
+                            "extra": len(extra),
+                            "e.g.": [tok.token_text(t) for t in sorted(extra)[:4]],
+                        }
                     st["special_tokens_allowed_steps"] += bool(s & specials)
                     st["eos_allowed_incomplete"] += (eos in s) and not complete
                     st["eos_denied_complete"] += (eos not in s) and complete
@@ -477,7 +551,9 @@ def make_trajectories(libs: list, handles: dict, tok: Tokenizer, bits: _Bits, se
                     choice = rng.choice(closers if closers and rng.random() < 0.25 else pool)
                 for lib, m in zip(libs, ms, strict=True):
                     if not lib.accept([m], [choice])[0]:
-                        raise RuntimeError(f"{lib.name} rejected {choice}, allowed by its mask ({sname}/{seed})")
+                        raise RuntimeError(
+                            f"{lib.name} rejected {choice}, allowed by its mask ({sname}/{seed})"
+                        )
                 tokens.append(choice)
                 if choice == eos:
                     agree["ended_with_eos"] += 1
@@ -635,14 +711,18 @@ def check_rollback(lib, handles: dict, trajs: dict, width: int) -> dict:
         if not all(lib.accept([m] * k, seq[:k])):
             raise RuntimeError("prefix rejected")
         lib.fill_loop([m], a)
-        if not all(lib.accept([m] * j, seq[k:k + j])):
+        if not all(lib.accept([m] * j, seq[k : k + j])):
             raise RuntimeError("continuation rejected")
         lib.rollback(m, j)
         lib.fill_loop([m], b)
         restored = bool(torch.equal(a, b))
         reaccept = all(lib.accept([m] * (len(seq) - k), seq[k:]))
-        return {"supported": True, "rolled_back_tokens": j, "mask_restored": restored,
-                "reaccept_to_eos": reaccept and lib.finished(m)}
+        return {
+            "supported": True,
+            "rolled_back_tokens": j,
+            "mask_restored": restored,
+            "reaccept_to_eos": reaccept and lib.finished(m),
+        }
     except Exception as e:  # noqa: BLE001 - reported, not hidden
         return {"supported": False, "error": f"{type(e).__name__}: {e}"}
 
@@ -690,9 +770,14 @@ def check_background_compile(lib, handles: dict, trajs: dict, min_s: float) -> d
     busy_t, busy_h = _replay_hashes(lib, handles, trajs, 8, lambda step: done.is_set() and step >= 64)
     thread.join()
     quiet_t, quiet_h = _replay_hashes(lib, handles, trajs, 8, lambda step: step >= len(busy_h))
-    return {"compiles_on_thread": len(compiled), "errors": errors, "masks_identical": busy_h == quiet_h,
-            "compile_on_thread": _pct(compiled), "main_step_busy": _pct(busy_t),
-            "main_step_quiet": _pct(quiet_t)}
+    return {
+        "compiles_on_thread": len(compiled),
+        "errors": errors,
+        "masks_identical": busy_h == quiet_h,
+        "compile_on_thread": _pct(compiled),
+        "main_step_busy": _pct(busy_t),
+        "main_step_quiet": _pct(quiet_t),
+    }
 
 
 def check_special_tokens(lib, tok: Tokenizer, bits: _Bits) -> dict:
@@ -723,14 +808,22 @@ def check_formats(lib, tok: Tokenizer, bits: _Bits) -> dict:
     """Which structured_outputs kinds compile; an example fed token by token, EOS checked by an oracle."""
     eos = tok.eos_token_ids[0]
     cases = {
-        "json": ("json", SCHEMAS["flat"], '{"name":"Ada","age":36,"active":true}',
-                 lambda b: _complete_json(b, SCHEMAS["flat"])),
+        "json": (
+            "json",
+            SCHEMAS["flat"],
+            '{"name":"Ada","age":36,"active":true}',
+            lambda b: _complete_json(b, SCHEMAS["flat"]),
+        ),
         "regex": ("regex", REGEX, "555-1234 x12", lambda b: re.fullmatch(REGEX, b.decode()) is not None),
         "choice": ("choice", CHOICE, "neutral", lambda b: b.decode() in CHOICE),
         "grammar_lark": ("lark", LARK, "(1+2)*34", _complete_expr),
         "grammar_gbnf": ("ebnf", GBNF, "(1+2)*34", _complete_expr),
-        "structural_tag": ("structural_tag", STRUCTURAL_TAG,
-                           'Let me check. <function=get_weather>{"city":"Paris"}</function>', None),
+        "structural_tag": (
+            "structural_tag",
+            STRUCTURAL_TAG,
+            'Let me check. <function=get_weather>{"city":"Paris"}</function>',
+            None,
+        ),
     }
     row = torch.zeros(1, math.ceil(bits.vocab / 32), dtype=torch.int32)
     out = {}
@@ -749,9 +842,13 @@ def check_formats(lib, tok: Tokenizer, bits: _Bits) -> dict:
                 rejected = f"token {i} ({tok.token_bytes(t)!r}) after {text!r}"
                 break
             text += tok.token_bytes(t) if t != eos else b""
-        out[name] = {"supported": True, "example_accepted_then_eos": rejected is None and lib.finished(m),
-                     "rejected": rejected, "eos_oracle_checked": oracle is not None,
-                     "eos_wrong_at_prefixes": eos_wrong}
+        out[name] = {
+            "supported": True,
+            "example_accepted_then_eos": rejected is None and lib.finished(m),
+            "rejected": rejected,
+            "eos_oracle_checked": oracle is not None,
+            "eos_wrong_at_prefixes": eos_wrong,
+        }
     return out
 
 
@@ -772,13 +869,32 @@ def main() -> None:
     tok = Tokenizer.from_gguf(path)
     vocab = tok.vocab_size
     bits = _Bits(vocab)
-    result: dict = {"config": {
-        "model": path.name, "vocab": vocab, "eos": tok.eos_token_ids, "cores": threads,
-        "torch_threads": torch.get_num_threads(), "batches": batches, "steps": steps, "runs": runs,
-        "cold_repeats": cold_n, "warm_repeats": warm_n, "grammars": list(GRAMMARS), "quick": args.quick,
-        "loadavg_at_start": os.getloadavg(),
-        "versions": {}}, "import_s": {}, "tokenizer_info_s": {}, "compile_all_grammars": {}, "compile": {},
-        "steps_ms": {}, "apply_kernels_ms": {}, "agreement": {}, "capabilities": {}}
+    result: dict = {
+        "config": {
+            "model": path.name,
+            "vocab": vocab,
+            "eos": tok.eos_token_ids,
+            "cores": threads,
+            "torch_threads": torch.get_num_threads(),
+            "batches": batches,
+            "steps": steps,
+            "runs": runs,
+            "cold_repeats": cold_n,
+            "warm_repeats": warm_n,
+            "grammars": list(GRAMMARS),
+            "quick": args.quick,
+            "loadavg_at_start": os.getloadavg(),
+            "versions": {},
+        },
+        "import_s": {},
+        "tokenizer_info_s": {},
+        "compile_all_grammars": {},
+        "compile": {},
+        "steps_ms": {},
+        "apply_kernels_ms": {},
+        "agreement": {},
+        "capabilities": {},
+    }
 
     libs, handles = [], {}
     for name in args.only.split(","):
@@ -808,12 +924,14 @@ def main() -> None:
         for b in batches:
             logger.info("%s: steps at B=%d", lib.name, b)
             result["steps_ms"][lib.name][f"B={b}"] = bench_steps(
-                lib, handles[lib.name], trajs, vocab, b, steps, runs)
+                lib, handles[lib.name], trajs, vocab, b, steps, runs
+            )
         logger.info("%s: capabilities", lib.name)
         result["capabilities"][lib.name] = {
             "rollback": check_rollback(lib, handles[lib.name], trajs, math.ceil(vocab / 32)),
             "background_compile": check_background_compile(
-                lib, handles[lib.name], trajs, 1.0 if args.quick else 3.0),
+                lib, handles[lib.name], trajs, 1.0 if args.quick else 3.0
+            ),
             "formats": check_formats(lib, tok, bits),
             "special_tokens": check_special_tokens(lib, tok, bits),
         }

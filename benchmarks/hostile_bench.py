@@ -47,8 +47,13 @@ from typing import Any
 import httpx
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-PLAIN = {"messages": [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}],
-         "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+PLAIN = {
+    "messages": [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}],
+    "max_tokens": 24,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
 FD_LIMIT = 1024
 VOCAB = 49152  # the default model's (SmolLM2-135M)
 
@@ -110,8 +115,12 @@ def summary(samples: list[float | None]) -> dict[str, Any]:
     if not ok:
         return {"requests": len(samples), "failed": len(samples)}
     p99 = ok[min(len(ok) - 1, round(0.99 * (len(ok) - 1)))]
-    return {"requests": len(samples), "failed": len(samples) - len(ok), "p50_s": round(statistics.median(ok), 3),
-            "p99_s": round(p99, 3)}  # fmt: skip
+    return {
+        "requests": len(samples),
+        "failed": len(samples) - len(ok),
+        "p50_s": round(statistics.median(ok), 3),
+        "p99_s": round(p99, 3),
+    }
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -173,8 +182,12 @@ def enum_schema(size: int, salt: int) -> dict[str, Any]:
 def case_fan_out(url: str, n: int) -> dict[str, Any]:
     huge = {"prompt": [[1, 2]] * 320_000, "max_tokens": 1}
     refused, took = timed(lambda: post(url, COMPLETIONS, huge))
-    at_cap = {"prompt": [f"Count slowly, story {i}:" for i in range(128)], "max_tokens": 48, "temperature": 0,
-              "ignore_eos": True}  # fmt: skip
+    at_cap = {
+        "prompt": [f"Count slowly, story {i}:" for i in range(128)],
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     served, plain = beside(url, lambda: timed(lambda: post(url, COMPLETIONS, at_cap)), n)
     return {
         "hostile": {**refused, "seconds": took},
@@ -191,8 +204,12 @@ def case_compiles(url: str, n: int) -> dict[str, Any]:
     stopped, plain = beside(
         url, many(8, lambda i: post(url, CHAT, {**ask, "response_format": enum_schema(12_000, 100 + i)})), n
     )
-    return {"hostile": [{**r, "seconds": s} for r, s in refused], "plain_beside_refused": plain_refused,
-            "under_size_bound": [{**r, "seconds": s} for r, s in stopped], "plain": plain}  # fmt: skip
+    return {
+        "hostile": [{**r, "seconds": s} for r, s in refused],
+        "plain_beside_refused": plain_refused,
+        "under_size_bound": [{**r, "seconds": s} for r, s in stopped],
+        "plain": plain,
+    }
 
 
 def case_stop_strings(url: str, n: int) -> dict[str, Any]:
@@ -280,8 +297,13 @@ def case_slowloris(url: str, n: int, count: int = 1100) -> dict[str, Any]:
     return {"hostile": {**result, "connections": count, "health_after": healthy}, "plain": plain}
 
 
-CASES = {"fan_out": case_fan_out, "compiles": case_compiles, "stop_strings": case_stop_strings,
-         "logit_bias": case_logit_bias, "slowloris": case_slowloris}  # fmt: skip
+CASES = {
+    "fan_out": case_fan_out,
+    "compiles": case_compiles,
+    "stop_strings": case_stop_strings,
+    "logit_bias": case_logit_bias,
+    "slowloris": case_slowloris,
+}
 
 
 def main() -> None:

@@ -60,7 +60,9 @@ class PreemptionLog(logging.Handler):
 def prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     """``n`` chat prompts of about ``lo`` to ``hi`` tokens (template included), no two sharing a user turn."""
     rng = random.Random(seed)
-    overhead = len(tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True))
+    overhead = len(
+        tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)
+    )
     out = []
     for i in range(n):
         target = rng.randint(lo, hi) - overhead
@@ -134,12 +136,25 @@ def main() -> None:
     ap.add_argument("--prompt-min", type=int, default=300)
     ap.add_argument("--prompt-max", type=int, default=550)
     ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--alone", type=int, default=4, help="requests rerun alone on the tight pool (most preempted first)")
-    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
-                    help="float32 by default: in bfloat16 a row's greedy text depends on its batch")  # fmt: skip
-    ap.add_argument("--weights", default="dense", choices=["dense", "gguf", "auto"], help="load_model's: GGUF weights kept quantized or not (auto: astrai serve's default)")
+    ap.add_argument(
+        "--alone", type=int, default=4, help="requests rerun alone on the tight pool (most preempted first)"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["bfloat16", "float32"],
+        help="float32 by default: in bfloat16 a row's greedy text depends on its batch",
+    )
+    ap.add_argument(
+        "--weights",
+        default="dense",
+        choices=["dense", "gguf", "auto"],
+        help="load_model's: GGUF weights kept quantized or not (auto: astrai serve's default)",
+    )
     ap.add_argument("--policy", default=None, help="path of another batching.py whose BatchPolicy to measure")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests of 60-110 tokens, 16 new, 400 slots")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 8 requests of 60-110 tokens, 16 new, 400 slots"
+    )
     args = ap.parse_args()
     if args.quick:
         args.requests, args.prompt_min, args.prompt_max, args.max_tokens, args.kv_tokens = 8, 60, 110, 16, 400
@@ -155,20 +170,34 @@ def main() -> None:
     batch = prompts(tokenizer, args.requests, args.prompt_min, args.prompt_max)
     out: dict = {
         "config": {
-            "model": model.config.name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "requests": len(batch), "prompt_tokens": [min(map(len, batch)), max(map(len, batch))],
-            "max_tokens": args.max_tokens, "weights": args.weights, "policy": args.policy or "this tree", "threads": torch.get_num_threads(),
+            "model": model.config.name,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "requests": len(batch),
+            "prompt_tokens": [min(map(len, batch)), max(map(len, batch))],
+            "max_tokens": args.max_tokens,
+            "weights": args.weights,
+            "policy": args.policy or "this tree",
+            "threads": torch.get_num_threads(),
         },
-    }  # fmt: skip
+    }
     results = {}
-    roomy = len(batch) * (max(map(len, batch)) + args.max_tokens + 16)  # every request at once, at full length
-    for name, config in (("roomy", EngineConfig(n_tokens=roomy)), ("tight", EngineConfig(n_tokens=args.kv_tokens))):
+    roomy = len(batch) * (
+        max(map(len, batch)) + args.max_tokens + 16
+    )  # every request at once, at full length
+    for name, config in (
+        ("roomy", EngineConfig(n_tokens=roomy)),
+        ("tight", EngineConfig(n_tokens=args.kv_tokens)),
+    ):
         print(f"{name} pool ...", file=sys.stderr)
         with InferenceEngine(model, tokenizer, config) as engine:
-            run(engine, prompts(tokenizer, 2, 32, 48, seed=1), 4, log)  # warm-up: first-use costs of the shapes
+            run(
+                engine, prompts(tokenizer, 2, 32, 48, seed=1), 4, log
+            )  # warm-up: first-use costs of the shapes
             results[name] = run(engine, batch, args.max_tokens, log)
             if name == "tight":  # the most preempted requests, each alone on this pool
-                order = sorted(range(len(batch)), key=lambda i: -results[name]["_per_request"][i])[: args.alone]
+                order = sorted(range(len(batch)), key=lambda i: -results[name]["_per_request"][i])[
+                    : args.alone
+                ]
                 alone = {i: run(engine, [batch[i]], args.max_tokens, log)["_outputs"][0] for i in order}
     tight, roomy = results["tight"], results["roomy"]
     same = [a == b for a, b in zip(tight["_outputs"], roomy["_outputs"], strict=True)]

@@ -113,12 +113,22 @@ def main() -> int:
         result = {"error": str(exc)}
     versions = {d: md.version(d) for d in ("astrai-core", "astrai-server", "torch")}
     summary = {
-        "config": {"quick": args.quick, "dtype": args.dtype, "device": "cpu", "cores": os.cpu_count(),
-                   "gguf": gguf.name, "repeats": args.repeats, "workload": "W2", "concurrency": w2.concurrency,
-                   "max_tokens": w2.max_tokens, "logprobs_fields": LOGPROBS, "server_logs": str(log_dir),
-                   "versions": versions},
+        "config": {
+            "quick": args.quick,
+            "dtype": args.dtype,
+            "device": "cpu",
+            "cores": os.cpu_count(),
+            "gguf": gguf.name,
+            "repeats": args.repeats,
+            "workload": "W2",
+            "concurrency": w2.concurrency,
+            "max_tokens": w2.max_tokens,
+            "logprobs_fields": LOGPROBS,
+            "server_logs": str(log_dir),
+            "versions": versions,
+        },
         "astrai": result,
-    }  # fmt: skip
+    }
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")  # the benchmark's output: one JSON object
     return 0 if "error" not in result else 1
 

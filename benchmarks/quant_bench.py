@@ -42,8 +42,11 @@ def workloads(p: bench.Prompts, quick: bool) -> list[bench.Workload]:
         offsets = rng.sample(range(1, len(p.words)), n)
         return [[{"role": "user", "content": p.text(rng.randint(32, 512), o)}] for o in offsets]
 
-    return [bench.Workload("W1", requests(n1), 1, new), bench.Workload("B8", requests(n8), 8, new),
-            bench.Workload("B32", requests(n32), 32, new)]  # fmt: skip
+    return [
+        bench.Workload("W1", requests(n1), 1, new),
+        bench.Workload("B8", requests(n8), 8, new),
+        bench.Workload("B32", requests(n32), 32, new),
+    ]
 
 
 def resident_mib(pid: int) -> float | None:
@@ -67,8 +70,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny workloads (smoke run)")
     ap.add_argument("--no-peer", action="store_true", help="without llama-server")
     ap.add_argument("--peers", type=Path, default=PEERS, help="the peers folder (setup.sh, start.sh)")
-    ap.add_argument("--llama-arg", action="append", default=[],
-                    help="an extra llama-server argument, repeatable (--llama-arg=--no-repack: its AMX repacking crashed at start on an AMX Xeon)")  # fmt: skip
+    ap.add_argument(
+        "--llama-arg",
+        action="append",
+        default=[],
+        help="an extra llama-server argument, repeatable (--llama-arg=--no-repack: its AMX repacking crashed at start on an AMX Xeon)",
+    )
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "astrai-bench")
     args = ap.parse_args()
     args.dtype = "bfloat16"
@@ -78,8 +85,13 @@ def main() -> int:
     astrai = [str(bindir / "astrai"), "serve", "--dtype", "bfloat16", "--log-level", "warning"]
 
     def astrai_system(name: str, *flags: str):
-        return lambda port: bench.System(name, [*astrai, "--host", "127.0.0.1", "--port", str(port), *flags],
-                                         "astrai", {"ignore_eos": True}, port)  # fmt: skip
+        return lambda port: bench.System(
+            name,
+            [*astrai, "--host", "127.0.0.1", "--port", str(port), *flags],
+            "astrai",
+            {"ignore_eos": True},
+            port,
+        )
 
     systems = {
         "astrai_gguf": astrai_system("astrai_gguf", "--weights", "gguf"),
@@ -88,9 +100,12 @@ def main() -> int:
     }
     if not args.no_peer:
         systems["llama_server"] = lambda port: bench.System(
-            "llama_server", ["bash", str(args.peers / "start.sh"), "llamacpp", str(port), *args.llama_arg], "astrai",
-            {"ignore_eos": True}, port,
-        )  # fmt: skip
+            "llama_server",
+            ["bash", str(args.peers / "start.sh"), "llamacpp", str(port), *args.llama_arg],
+            "astrai",
+            {"ignore_eos": True},
+            port,
+        )
     log_dir = Path(tempfile.mkdtemp(prefix="quant-bench-"))
     results: dict = {}
     for name, make in systems.items():
@@ -106,18 +121,34 @@ def main() -> int:
     ratios = {}
     for other in ("astrai_dense", "llama_server"):
         if other in results and "error" not in results[other] and "error" not in results["astrai_gguf"]:
-            ratios[f"W1_itl_p50_{other}_over_gguf"] = metric(other, "W1", "itl") / metric("astrai_gguf", "W1", "itl")
+            ratios[f"W1_itl_p50_{other}_over_gguf"] = metric(other, "W1", "itl") / metric(
+                "astrai_gguf", "W1", "itl"
+            )
             for wl in ("B8", "B32"):
-                ratios[f"{wl}_tok_s_gguf_over_{other}"] = metric("astrai_gguf", wl, "tok") / metric(other, wl, "tok")
+                ratios[f"{wl}_tok_s_gguf_over_{other}"] = metric("astrai_gguf", wl, "tok") / metric(
+                    other, wl, "tok"
+                )
     summary = {
-        "config": {"quick": args.quick, "gguf": gguf.name, "cores": os.cpu_count(), "server_logs": str(log_dir),
-                   "prompt_tokens": {w.name: [prompts.count(m[-1]["content"]) for m in w.requests] for w in loads}},
-        "headline": {name: {"W1_itl_p50_ms": (metric(name, "W1", "itl") or 0) * 1e3,
-                            "B8_tok_s": metric(name, "B8", "tok"), "B32_tok_s": metric(name, "B32", "tok"),
-                            "rss_mib": results[name].get("rss_mib")} for name in results if "error" not in results[name]},
+        "config": {
+            "quick": args.quick,
+            "gguf": gguf.name,
+            "cores": os.cpu_count(),
+            "server_logs": str(log_dir),
+            "prompt_tokens": {w.name: [prompts.count(m[-1]["content"]) for m in w.requests] for w in loads},
+        },
+        "headline": {
+            name: {
+                "W1_itl_p50_ms": (metric(name, "W1", "itl") or 0) * 1e3,
+                "B8_tok_s": metric(name, "B8", "tok"),
+                "B32_tok_s": metric(name, "B32", "tok"),
+                "rss_mib": results[name].get("rss_mib"),
+            }
+            for name in results
+            if "error" not in results[name]
+        },
         "ratios": ratios,
         "systems": results,
-    }  # fmt: skip
+    }
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     return 0 if all("error" not in r for r in results.values()) else 1
 

@@ -50,7 +50,9 @@ def decode_steps(weights: str, rows: list[int], context: int, tokens: int) -> di
     astrai.scheduler.InferenceScheduler._execute = timed
     result = {}
     try:
-        with InferenceEngine(model, tok, EngineConfig(n_tokens=max(rows) * (context + tokens + 32))) as engine:
+        with InferenceEngine(
+            model, tok, EngineConfig(n_tokens=max(rows) * (context + tokens + 32))
+        ) as engine:
             for n in rows:
                 times.clear()
                 params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -87,7 +89,11 @@ def prefill_requests(lengths: list[int], repeats: int) -> dict | None:
                     times[way].append((time.perf_counter() - start) * 1e3)
             kernel.amx_rows = limit
             amx, whole = statistics.median(times["amx"]), statistics.median(times["whole"])
-            out[n] = {"amx_ms": round(amx, 1), "whole_weight_onednn_ms": round(whole, 1), "ratio": round(whole / amx, 2)}
+            out[n] = {
+                "amx_ms": round(amx, 1),
+                "whole_weight_onednn_ms": round(whole, 1),
+                "ratio": round(whole / amx, 2),
+            }
     return out
 
 
@@ -103,7 +109,9 @@ def main() -> None:
         "config": {"context": args.context, "threads": torch.get_num_threads(), "decode_tokens": tokens},
         "decode_step_ms": decode,
         "decode_dense_over_gguf": {n: round(decode["dense"][n] / decode["gguf"][n], 2) for n in rows},
-        "prefill_request_ms": prefill_requests([100, 400] if args.quick else [100, 200, 400, 700, 1000, 2000], 2 if args.quick else 4),
+        "prefill_request_ms": prefill_requests(
+            [100, 400] if args.quick else [100, 200, 400, 700, 1000, 2000], 2 if args.quick else 4
+        ),
     }
     json.dump(report, sys.stdout, indent=2)
     print()

@@ -169,8 +169,15 @@ async def one_request(
     client: httpx.AsyncClient, system: System, messages: list[dict], max_tokens: int, p: Prompts
 ) -> Sample:
     """Stream one chat completion; times are perf_counter seconds from the send."""
-    body = {"model": system.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, **system.extra}  # fmt: skip
+    body = {
+        "model": system.model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **system.extra,
+    }
     stamps: list[float] = []
     text: list[str] = []
     usage = None
@@ -228,15 +235,19 @@ def summarise(samples: list[Sample], wall: float) -> dict:
     out_tokens = sum(s.output_tokens for s in ok)
     prompt = [s.prompt_tokens for s in ok if s.prompt_tokens is not None]
     return {
-        "requests": len(samples), "errors": [s.error for s in samples if s.error], "wall_s": wall,
-        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall if ok else None,
+        "requests": len(samples),
+        "errors": [s.error for s in samples if s.error],
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall if ok else None,
         "output_tokens_per_request": sorted({s.output_tokens for s in ok}),
         "prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else None,
         "tokens_counted_from": sorted({"usage" if s.from_usage else "tokenizer" for s in ok}),
-        "ttft_s": pct([s.ttft for s in ok]), "itl_s": pct([g for s in ok for g in s.gaps]),
+        "ttft_s": pct([s.ttft for s in ok]),
+        "itl_s": pct([g for s in ok for g in s.gaps]),
         "tpot_s": pct([(s.e2e - s.ttft) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]),
         "e2e_s": pct([s.e2e for s in ok]),
-    }  # fmt: skip
+    }
 
 
 async def timed_batch(client: httpx.AsyncClient, system: System, wl: Workload, p: Prompts) -> dict:
@@ -374,13 +385,20 @@ def make_systems(dtype: str, folder: Path) -> dict:
 
     return {
         "astrai": lambda port: System(
-            "astrai", [*astrai, *address(port), "--dtype", dtype, "--log-level", "warning"], "astrai",
-            {"ignore_eos": True}, port,
+            "astrai",
+            [*astrai, *address(port), "--dtype", dtype, "--log-level", "warning"],
+            "astrai",
+            {"ignore_eos": True},
+            port,
         ),
         "transformers": lambda port: System(
-            "transformers", [*hf, *address(port), str(folder)], str(folder), no_eos, port,
+            "transformers",
+            [*hf, *address(port), str(folder)],
+            str(folder),
+            no_eos,
+            port,
         ),
-    }  # fmt: skip
+    }
 
 
 def add_common_arguments(ap: argparse.ArgumentParser) -> None:
@@ -425,14 +443,22 @@ def main() -> int:
     versions = {d: md.version(d) for d in ("astrai-core", "astrai-server", "transformers", "torch")}
     lengths = {w.name: [prompts.count(m[-1]["content"]) for m in w.requests] for w in loads}
     summary = {
-        "config": {"quick": args.quick, "dtype": args.dtype, "device": "cpu", "cores": os.cpu_count(),
-                   "gguf": gguf.name, "transformers_model": str(folder), "server_logs": str(log_dir),
-                   "versions": versions, "user_prompt_tokens": lengths,
-                   "w3_system_prompt_tokens": prompts.count(loads[2].requests[0][0]["content"])},
+        "config": {
+            "quick": args.quick,
+            "dtype": args.dtype,
+            "device": "cpu",
+            "cores": os.cpu_count(),
+            "gguf": gguf.name,
+            "transformers_model": str(folder),
+            "server_logs": str(log_dir),
+            "versions": versions,
+            "user_prompt_tokens": lengths,
+            "w3_system_prompt_tokens": prompts.count(loads[2].requests[0][0]["content"]),
+        },
         "systems": results,
         "ratios": ratios(results.get("astrai", {}), results.get("transformers", {})),
         "notes": NOTES,
-    }  # fmt: skip
+    }
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")  # the benchmark's output: one JSON object
     return 0 if all("error" not in r for r in results.values()) else 1
 

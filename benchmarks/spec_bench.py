@@ -55,9 +55,11 @@ REPEAT = [
     f"Rewrite the following text, fixing the typos. Change nothing else.\n\n{TEXT}",
     f"Rename the function load_users to read_users in this code and print the whole code again.\n\n{CODE}",
 ]
-PARAGRAPH = (TEXT + " " + "The history of the city is long and its streets are narrow; people walk along the river in "
-             "the evening, talk about the weather, the markets, the news of the day and the plans for tomorrow. "
-             "Old houses stand beside new ones, and the bridges connect the quarters that grew up on both banks.") * 8  # fmt: skip
+PARAGRAPH = (
+    TEXT + " " + "The history of the city is long and its streets are narrow; people walk along the river in "
+    "the evening, talk about the weather, the markets, the news of the day and the plans for tomorrow. "
+    "Old houses stand beside new ones, and the bridges connect the quarters that grew up on both banks."
+) * 8
 
 
 def log(msg: str) -> None:
@@ -87,8 +89,11 @@ def run_repeat(engine: InferenceEngine, prompts: list[list[int]], max_tokens: in
     tokens, seconds, texts = 0, 0.0, []
     for ids in prompts:
         first: list[float] = []
-        r = engine.submit(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                          on_piece=lambda _, first=first: first or first.append(time.perf_counter()))  # fmt: skip
+        r = engine.submit(
+            ids,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            on_piece=lambda _, first=first: first or first.append(time.perf_counter()),
+        )
         r.wait_completion()
         end = time.perf_counter()
         r.raise_for_error()
@@ -168,7 +173,7 @@ def main() -> int:
             "threads": torch.get_num_threads(),
             "repeat_max_tokens": repeat_new,
             "w2_max_tokens": w2_new,
-        },  # fmt: skip
+        },
         "repeat": {
             "decode_tok_s_off": round(med["off"]["repeat"], 2),
             "decode_tok_s_on": round(med["on"]["repeat"], 2),

@@ -64,16 +64,24 @@ PERSON = {
     "properties": {
         "name": STRING,
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "address": {"type": "object", "properties": {
-            "city": STRING,
-            "country": {"type": "string", "enum": ["France", "Germany", "Japan", "Brazil", "Canada", "Other"]}},
-            "required": ["city", "country"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": STRING,
+                "country": {
+                    "type": "string",
+                    "enum": ["France", "Germany", "Japan", "Brazil", "Canada", "Other"],
+                },
+            },
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
         "job": {"enum": ["student", "engineer", "artist", "doctor", "teacher", "retired"]},
         "hobbies": {"type": "array", "items": STRING, "minItems": 1, "maxItems": 3},
     },
     "required": ["name", "age", "address", "job", "hobbies"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 
 
 def response_format(schema: dict, name: str = "person") -> dict:
@@ -127,8 +135,9 @@ class Recorder(httpx.AsyncBaseTransport):
         resp = await self.inner.handle_async_request(request)
         sink: list[bytes] = []
         self.exchanges.append((json.loads(request.content), sink))
-        return httpx.Response(resp.status_code, headers=resp.headers, stream=_Tee(resp.stream, sink),
-                              extensions=resp.extensions)  # fmt: skip
+        return httpx.Response(
+            resp.status_code, headers=resp.headers, stream=_Tee(resp.stream, sink), extensions=resp.extensions
+        )
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -156,14 +165,22 @@ def score(texts: list[tuple[str, str | None]]) -> dict:
         parsed += 1
         valid += jsonschema.Draft202012Validator(PERSON).is_valid(obj)
     n = len(texts)
-    return {"n": n, "parse": parsed / n, "validate": valid / n, "finish_reasons": dict(Counter(f for _, f in texts)),
-            "example": texts[0][0] if texts else None}  # fmt: skip
+    return {
+        "n": n,
+        "parse": parsed / n,
+        "validate": valid / n,
+        "finish_reasons": dict(Counter(f for _, f in texts)),
+        "example": texts[0][0] if texts else None,
+    }
 
 
 async def seeded_batch(
-    client: httpx.AsyncClient, system: bench.System, wl: bench.Workload, p: bench.Prompts,
+    client: httpx.AsyncClient,
+    system: bench.System,
+    wl: bench.Workload,
+    p: bench.Prompts,
     lengths: list[int] | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """serve_bench's ``timed_batch``, with request i seeded i (the server's ``seed``); with ``lengths``,
     request i has ``max_tokens`` ``lengths[i]`` and ``ignore_eos``. ``lengths`` in the result: each
     request's output tokens, in request order."""
@@ -173,21 +190,31 @@ async def seeded_batch(
         extra = {**system.extra, "seed": i, **({"ignore_eos": True} if lengths else {})}
         seeded = dataclasses.replace(system, extra=extra)
         async with sem:
-            return await bench.one_request(client, seeded, messages, lengths[i] if lengths else wl.max_tokens, p)
+            return await bench.one_request(
+                client, seeded, messages, lengths[i] if lengths else wl.max_tokens, p
+            )
 
     t0 = time.perf_counter()
     samples = await asyncio.gather(*(go(i, m) for i, m in enumerate(wl.requests)))
     wall = time.perf_counter() - t0
-    return {"concurrency": wl.concurrency, "max_tokens": wl.max_tokens, **bench.summarise(samples, wall),
-            "lengths": [s.output_tokens for s in samples]}  # fmt: skip
+    return {
+        "concurrency": wl.concurrency,
+        "max_tokens": wl.max_tokens,
+        **bench.summarise(samples, wall),
+        "lengths": [s.output_tokens for s in samples],
+    }
 
 
 async def compile_over_http(client: httpx.AsyncClient, system: bench.System, k: int) -> dict:
     """K distinct schemas, each as one ``max_tokens`` 1 request (cold: a new schema), then again
     (warm: cached), against the same request unconstrained (before or after, alternating). Raises
     unless each constrained answer starts the object (a server that ignored the field would look free)."""
-    body = {"model": system.model, "messages": [{"role": "user", "content": "Describe a person as JSON."}],
-            "max_tokens": 1, "temperature": 0}  # fmt: skip
+    body = {
+        "model": system.model,
+        "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
 
     async def timed(extra: dict) -> float:
         t0 = time.perf_counter()
@@ -211,12 +238,18 @@ async def compile_over_http(client: httpx.AsyncClient, system: bench.System, k: 
             t["unconstrained"].append(await timed({}))
     overhead = [c - u for c, u in zip(t["cold"], t["unconstrained"], strict=True)]
     compile_ = [c - w for c, w in zip(t["cold"], t["warm"], strict=True)]
-    return {"k": k, "overhead_s": bench.pct(overhead), "cold_minus_warm_s": bench.pct(compile_),
-            "request_s": {name: bench.pct(v) for name, v in t.items()}, "overhead_values_s": overhead}  # fmt: skip
+    return {
+        "k": k,
+        "overhead_s": bench.pct(overhead),
+        "cold_minus_warm_s": bench.pct(compile_),
+        "request_s": {name: bench.pct(v) for name, v in t.items()},
+        "overhead_values_s": overhead,
+    }
 
 
-async def measure(plain: bench.System, constrained: bench.System, wl: bench.Workload, p: bench.Prompts,
-                  repeats: int, k: int) -> dict:  # fmt: skip
+async def measure(
+    plain: bench.System, constrained: bench.System, wl: bench.Workload, p: bench.Prompts, repeats: int, k: int
+) -> dict:
     """Warm-up, compile over HTTP, then ``repeats`` rounds of both variants, alternating the order."""
     recorder = Recorder(httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=64)))
     runs: dict[str, list[dict]] = {"unconstrained": [], "constrained": [], "matched": []}
@@ -224,7 +257,9 @@ async def measure(plain: bench.System, constrained: bench.System, wl: bench.Work
     variants = [("unconstrained", plain), ("constrained", constrained), ("matched", plain)]
     lengths: list[int] | None = None  # the latest constrained run's, for "matched"
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=10.0), transport=recorder) as client:
-        for _, system in variants[:2]:  # untimed: lazy initialisation, and PERSON compiled once (cached by spec)
+        for _, system in variants[
+            :2
+        ]:  # untimed: lazy initialisation, and PERSON compiled once (cached by spec)
             warm = await bench.one_request(client, system, wl.requests[0], 16, p)
             if warm.error:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
@@ -247,8 +282,13 @@ async def measure(plain: bench.System, constrained: bench.System, wl: bench.Work
     }
     ratio = rate["constrained"] / rate["matched"]
     return {
-        "output_tokens_per_s": {**rate, "ratio": ratio, "raw_ratio": rate["constrained"] / rate["unconstrained"],
-                                "target": TARGET, "meets_target": ratio >= TARGET},
+        "output_tokens_per_s": {
+            **rate,
+            "ratio": ratio,
+            "raw_ratio": rate["constrained"] / rate["unconstrained"],
+            "target": TARGET,
+            "meets_target": ratio >= TARGET,
+        },
         "tpot_p50_s": {**tpot, "ratio": tpot["constrained"] / tpot["matched"]},
         "output_tokens_per_request_mean": mean_out,
         "answers": {name: score(t) for name, t in texts.items()},
@@ -318,8 +358,10 @@ def main() -> int:
     k = min(args.schemas, 4) if args.quick else args.schemas
     wl = chat_load(args.quick)
     in_process = compile_in_process(gguf, k)  # before the server: the two would share the cores
-    plain = dataclasses.replace(bench.make_systems(args.dtype, folder)["astrai"](bench.free_port()),
-                                extra={"temperature": TEMPERATURE})  # fmt: skip
+    plain = dataclasses.replace(
+        bench.make_systems(args.dtype, folder)["astrai"](bench.free_port()),
+        extra={"temperature": TEMPERATURE},
+    )
     constrained = dataclasses.replace(plain, extra={**plain.extra, **response_format(PERSON)})
     log_dir = Path(tempfile.mkdtemp(prefix="structured-bench-"))
     try:
@@ -330,14 +372,25 @@ def main() -> int:
         result = {"error": str(exc)}
     versions = {d: md.version(d) for d in ("astrai-core", "astrai-server", "torch", "xgrammar")}
     summary = {
-        "config": {"quick": args.quick, "dtype": args.dtype, "device": "cpu", "cores": os.cpu_count(),
-                   "gguf": gguf.name, "repeats": args.repeats, "requests": len(wl.requests),
-                   "concurrency": wl.concurrency, "max_tokens": wl.max_tokens, "temperature": TEMPERATURE,
-                   "schema": PERSON, "server_logs": str(log_dir), "versions": versions},
+        "config": {
+            "quick": args.quick,
+            "dtype": args.dtype,
+            "device": "cpu",
+            "cores": os.cpu_count(),
+            "gguf": gguf.name,
+            "repeats": args.repeats,
+            "requests": len(wl.requests),
+            "concurrency": wl.concurrency,
+            "max_tokens": wl.max_tokens,
+            "temperature": TEMPERATURE,
+            "schema": PERSON,
+            "server_logs": str(log_dir),
+            "versions": versions,
+        },
         "astrai": result,
         "compile_in_process": in_process,
         "notes": NOTES,
-    }  # fmt: skip
+    }
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")  # the benchmark's output: one JSON object
     ok = "error" not in result and result["answers"]["constrained"]["validate"] == 1.0
     return 0 if ok else 1

@@ -41,9 +41,13 @@ def paged_step(
         return torch.randn(shape, device=dev, generator=gen, dtype=torch.float32).to(dtype)
 
     kv = KVCache(
-        k_buffer=rand(1, size, n_kv, head_dim), v_buffer=rand(1, size, n_kv, head_dim),
-        req_to_token=req_to_token, req_pool_indices=torch.arange(b, device=dev),
-        seq_lens=torch.tensor(seq_lens, device=dev), out_cache_loc=out_loc.long(), max_len=max(seq_lens),
+        k_buffer=rand(1, size, n_kv, head_dim),
+        v_buffer=rand(1, size, n_kv, head_dim),
+        req_to_token=req_to_token,
+        req_pool_indices=torch.arange(b, device=dev),
+        seq_lens=torch.tensor(seq_lens, device=dev),
+        out_cache_loc=out_loc.long(),
+        max_len=max(seq_lens),
         kv_indptr=torch.tensor([0, *seq_lens], device=dev).cumsum(0).int(),
         qo_indptr=torch.tensor([0, *q_lens], device=dev).cumsum(0).int(),
         q_tile_to_batch=torch.tensor([i for i, _ in tiles], device=dev, dtype=torch.int32),
@@ -51,8 +55,11 @@ def paged_step(
         decode_o_part=torch.empty(b, n_heads, DECODE_MAX_SPLITS, head_dim, device=dev),
         decode_ml_part=torch.empty(b, n_heads, DECODE_MAX_SPLITS, device=dev),
         decode_out=torch.empty(b, n_heads, head_dim, device=dev, dtype=dtype),
-        max_q_len=max(q_lens), num_tokens=t, q_lens_host=tuple(q_lens), seq_lens_host=tuple(seq_lens),
-    )  # fmt: skip
+        max_q_len=max(q_lens),
+        num_tokens=t,
+        q_lens_host=tuple(q_lens),
+        seq_lens_host=tuple(seq_lens),
+    )
     return kv, rand(t, n_heads, head_dim), rand(t, n_kv, head_dim), rand(t, n_kv, head_dim)
 
 

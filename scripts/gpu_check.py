@@ -71,8 +71,11 @@ class Report:
         try:
             self.sections[name] = {"status": "ok", **fn(*args)}
         except Exception as err:
-            self.sections[name] = {"status": "failed", "error": f"{type(err).__name__}: {err}",
-                                   "traceback": traceback.format_exc(limit=6)}  # fmt: skip
+            self.sections[name] = {
+                "status": "failed",
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc(limit=6),
+            }
         self.sections[name]["seconds"] = round(time.monotonic() - t0, 1)
         return self.sections[name]
 
@@ -81,8 +84,14 @@ def build() -> dict:
     from astrai_backend_cuda import load_kernels
 
     props = torch.cuda.get_device_properties(0)
-    return {"how": load_kernels(), "device": props.name, "sms": props.multi_processor_count,
-            "capability": f"{props.major}.{props.minor}", "torch": torch.__version__, "cuda": torch.version.cuda}  # fmt: skip
+    return {
+        "how": load_kernels(),
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "capability": f"{props.major}.{props.minor}",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
 
 
 def kernels(report: Report, cases: int, impl=None, device: str = "cuda", sms: int | None = None) -> dict:
@@ -121,8 +130,11 @@ def kernels(report: Report, cases: int, impl=None, device: str = "cuda", sms: in
         )
         x = torch.randn(1, 37, n_kv * group, head_dim, device=device).to(torch.bfloat16)
         angles = torch.rand(1, 37, head_dim // 2, device=device) * 100
-        worst["rotary"] = max(worst["rotary"], check_rotary(impl, x, torch.stack([angles.cos(), angles.sin()], -1),
-                                                            in_place=bool(i % 2))["out"] / 2**-8)  # fmt: skip
+        worst["rotary"] = max(
+            worst["rotary"],
+            check_rotary(impl, x, torch.stack([angles.cos(), angles.sin()], -1), in_place=bool(i % 2))["out"]
+            / 2**-8,
+        )
     return {"cases": done, "worst_error_over_bound": worst}
 
 
@@ -144,9 +156,15 @@ def engine(model, tokenizer, new_tokens: int, device: str = "cuda") -> dict:
 
     def prefill_logits(backend):
         c = model.config
-        pool = PagePool(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                        KVConfig(max_batch_size=8, max_seq_len=256, page_size=16, n_tokens=4096),
-                        dtype=torch.bfloat16, device=device)  # fmt: skip
+        pool = PagePool(
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            KVConfig(max_batch_size=8, max_seq_len=256, page_size=16, n_tokens=4096),
+            dtype=torch.bfloat16,
+            device=device,
+        )
         ids = [tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
         rows = [pool.task_alloc() for _ in ids]
         for r, p in zip(rows, ids, strict=True):
@@ -163,10 +181,17 @@ def engine(model, tokenizer, new_tokens: int, device: str = "cuda") -> dict:
     for name in _engine_backends():
         got = texts(name)
         diff = float((prefill_logits(name) - ref_logits).abs().max() / ref_logits.abs().max())
-        result[name] = {"same_text": sum(a == b for a, b in zip(got, expected, strict=True)), "prompts": len(PROMPTS),
-                        "prefill_logit_rel_diff": diff, "logits_within_2pct": diff <= 0.02,
-                        "differing": [{"prompt": p, "torch_native": a, name: b}
-                                      for p, a, b in zip(PROMPTS, expected, got, strict=True) if a != b]}  # fmt: skip
+        result[name] = {
+            "same_text": sum(a == b for a, b in zip(got, expected, strict=True)),
+            "prompts": len(PROMPTS),
+            "prefill_logit_rel_diff": diff,
+            "logits_within_2pct": diff <= 0.02,
+            "differing": [
+                {"prompt": p, "torch_native": a, name: b}
+                for p, a, b in zip(PROMPTS, expected, got, strict=True)
+                if a != b
+            ],
+        }
     return result
 
 
@@ -185,13 +210,30 @@ def decode_bench(report: Report, quick: bool) -> dict:
                     if report.left() < 90 or (shape == "smollm2" and ctx not in (512, 4096)):
                         continue
                     r = gpu_bench.decode_bench(registry.instance(name), batch, ctx, hq, hkv, d)
-                    rows.append({"backend": name, "shape": shape, "batch": batch, "ctx": ctx, **r,
-                                 "of_copy_bw": r["bandwidth_GBps"] * 1e9 / copy_bw})  # fmt: skip
-    target = next((r for r in rows if r["backend"] == "cuda" and r["shape"] == "llama3-8b"
-                   and r["batch"] == 64 and r["ctx"] == 4096), None)  # fmt: skip
-    return {"copy_bandwidth_GBps": copy_bw / 1e9, "rows": rows,
-            "target_b64_ctx4096_of_copy_bw": target and target["of_copy_bw"],
-            "target_met": bool(target and target["of_copy_bw"] >= 0.70)}  # fmt: skip
+                    rows.append(
+                        {
+                            "backend": name,
+                            "shape": shape,
+                            "batch": batch,
+                            "ctx": ctx,
+                            **r,
+                            "of_copy_bw": r["bandwidth_GBps"] * 1e9 / copy_bw,
+                        }
+                    )
+    target = next(
+        (
+            r
+            for r in rows
+            if r["backend"] == "cuda" and r["shape"] == "llama3-8b" and r["batch"] == 64 and r["ctx"] == 4096
+        ),
+        None,
+    )
+    return {
+        "copy_bandwidth_GBps": copy_bw / 1e9,
+        "rows": rows,
+        "target_b64_ctx4096_of_copy_bw": target and target["of_copy_bw"],
+        "target_met": bool(target and target["of_copy_bw"] >= 0.70),
+    }
 
 
 def prefill_bench() -> dict:
@@ -200,8 +242,10 @@ def prefill_bench() -> dict:
     registry = get_registry()
     rows = []
     for name in [*_engine_backends(), "torch_native"]:
-        for label, q_lens, prefix in (("fresh 4x2048", [2048] * 4, [0] * 4),
-                                      ("prefix-hit 4x1024 after 3072", [1024] * 4, [3072] * 4)):  # fmt: skip
+        for label, q_lens, prefix in (
+            ("fresh 4x2048", [2048] * 4, [0] * 4),
+            ("prefix-hit 4x1024 after 3072", [1024] * 4, [3072] * 4),
+        ):
             r = gpu_bench.prefill_bench(registry.instance(name), q_lens, prefix, *LLAMA8B)
             rows.append({"backend": name, "case": label, **r})
     return {"rows": rows}
@@ -234,12 +278,24 @@ def throughput(model, tokenizer, hf, n_req: int, new_tokens: int, device="cuda",
     with torch.inference_mode():
         hf.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=4, pad_token_id=pad)  # warm-up
         t0 = time.perf_counter()
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)  # fmt: skip
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         out.tolist()  # generate synchronises on every step anyway; this makes the end explicit
         hf_tps = (out.shape[1] - width) * n_req / (time.perf_counter() - t0)
-    return {"requests": n_req, "new_tokens": new_tokens, f"astrai_{backend}_tokens_per_s": astrai_tps,
-            "hf_generate_tokens_per_s": hf_tps, "ratio": astrai_tps / hf_tps, "target_met": astrai_tps >= 3 * hf_tps}  # fmt: skip
+    return {
+        "requests": n_req,
+        "new_tokens": new_tokens,
+        f"astrai_{backend}_tokens_per_s": astrai_tps,
+        "hf_generate_tokens_per_s": hf_tps,
+        "ratio": astrai_tps / hf_tps,
+        "target_met": astrai_tps >= 3 * hf_tps,
+    }
 
 
 def load_models(device: str = "cuda"):
@@ -275,8 +331,12 @@ def markdown(report: Report) -> str:
         if rows:
             keys = list(rows[0])
             lines += ["", f"## {name}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            lines += ["| " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |"
-                      for r in rows]  # fmt: skip
+            lines += [
+                "| "
+                + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys)
+                + " |"
+                for r in rows
+            ]
     return "\n".join(lines) + "\n"
 
 

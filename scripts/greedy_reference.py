@@ -85,13 +85,17 @@ def generate(dtype: str, backend: str, prompts: list[list[int]]) -> list[list[in
     config, mc = EngineConfig(attention_backend=None if backend == "auto" else backend), model.config
     dtype = model.lm_head.weight.dtype
     kv = kv_config(config, mc, dtype)
-    pool = PagePool(mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, kv, dtype)
+    pool = PagePool(
+        mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, kv, dtype
+    )
     sched = InferenceScheduler(model, pool, config, tokenizer.eos_token_ids)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     results = []
     for i, ids in enumerate(prompts):
         results.append(GenerateResult(f"r{i}", len(ids)))
-        sched.submit(Request(f"r{i}", list(ids), params, results[-1], StopChecker(IncrementalDecoder(tokenizer), [])))
+        sched.submit(
+            Request(f"r{i}", list(ids), params, results[-1], StopChecker(IncrementalDecoder(tokenizer), []))
+        )
     with torch.inference_mode():
         while not all(r.done for r in results):
             sched.step()
@@ -117,14 +121,21 @@ def main() -> int:
     prompts = benchmark_prompts(tokenizer)
     cases = {f"{d}/{b}": generate(d, b, prompts) for d in DTYPES for b in BACKENDS}
     if args.record:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         REFERENCE.parent.mkdir(parents=True, exist_ok=True)
         body = {"commit": commit, "new_tokens": NEW_TOKENS, "prompts": prompts, "outputs": cases}
         REFERENCE.write_text(json.dumps(body, separators=(",", ":")) + "\n")
         print(f"recorded {len(cases)} cases of {len(prompts)} prompts at {commit}")  # noqa: T201
         return 0
     ref = json.loads(REFERENCE.read_text())
-    bad = [(k, i) for k, outs in cases.items() for i, (a, b) in enumerate(zip(outs, ref["outputs"][k], strict=True)) if a != b]
+    bad = [
+        (k, i)
+        for k, outs in cases.items()
+        for i, (a, b) in enumerate(zip(outs, ref["outputs"][k], strict=True))
+        if a != b
+    ]
     print(json.dumps({"reference_commit": ref["commit"], "cases": len(cases), "differing": bad}))  # noqa: T201
     return 1 if bad else 0
 

@@ -101,7 +101,13 @@ class BatchPolicy:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # admitted: requests admitted for the first time (a preempted one is not counted again)
-        self.counters = {"total_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0, "max_preemptions": 0, "admitted": 0}
+        self.counters = {
+            "total_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "preemptions": 0,
+            "max_preemptions": 0,
+            "admitted": 0,
+        }
         # speculative decoding: rows verified with drafts, draft tokens, drafts the model confirmed
         self.counters.update(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
         self.proposer = proposer
@@ -146,11 +152,16 @@ class BatchPolicy:
                     for (r, q, _), d in zip(rows, drafts, strict=True)
                 )
             ),
-            scored=tuple(_scores(r) for r in reqs) if any(r.params.prompt_logprobs is not None for r in reqs) else (),
+            scored=tuple(_scores(r) for r in reqs)
+            if any(r.params.prompt_logprobs is not None for r in reqs)
+            else (),
             backend=(reqs[0].backend or AUTOMATIC) if reqs else AUTOMATIC,
             finished=tuple(r.request_id for r in finished),
             drafts=tuple(map(len, drafts)) if any(drafts) else (),
-            rows=tuple(RowInput(r.params, r.prompt_ids, r.output_ids, len(r.prompt_logprobs), r.matcher) for r in reqs),
+            rows=tuple(
+                RowInput(r.params, r.prompt_ids, r.output_ids, len(r.prompt_logprobs), r.matcher)
+                for r in reqs
+            ),
         )
 
     def update(self, plan: StepPlan, result: StepResult) -> None:
@@ -169,8 +180,13 @@ class BatchPolicy:
         if len(reqs) != len(plan.request_ids):
             raise RuntimeError(f"update of a plan of {len(plan.request_ids)} rows; {len(reqs)} were planned")
         for n, (i, exc) in enumerate(sorted(result.failed.items())):
-            logger.error("request %s failed in a step of %d rows: %r", reqs[i].request_id, len(reqs), exc,
-                         exc_info=exc if n == 0 else None)  # fmt: skip
+            logger.error(
+                "request %s failed in a step of %d rows: %r",
+                reqs[i].request_id,
+                len(reqs),
+                exc,
+                exc_info=exc if n == 0 else None,
+            )
             reqs[i].finish(FinishReason.ERROR, error=exc)
         drafts = plan.drafts or (0,) * len(reqs)
         sampled: list[tuple[Request, int]] = []
@@ -179,7 +195,9 @@ class BatchPolicy:
                 continue
             req.prompt_logprobs.extend(result.prompt_logprobs.get(i, ()))
             req.num_computed += q - d  # a row's drafts count once confirmed (_accept_run)
-            if q - d > 1:  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
+            if (
+                q - d > 1
+            ):  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
                 self.pool.record(req.req_idx, req.tokens[: req.num_computed])
             if plan.sample[i]:
                 sampled.append((req, d))
@@ -283,7 +301,9 @@ class BatchPolicy:
             if req.req_idx < 0 or req.remaining != 1:
                 continue
             while not self.pool.extend(req.req_idx, req.num_computed + 1):
-                victim = self._victim(self.running.index(req))  # never a row already planned (those are older)
+                victim = self._victim(
+                    self.running.index(req)
+                )  # never a row already planned (those are older)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -311,7 +331,9 @@ class BatchPolicy:
             draft = proposer.propose(req.spec, req.tokens, limit)
             if draft:
                 picked.append((i, draft))
-        if not picked or not proposer.worth(len(rows), [(rows[i][0].spec, len(d)) for i, d in picked], prefills > 0):
+        if not picked or not proposer.worth(
+            len(rows), [(rows[i][0].spec, len(d)) for i, d in picked], prefills > 0
+        ):
             return out
         for i, draft in picked:
             req = rows[i][0]
@@ -352,7 +374,9 @@ class BatchPolicy:
         """
         idx = self.pool.task_alloc()
         # prompt log-probs need the logits of every position not scored yet: those are not taken from the cache
-        scored = req.tokens if req.params.prompt_logprobs is None else req.tokens[: len(req.prompt_logprobs) + 1]
+        scored = (
+            req.tokens if req.params.prompt_logprobs is None else req.tokens[: len(req.prompt_logprobs) + 1]
+        )
         hit = self.pool.match_prefix(idx, scored, req.cache_namespace)
         need = self._reserve(req) - hit  # the whole (re)prefill, its first decode and a share of its output
         if self.running and need + reserved > self.pool.available_tokens():

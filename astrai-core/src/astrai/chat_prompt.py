@@ -20,7 +20,10 @@ _TOOLS_PROMPT = (
 
 
 def chat_prompt_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, prefill: str = ""
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    prefill: str = "",
 ) -> list[int]:
     """Token ids of ``messages`` (Hugging Face chat convention) through the model's chat template,
     then those of ``prefill`` (the start of the assistant's answer, which generation continues).
@@ -57,7 +60,9 @@ def chat_prompt_ids(
 
 def _inline_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
     calls = "\n".join(
-        "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) + "\n</tool_call>"
+        "<tool_call>\n"
+        + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+        + "\n</tool_call>"
         for c in message["tool_calls"]
     )
     content = f"{message.get('content') or ''}\n{calls}".lstrip("\n")

@@ -63,13 +63,19 @@ class PluginOptions:
 
 
 def _add_model_args(p: argparse.ArgumentParser, pm: PluginManager) -> None:
-    p.add_argument("--model", default=None, help="model name, .gguf file or HF folder (default: smollm2-135m)")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 where native, else fp32")
     p.add_argument(
-        "--weights", choices=["auto", "gguf", "dense"], default="auto",
+        "--model", default=None, help="model name, .gguf file or HF folder (default: smollm2-135m)"
+    )
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 where native, else fp32"
+    )
+    p.add_argument(
+        "--weights",
+        choices=["auto", "gguf", "dense"],
+        default="auto",
         help="a GGUF file's quantized weights: kept (gguf), dequantized (dense), or auto (gguf in bf16 where the kernels run)",
-    )  # fmt: skip
+    )
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -77,9 +83,13 @@ def _add_model_args(p: argparse.ArgumentParser, pm: PluginManager) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
-        "--sampling", action="append", type=parse_key_value, default=[], metavar="KEY=VALUE",
+        "--sampling",
+        action="append",
+        type=parse_key_value,
+        default=[],
+        metavar="KEY=VALUE",
         help="parameter of a sampling plugin for every request, e.g. min_p=0.05 (repeatable)",
-    )  # fmt: skip
+    )
     p.set_defaults(run=_run, plugin_options=PluginOptions(p, pm))
 
 
@@ -121,18 +131,24 @@ def plugin_rows() -> list[dict[str, Any]]:
         for ep in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
             failure = loaded.failures.get(ep.name)
             row = {
-                "group": group, "name": ep.name, "target": ep.value,
+                "group": group,
+                "name": ep.name,
+                "target": ep.value,
                 "distribution": ep.dist.metadata["Name"] if ep.dist else "unknown",
                 "version": ep.dist.version if ep.dist else "unknown",
                 "loaded": failure is None,
                 "error": None if failure is None else f"{type(failure.error).__name__}: {failure.error}",
-                "can_run": None, "reason": "",
-            }  # fmt: skip
+                "can_run": None,
+                "reason": "",
+            }
             if group == ATTENTION_BACKENDS and failure is None:
                 try:
                     row["can_run"], row["reason"] = loaded.classes[ep.name].is_available()
                 except Exception as err:  # the contract says it must not raise; report, don't crash
-                    row["can_run"], row["reason"] = False, f"is_available() raised {type(err).__name__}: {err}"
+                    row["can_run"], row["reason"] = (
+                        False,
+                        f"is_available() raised {type(err).__name__}: {err}",
+                    )
             rows.append(row)
     return rows
 
@@ -145,7 +161,9 @@ def _print_plugins(args: argparse.Namespace) -> int:
     table = [("GROUP", "NAME", "DISTRIBUTION", "VERSION", "LOADED", "CAN RUN")]
     for r in rows:
         can_run = "-" if r["can_run"] is None else "yes" if r["can_run"] else f"no: {r['reason']}"
-        table.append((r["group"], r["name"], r["distribution"], r["version"], "yes" if r["loaded"] else "no", can_run))
+        table.append(
+            (r["group"], r["name"], r["distribution"], r["version"], "yes" if r["loaded"] else "no", can_run)
+        )
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     for i, row in enumerate(table):
         sys.stdout.write("  ".join(row[c].ljust(widths[c]) for c in range(5)) + "  " + row[5] + "\n")

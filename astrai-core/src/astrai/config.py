@@ -60,33 +60,47 @@ class EngineConfig:
     attention_backend: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     grammar_backend: str | None = None  # astrai.grammars entry point for constrained decoding; None: xgrammar
-    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # compile workers, time-out, size and cache bounds
+    grammar: GrammarConfig = field(
+        default_factory=GrammarConfig
+    )  # compile workers, time-out, size and cache bounds
     plugin_options: dict[str, Any] = field(default_factory=dict)
     max_queued_requests: int | None = None
     queue_timeout: float | None = None
     scheduling_policy: str = "fcfs"  # or "priority"
     tensor_parallel_size: int = 1  # ranks the model is split over (astrai.distributed); 1: this process alone
     tp_timeout: float = 300.0  # seconds a tensor-parallel collective may wait; idle ranks get a heartbeat
-    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding of greedy requests; None: off
+    speculative: str | None = (
+        None  # "ngram": prompt-lookup speculative decoding of greedy requests; None: off
+    )
     num_speculative_tokens: int = 4  # drafts per request and step
     ngram_min: int = 2  # shortest suffix matched against the request's earlier tokens
     ngram_max: int = 4  # longest (tried first)
-    limits: RequestLimits = field(default_factory=RequestLimits)  # stop strings, logit_bias: checked at submit
+    limits: RequestLimits = field(
+        default_factory=RequestLimits
+    )  # stop strings, logit_bias: checked at submit
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:  # each request waits a moment
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if (
+            self.max_queued_requests is not None and self.max_queued_requests < 1
+        ):  # each request waits a moment
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.tp_timeout > 0:
             raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, got {self.speculative!r}")
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, got {self.speculative!r}"
+            )
         if not 1 <= self.num_speculative_tokens <= 15:  # astrai.speculative.MAX_SPECULATIVE_TOKENS
             raise ValueError(f"num_speculative_tokens must be in [1, 15], got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got ngram_min {self.ngram_min}, ngram_max {self.ngram_max}")
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got ngram_min {self.ngram_min}, ngram_max {self.ngram_max}"
+            )
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
 @functools.cache
 def _libgomp_pause() -> Callable[[int], int] | None:
     """libgomp's ``omp_pause_resource_all`` where this process runs libgomp (torch's CPU builds do);

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
+
 class InferenceEngine:
     """Continuous-batching generation over ``model`` and ``tokenizer``: the Engine API of docs/architecture.md.
 
@@ -107,7 +108,9 @@ class InferenceEngine:
             on_finished=self._request_finished if self._hooks else None,
             proposer=self._proposer(),
         )
-        self.scheduler.start(warm_up=True)  # returns once a first forward has packed weights and built kernels
+        self.scheduler.start(
+            warm_up=True
+        )  # returns once a first forward has packed weights and built kernels
         self.plugins.notify("astrai_engine_started", engine=self)
 
     @classmethod
@@ -135,11 +138,17 @@ class InferenceEngine:
         size = config.tensor_parallel_size if config is not None else 1
         if size > 1:
             if weights == "gguf":
-                raise ValueError("--weights gguf: tensor parallelism shards dense weights (use --weights dense or auto)")
+                raise ValueError(
+                    "--weights gguf: tensor parallelism shards dense weights (use --weights dense or auto)"
+                )
             from astrai.distributed.launch import load_tensor_parallel
 
             model, tokenizer = load_tensor_parallel(
-                name_or_path, dtype or default_dtype(device), device, size, config.tp_timeout,
+                name_or_path,
+                dtype or default_dtype(device),
+                device,
+                size,
+                config.tp_timeout,
                 max_seq_len=config.max_seq_len,
             )
             try:
@@ -158,7 +167,11 @@ class InferenceEngine:
             what += f": the model's context length {mc.max_position_embeddings}; a max_seq_len serves less"
         what += ")"
         model, tokenizer = load_model(
-            checkpoint, dtype=dtype, device=device, weights=weights, max_seq_len=kv.max_seq_len,
+            checkpoint,
+            dtype=dtype,
+            device=device,
+            weights=weights,
+            max_seq_len=kv.max_seq_len,
             reserve={what: kv.nbytes(*shape)},
         )
         return cls(model, tokenizer, config, plugins)
@@ -166,7 +179,11 @@ class InferenceEngine:
     def _proposer(self) -> NgramProposer | None:
         """The speculative drafter ``config.speculative`` names (None: speculation is off)."""
         c = self.config
-        return NgramProposer(c.num_speculative_tokens, c.ngram_min, c.ngram_max) if c.speculative == "ngram" else None
+        return (
+            NgramProposer(c.num_speculative_tokens, c.ngram_min, c.ngram_max)
+            if c.speculative == "ngram"
+            else None
+        )
 
     @property
     def context_limit(self) -> int:
@@ -202,7 +219,13 @@ class InferenceEngine:
         stopper = StopChecker(IncrementalDecoder(self.tokenizer), params.stop)
         # submitted on this thread: the scheduler keeps the attn_backend() choice in force here
         req = Request(
-            rid, list(prompt_ids), params, result, stopper, priority=priority, cache_namespace=cache_namespace,
+            rid,
+            list(prompt_ids),
+            params,
+            result,
+            stopper,
+            priority=priority,
+            cache_namespace=cache_namespace,
             sibling=sibling,
         )
         if params.grammar is not None:  # compiled here unless given or cached (RequestRejected for a bad one)
@@ -340,7 +363,9 @@ class InferenceEngine:
             if not result.done:
                 self.abort(result.request_id)
 
-    def _submit_all(self, ids: list[list[int]], params: SamplingParams, **callbacks: Any) -> list[GenerateResult]:
+    def _submit_all(
+        self, ids: list[list[int]], params: SamplingParams, **callbacks: Any
+    ) -> list[GenerateResult]:
         results: list[GenerateResult] = []
         try:
             for i, prompt_ids in enumerate(ids):
@@ -352,7 +377,9 @@ class InferenceEngine:
             raise
         return results
 
-    def _stream_many(self, ids: list[list[int]], params: SamplingParams) -> Generator[tuple[int, str], None, None]:
+    def _stream_many(
+        self, ids: list[list[int]], params: SamplingParams
+    ) -> Generator[tuple[int, str], None, None]:
         events: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()
         results = self._submit_all(
             ids, params, on_piece=lambda i, p: events.put((i, p)), on_done=lambda i, _: events.put((i, None))

@@ -25,4 +25,13 @@ VALIDATORS: dict[str, Validator] = {
 }
 GROUPS = tuple(VALIDATORS)
 
-__all__ = ["ATTENTION_BACKENDS", "GRAMMARS", "GROUPS", "HOOKS", "MODELS", "PROTOCOLS", "SAMPLING", "VALIDATORS"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "GRAMMARS",
+    "GROUPS",
+    "HOOKS",
+    "MODELS",
+    "PROTOCOLS",
+    "SAMPLING",
+    "VALIDATORS",
+]

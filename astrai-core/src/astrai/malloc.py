@@ -63,7 +63,11 @@ def tune_malloc() -> bool:
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:  # not Linux, or musl or another libc without mallopt
         return False
-    options = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD))
+    options = (
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        (_M_TOP_PAD, TOP_PAD),
+    )
     applied = all(mallopt(option, value) == 1 for option, value in options)
     logger.debug("malloc tuning %s", "applied" if applied else "refused")
     return applied

@@ -38,9 +38,22 @@ if TYPE_CHECKING:
     from astrai.sampling.params import SamplingParams
 
 __all__ = [
-    "PROTOCOLS", "CacheSalt", "ChatResult", "Choice", "Prepared", "ResponseBuilder", "ToolCall", "chat_prompt_ids",
-    "check_builder_class", "error_type_for", "load_protocols", "new_id", "plugin_sampling", "sse", "value_or_default",
-]  # fmt: skip
+    "PROTOCOLS",
+    "CacheSalt",
+    "ChatResult",
+    "Choice",
+    "Prepared",
+    "ResponseBuilder",
+    "ToolCall",
+    "chat_prompt_ids",
+    "check_builder_class",
+    "error_type_for",
+    "load_protocols",
+    "new_id",
+    "plugin_sampling",
+    "sse",
+    "value_or_default",
+]
 
 #: vLLM's ``cache_salt`` request field, on every protocol: the prefix cache reuses a page only for a
 #: request of the same salt (and tenant); any text of 1 to 1024 characters.
@@ -278,7 +291,9 @@ def check_builder_class(name: str, plugin: object, origin: str) -> type[Response
     cls = check_class(ResponseBuilder, name, plugin, origin)
     route = getattr(cls, "route", None)
     if not (isinstance(route, str) and route.startswith("/")):
-        raise PluginError(f"{origin}: {cls.__qualname__}.route must be a path starting with '/', got {route!r}")
+        raise PluginError(
+            f"{origin}: {cls.__qualname__}.route must be a path starting with '/', got {route!r}"
+        )
     model = getattr(cls, "request_model", None)
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         raise PluginError(f"{origin}: {cls.__qualname__}.request_model must be a pydantic BaseModel subclass")

@@ -87,7 +87,9 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     matcher: GrammarMatcher | None = None  # constrained decoding: where the output is in its grammar
-    spec: NgramState | None = None  # speculative decoding: the proposer's lookup table (made at its first draft)
+    spec: NgramState | None = (
+        None  # speculative decoding: the proposer's lookup table (made at its first draft)
+    )
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

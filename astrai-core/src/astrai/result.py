@@ -99,7 +99,9 @@ class GenerateResult:
     def _prompt_logprobs(self) -> None:
         request = self._request
         if not self.prompt_logprobs and request is not None and request.params.prompt_logprobs is not None:
-            if len(request.prompt_logprobs) == len(request.prompt_ids) - 1:  # complete (not an aborted prefill)
+            if (
+                len(request.prompt_logprobs) == len(request.prompt_ids) - 1
+            ):  # complete (not an aborted prefill)
                 self.prompt_logprobs = [None, *request.prompt_logprobs]
 
     def wait_completion(self, timeout: float | None = None) -> bool:

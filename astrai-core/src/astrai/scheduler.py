@@ -137,7 +137,10 @@ class InferenceScheduler:
         release_openmp_team()
         if not req.prompt_ids:
             raise RequestRejected("empty prompt: at least one token is needed", param="prompt")
-        if self.vocab_size is not None and not 0 <= min(req.prompt_ids) <= max(req.prompt_ids) < self.vocab_size:
+        if (
+            self.vocab_size is not None
+            and not 0 <= min(req.prompt_ids) <= max(req.prompt_ids) < self.vocab_size
+        ):
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         req.params = self.runner.pipeline.prepare(req.params, self.vocab_size)
         n = len(req.prompt_ids) + req.params.max_tokens
@@ -158,9 +161,13 @@ class InferenceScheduler:
             if not self._accepting:
                 raise EngineNotReady(f"scheduler is not running: {self.reason}")
             if req.request_id in self._live:
-                raise RequestRejected(f"request id {req.request_id!r} is in flight already", param="request_id")
+                raise RequestRejected(
+                    f"request id {req.request_id!r} is in flight already", param="request_id"
+                )
             if self.max_queued is not None and self.queued >= self.max_queued:
-                raise Overloaded(f"the server is overloaded: {self.queued} requests are waiting already; retry later")
+                raise Overloaded(
+                    f"the server is overloaded: {self.queued} requests are waiting already; retry later"
+                )
             self._live.add(req.request_id)
             req.arrival = next(self._arrivals)
             self._total_tasks += 1
@@ -305,13 +312,22 @@ class InferenceScheduler:
         if now < self._next_expiry:
             return
         self._next_expiry = now + min(0.05, self.queue_timeout / 4)
-        late = [r for r in self.policy.waiting if r.cached_tokens < 0 and now - r.submitted_at >= self.queue_timeout]
+        late = [
+            r
+            for r in self.policy.waiting
+            if r.cached_tokens < 0 and now - r.submitted_at >= self.queue_timeout
+        ]
         for req in late:
             self.policy.waiting.remove(req)
-            logger.info("request %s waited %.1f s without admission: refused", req.request_id, now - req.submitted_at)
-            req.finish(FinishReason.ERROR, error=Overloaded(
-                f"the server is overloaded: the request waited {self.queue_timeout:g} s in the queue; retry later"
-            ))  # fmt: skip
+            logger.info(
+                "request %s waited %.1f s without admission: refused", req.request_id, now - req.submitted_at
+            )
+            req.finish(
+                FinishReason.ERROR,
+                error=Overloaded(
+                    f"the server is overloaded: the request waited {self.queue_timeout:g} s in the queue; retry later"
+                ),
+            )
             self._complete(req)
 
     def _fail_all(self, error: Exception) -> None:

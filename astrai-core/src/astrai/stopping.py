@@ -60,7 +60,9 @@ class StopAutomaton:
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(dict.fromkeys(s for s in stops if s))  # an empty stop string would match everywhere
+        self.stops = tuple(
+            dict.fromkeys(s for s in stops if s)
+        )  # an empty stop string would match everywhere
         goto: list[dict[str, int]] = [{}]
         depth, ends = [0], [""]
         for stop in self.stops:

@@ -98,7 +98,9 @@ def create_app(
             name, extra = f"{builder.name}:{path}", _path_parameters(path)  # extra: what FastAPI cannot see
             app.add_api_route(path, get, methods=["GET"], name=name, openapi_extra=extra)
         for path, (model, body) in builder.post_routes().items():
-            app.add_api_route(path, _json_endpoint(builder, model, body), methods=["POST"], name=f"{builder.name}:{path}")
+            app.add_api_route(
+                path, _json_endpoint(builder, model, body), methods=["POST"], name=f"{builder.name}:{path}"
+            )
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/stats", _stats, methods=["GET"])
@@ -154,8 +156,10 @@ async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
     if task.done():
         return task.result()
     task.cancel()
-    logger.info("client of request %s left before its request was submitted: abandoned",
-                getattr(request.state, "request_id", "?"))  # fmt: skip
+    logger.info(
+        "client of request %s left before its request was submitted: abandoned",
+        getattr(request.state, "request_id", "?"),
+    )
     try:
         await task
     except (asyncio.CancelledError, Exception):
@@ -175,7 +179,9 @@ async def _read(request: Request) -> bytearray:
     return raw
 
 
-def _parse(builder: ResponseBuilder, raw: bytes | bytearray, model: type[BaseModel] | None = None, engine: Any = None) -> Any:
+def _parse(
+    builder: ResponseBuilder, raw: bytes | bytearray, model: type[BaseModel] | None = None, engine: Any = None
+) -> Any:
     """The validated request model (``builder.request_model`` by default); HTTPProblem 400 for
     a body ``decode_json`` refuses, one that is no object, or a field the model forbids (an unknown
     nested field), 422 for schema errors; with ``engine``, RequestRejected (400) first for a text
@@ -190,7 +196,9 @@ def _parse(builder: ResponseBuilder, raw: bytes | bytearray, model: type[BaseMod
         raise
 
 
-def _validate(builder: ResponseBuilder, body: Any, model: type[BaseModel] | None, bound: TextBound | None, size: int) -> Any:
+def _validate(
+    builder: ResponseBuilder, body: Any, model: type[BaseModel] | None, bound: TextBound | None, size: int
+) -> Any:
     if not isinstance(body, dict):
         raise HTTPProblem(400, "request body must be a JSON object")
     if bound is not None:
@@ -204,7 +212,9 @@ def _validate(builder: ResponseBuilder, body: Any, model: type[BaseModel] | None
         # without pydantic's union-member labels ("list[TextPart]", "function-after[...]"): the field's path
         loc = ".".join(str(x) for x in first["loc"] if not _union_label(x))
         if unknown:
-            raise HTTPProblem(400, f"unsupported parameter {loc}: astrai does not implement it", param=loc) from None
+            raise HTTPProblem(
+                400, f"unsupported parameter {loc}: astrai does not implement it", param=loc
+            ) from None
         more = f" (and {e.error_count() - 1} more errors)" if e.error_count() > 1 else ""
         raise HTTPProblem(422, f"{loc or 'body'}: {first['msg']}{more}", param=loc or None) from None
 
@@ -365,7 +375,9 @@ def _path_parameters(path: str) -> dict[str, Any] | None:
     return {"parameters": parameters} if parameters else None
 
 
-def _json_endpoint(builder: ResponseBuilder, model: type[BaseModel], body: Callable[[Any, Any], dict[str, Any]]) -> Any:
+def _json_endpoint(
+    builder: ResponseBuilder, model: type[BaseModel], body: Callable[[Any, Any], dict[str, Any]]
+) -> Any:
     """A JSON POST route that generates nothing: validated like a generation request, errors in the builder's shape."""
 
     def answer(raw: bytearray, engine: Any) -> JSONResponse:  # on a worker thread: tokenizing, rendering

@@ -39,7 +39,9 @@ LARGE_BODY = 1 << 20
 MAX_VALUES = 1 << 20
 _CHUNK = 1 << 20  # bytes per step: each C call on one takes a millisecond or two
 _NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b'"[]{},')
-_NOT_CONTINUATION = bytes(b for b in range(256) if not 0x80 <= b < 0xC0)  # UTF-8: one byte per character but these
+_NOT_CONTINUATION = bytes(
+    b for b in range(256) if not 0x80 <= b < 0xC0
+)  # UTF-8: one byte per character but these
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -122,7 +124,10 @@ def _utf8(raw: bytes | bytearray) -> str:
         try:  # once more in one piece, for the error's position in the whole body
             bytes(raw).decode("utf-8-sig")
         except UnicodeDecodeError as e:  # strict: also refuses encoded surrogates (ED A0 80)
-            raise HTTPProblem(400, f"request body is not valid JSON: not UTF-8 at byte {e.start} ({e.object[e.start]:#04x}: {e.reason})") from None
+            raise HTTPProblem(
+                400,
+                f"request body is not valid JSON: not UTF-8 at byte {e.start} ({e.object[e.start]:#04x}: {e.reason})",
+            ) from None
         raise
     return "".join(parts)
 
@@ -231,7 +236,9 @@ def _check_text(text: str, path: str, key: bool = False) -> None:
     if key:
         name = text.encode("utf-8", "backslashreplace").decode()
         where = f"{path}.{name}" if path else name
-        raise HTTPProblem(400, f"invalid key {where}: a lone surrogate ({char}) is not text", param=path or None)
+        raise HTTPProblem(
+            400, f"invalid key {where}: a lone surrogate ({char}) is not text", param=path or None
+        )
     raise HTTPProblem(400, f"{path or 'body'}: a lone surrogate ({char}) is not text", param=path or None)
 
 

@@ -26,7 +26,13 @@ logger = logging.getLogger(__name__)
 
 def _flag(p: argparse.ArgumentParser, name: str, help: str, **kw: Any) -> None:
     default = ServerSettings.model_fields[name].default
-    p.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS, help=f"{help} (default: {default})", **kw)
+    p.add_argument(
+        "--" + name.replace("_", "-"),
+        dest=name,
+        default=argparse.SUPPRESS,
+        help=f"{help} (default: {default})",
+        **kw,
+    )
 
 
 def _comma_list(text: str) -> list[str]:
@@ -41,9 +47,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "model", "model name, .gguf file or HF folder; default: smollm2-135m")
     _flag(p, "served_model_name", "model name reported by /v1/models")
     _flag(p, "device", "torch device")
-    _flag(p, "dtype", "weights and KV dtype; default: bf16 where native, else float32", choices=["float32", "bfloat16", "float16"])
-    _flag(p, "weights", "a GGUF file's quantized weights: kept quantized (gguf), dequantized into --dtype (dense), or auto", choices=["auto", "gguf", "dense"])
-    _flag(p, "attention_backend", "attention backend entry point, strict for every request (beats ASTR_BACKEND)")
+    _flag(
+        p,
+        "dtype",
+        "weights and KV dtype; default: bf16 where native, else float32",
+        choices=["float32", "bfloat16", "float16"],
+    )
+    _flag(
+        p,
+        "weights",
+        "a GGUF file's quantized weights: kept quantized (gguf), dequantized into --dtype (dense), or auto",
+        choices=["auto", "gguf", "dense"],
+    )
+    _flag(
+        p, "attention_backend", "attention backend entry point, strict for every request (beats ASTR_BACKEND)"
+    )
     _flag(p, "max_batch_size", "concurrent requests", type=int)
     _flag(p, "max_seq_len", "context per request; default: the model's", type=int)
     _flag(p, "paged", "paged KV pool (--no-paged: contiguous)", action=argparse.BooleanOptionalAction)
@@ -54,53 +72,181 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "max_request_bytes", "largest request body accepted, e.g. 32MiB (413 beyond)")
     _flag(p, "header_timeout", "seconds to send a request head, or a body may stall; then 408", type=float)
     _flag(p, "max_connections", "open connections, then 503; default: descriptor limit - 64", type=int)
-    _flag(p, "max_queued_requests", "requests that may wait for admission; beyond, 429 (Anthropic: 529) with Retry-After", type=int)
+    _flag(
+        p,
+        "max_queued_requests",
+        "requests that may wait for admission; beyond, 429 (Anthropic: 529) with Retry-After",
+        type=int,
+    )
     _flag(p, "max_choices", "engine requests one HTTP request may make (prompts x n); beyond, 400", type=int)
-    _flag(p, "queue_timeout", "seconds a request may wait for admission before it is refused like a full queue", type=float)
-    _flag(p, "scheduling_policy", "admission order: fcfs, or priority (the request's priority field, smaller first)",
-          choices=["fcfs", "priority"])  # fmt: skip
+    _flag(
+        p,
+        "queue_timeout",
+        "seconds a request may wait for admission before it is refused like a full queue",
+        type=float,
+    )
+    _flag(
+        p,
+        "scheduling_policy",
+        "admission order: fcfs, or priority (the request's priority field, smaller first)",
+        choices=["fcfs", "priority"],
+    )
     _flag(p, "max_stop_sequences", "stop strings one request may send; beyond, 400", type=int)
     _flag(p, "max_stop_length", "characters of one stop string; beyond, 400", type=int)
     _flag(p, "max_logit_bias", "logit_bias entries one request may send; beyond, 400", type=int)
-    _flag(p, "grammar_workers", "grammar compile processes (0: compile on the request's thread, without time-out)", type=int)
+    _flag(
+        p,
+        "grammar_workers",
+        "grammar compile processes (0: compile on the request's thread, without time-out)",
+        type=int,
+    )
     _flag(p, "grammar_queue", "grammar compiles that may wait for a worker; beyond, 429", type=int)
-    _flag(p, "grammar_compile_timeout", "seconds one grammar compile may take; then it is stopped and the request gets 400",
-          type=float)
-    _flag(p, "max_grammar_bytes", "largest JSON schema, regex, choice list, grammar or tool set compiled, e.g. 256KiB")
+    _flag(
+        p,
+        "grammar_compile_timeout",
+        "seconds one grammar compile may take; then it is stopped and the request gets 400",
+        type=float,
+    )
+    _flag(
+        p,
+        "max_grammar_bytes",
+        "largest JSON schema, regex, choice list, grammar or tool set compiled, e.g. 256KiB",
+    )
     _flag(p, "grammar_cache_memory", "memory the compiled grammars kept for reuse may hold, e.g. 256MiB")
-    _flag(p, "speculative", "speculative decoding of greedy requests: ngram (prompt lookup); default: off", choices=["ngram"])
+    _flag(
+        p,
+        "speculative",
+        "speculative decoding of greedy requests: ngram (prompt lookup); default: off",
+        choices=["ngram"],
+    )
     _flag(p, "num_speculative_tokens", "with --speculative: drafts per request and step, 1 to 15", type=int)
-    _flag(p, "ngram_min", "with --speculative ngram: shortest suffix n-gram looked up in the request's tokens", type=int)
-    _flag(p, "ngram_max", "with --speculative ngram: longest suffix n-gram, tried first (>= --ngram-min)", type=int)
-    _flag(p, "shutdown_timeout", "seconds requests in flight may take to finish after SIGTERM/SIGINT", type=float)
-    _flag(p, "on_load_failure", "when the model fails to load: exit (status 1, one line on stderr), "
-          "or stay up unhealthy (/health 503)", choices=["exit", "unhealthy"])
-    _flag(p, "tensor_parallel_size", "split the model over this many ranks (worker processes, or torchrun's)", type=int)
-    _flag(p, "tp_timeout", "seconds a tensor-parallel collective may wait (idle ranks get a heartbeat)", type=float)
-    _flag(p, "data_parallel_size", "engine replicas (processes on loopback) behind the SGLang Model Gateway on --host/--port", type=int)
-    _flag(p, "data_parallel_base_port", "replica i listens on 127.0.0.1:(this + i); default: free ports", type=int)
-    _flag(p, "gateway_metrics_port", "port of the gateway's own Prometheus /metrics, on 127.0.0.1; default: a free one", type=int)
-    _flag(p, "api_key", "require this key (Authorization: Bearer or x-api-key); repeat it for several keys; never empty", action="append")
-    _flag(p, "api_key_file", "file of API keys, one a line (blank lines and # comments skipped), read at start")
-    _flag(p, "admin_api_key", "operator key: every route, and the only key /stats and /metrics accept once keys are set; repeatable",
-          action="append")
-    _flag(p, "shared_prefix_cache", "with API keys: one prefix cache for every key (a single trusted tenant); "
-          "by default each key has its own", action=argparse.BooleanOptionalAction)
-    _flag(p, "allowed_origins", "CORS: origins browsers may call from, comma-separated (*: any); default: none", type=_comma_list)
-    _flag(p, "allowed_methods", "CORS: methods cross-origin requests may use, comma-separated (*: any)", type=_comma_list)
-    _flag(p, "allowed_headers", "CORS: headers cross-origin requests may send, comma-separated (*: any)", type=_comma_list)
+    _flag(
+        p,
+        "ngram_min",
+        "with --speculative ngram: shortest suffix n-gram looked up in the request's tokens",
+        type=int,
+    )
+    _flag(
+        p,
+        "ngram_max",
+        "with --speculative ngram: longest suffix n-gram, tried first (>= --ngram-min)",
+        type=int,
+    )
+    _flag(
+        p,
+        "shutdown_timeout",
+        "seconds requests in flight may take to finish after SIGTERM/SIGINT",
+        type=float,
+    )
+    _flag(
+        p,
+        "on_load_failure",
+        "when the model fails to load: exit (status 1, one line on stderr), "
+        "or stay up unhealthy (/health 503)",
+        choices=["exit", "unhealthy"],
+    )
+    _flag(
+        p,
+        "tensor_parallel_size",
+        "split the model over this many ranks (worker processes, or torchrun's)",
+        type=int,
+    )
+    _flag(
+        p,
+        "tp_timeout",
+        "seconds a tensor-parallel collective may wait (idle ranks get a heartbeat)",
+        type=float,
+    )
+    _flag(
+        p,
+        "data_parallel_size",
+        "engine replicas (processes on loopback) behind the SGLang Model Gateway on --host/--port",
+        type=int,
+    )
+    _flag(
+        p,
+        "data_parallel_base_port",
+        "replica i listens on 127.0.0.1:(this + i); default: free ports",
+        type=int,
+    )
+    _flag(
+        p,
+        "gateway_metrics_port",
+        "port of the gateway's own Prometheus /metrics, on 127.0.0.1; default: a free one",
+        type=int,
+    )
+    _flag(
+        p,
+        "api_key",
+        "require this key (Authorization: Bearer or x-api-key); repeat it for several keys; never empty",
+        action="append",
+    )
+    _flag(
+        p, "api_key_file", "file of API keys, one a line (blank lines and # comments skipped), read at start"
+    )
+    _flag(
+        p,
+        "admin_api_key",
+        "operator key: every route, and the only key /stats and /metrics accept once keys are set; repeatable",
+        action="append",
+    )
+    _flag(
+        p,
+        "shared_prefix_cache",
+        "with API keys: one prefix cache for every key (a single trusted tenant); "
+        "by default each key has its own",
+        action=argparse.BooleanOptionalAction,
+    )
+    _flag(
+        p,
+        "allowed_origins",
+        "CORS: origins browsers may call from, comma-separated (*: any); default: none",
+        type=_comma_list,
+    )
+    _flag(
+        p,
+        "allowed_methods",
+        "CORS: methods cross-origin requests may use, comma-separated (*: any)",
+        type=_comma_list,
+    )
+    _flag(
+        p,
+        "allowed_headers",
+        "CORS: headers cross-origin requests may send, comma-separated (*: any)",
+        type=_comma_list,
+    )
     _flag(p, "ssl_keyfile", "TLS private key (PEM); default: in --ssl-certfile")
     _flag(p, "ssl_certfile", "TLS certificate chain (PEM): serve HTTPS")
     _flag(p, "ssl_keyfile_password", "password of an encrypted --ssl-keyfile")
     _flag(p, "ssl_ca_certs", "CA certificates (PEM) that verify client certificates")
-    _flag(p, "ssl_cert_reqs", "client certificates (optional, required: needs --ssl-ca-certs)", choices=["none", "optional", "required"])
-    _flag(p, "protocols", "protocol entry points to mount, comma-separated; default: all installed", type=lambda s: [x for x in s.split(",") if x])
+    _flag(
+        p,
+        "ssl_cert_reqs",
+        "client certificates (optional, required: needs --ssl-ca-certs)",
+        choices=["none", "optional", "required"],
+    )
+    _flag(
+        p,
+        "protocols",
+        "protocol entry points to mount, comma-separated; default: all installed",
+        type=lambda s: [x for x in s.split(",") if x],
+    )
     _flag(p, "log_level", "log level", choices=["debug", "info", "warning", "error"])
-    _flag(p, "log_format", "log lines: text, or json (one object a line, with the request id)", choices=["text", "json"])
+    _flag(
+        p,
+        "log_format",
+        "log lines: text, or json (one object a line, with the request id)",
+        choices=["text", "json"],
+    )
     p.add_argument(
-        "--sampling", dest="sampling", action="append", type=parse_key_value, default=argparse.SUPPRESS,
-        metavar="KEY=VALUE", help="parameter of a sampling plugin for every request, e.g. typical_p=0.9 (repeatable)",
-    )  # fmt: skip
+        "--sampling",
+        dest="sampling",
+        action="append",
+        type=parse_key_value,
+        default=argparse.SUPPRESS,
+        metavar="KEY=VALUE",
+        help="parameter of a sampling plugin for every request, e.g. typical_p=0.9 (repeatable)",
+    )
 
 
 def add_serve_command(subparsers: Any, pm: PluginManager | None = None) -> argparse.ArgumentParser:
@@ -110,7 +256,9 @@ def add_serve_command(subparsers: Any, pm: PluginManager | None = None) -> argpa
     the flags, and the engine and app of the server use it.
     """
     pm = PluginManager.discover() if pm is None else pm
-    p = subparsers.add_parser("serve", help="serve the installed protocols (OpenAI, Anthropic, ...) over HTTP")
+    p = subparsers.add_parser(
+        "serve", help="serve the installed protocols (OpenAI, Anthropic, ...) over HTTP"
+    )
     add_serve_arguments(p)
     p.set_defaults(run=run_serve, plugins=pm, plugin_options=PluginOptions(p, pm))
     return p
@@ -150,7 +298,9 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config
 
-        check_tp_size(read_config(settings.model), settings.tensor_parallel_size)  # at start, naming the valid sizes
+        check_tp_size(
+            read_config(settings.model), settings.tensor_parallel_size
+        )  # at start, naming the valid sizes
         if _tp_worker(settings):
             return  # a torchrun rank > 0: it ran its shard until rank 0 stopped
     if settings.data_parallel_size > 1:  # replicas behind the SGLang Model Gateway, supervised
@@ -204,14 +354,22 @@ def _tp_worker(settings: ServerSettings) -> bool:
     if not rank:
         return False
     if int(os.environ["WORLD_SIZE"]) != settings.tensor_parallel_size:
-        raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} processes for --tensor-parallel-size {settings.tensor_parallel_size}")
+        raise ConfigError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes for --tensor-parallel-size {settings.tensor_parallel_size}"
+        )
     device = torch.device(settings.device)
     if device.type == "cuda":  # one GPU per rank on its machine
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     dtype = settings.dtype or str(default_dtype(device)).removeprefix("torch.")
     source = {"model": settings.model, "max_seq_len": settings.max_seq_len}
-    spec = {"rank": rank, "size": settings.tensor_parallel_size, "source": source, "dtype": dtype,
-            "device": str(device), "timeout": settings.tp_timeout}  # fmt: skip
+    spec = {
+        "rank": rank,
+        "size": settings.tensor_parallel_size,
+        "source": source,
+        "dtype": dtype,
+        "device": str(device),
+        "timeout": settings.tp_timeout,
+    }
     code = worker_main(spec)
     if code:
         raise SystemExit(code)

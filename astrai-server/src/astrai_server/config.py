@@ -72,8 +72,12 @@ class ServerSettings(BaseModel):
     served_model_name: str = "astrai"  # the name /v1/models lists
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: astrai.model.default_dtype
-    weights: Literal["auto", "gguf", "dense"] = "auto"  # a GGUF file's quantized weights: kept (gguf), dequantized (dense), or auto
-    attention_backend: str | None = None  # an astrai.attention_backends entry point: EngineConfig.attention_backend
+    weights: Literal["auto", "gguf", "dense"] = (
+        "auto"  # a GGUF file's quantized weights: kept (gguf), dequantized (dense), or auto
+    )
+    attention_backend: str | None = (
+        None  # an astrai.attention_backends entry point: EngineConfig.attention_backend
+    )
     max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1)
     max_seq_len: int | None = Field(None, ge=2)  # None: the model's context length
     paged: bool = _ENGINE.paged
@@ -81,39 +85,79 @@ class ServerSettings(BaseModel):
     prefix_caching: bool = _ENGINE.prefix_caching
     kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
     max_prefill_tokens: int = Field(_ENGINE.max_prefill_tokens, ge=1)
-    max_request_bytes: int = Field(32 * 2**20, ge=1)  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
+    max_request_bytes: int = Field(
+        32 * 2**20, ge=1
+    )  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
     header_timeout: float = Field(10.0, gt=0)  # seconds to send a request head, or a body may stall; then 408
     max_connections: int | None = Field(None, ge=1)  # open connections, then 503; None: fd limit - 64
     # requests waiting for admission (a request's choices count one each); beyond: 429 (None: no limit). The
     # engine's own default is None (a library caller bounds itself); a server takes clients it cannot trust
     max_queued_requests: int | None = Field(512, ge=1)
-    max_choices: int = Field(128, ge=1)  # engine requests one HTTP request may make (prompts x n); beyond: 400
+    max_choices: int = Field(
+        128, ge=1
+    )  # engine requests one HTTP request may make (prompts x n); beyond: 400
     queue_timeout: float | None = Field(None, gt=0)  # seconds a request may wait for admission; then 429
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # "priority": the body's priority field orders requests
-    max_stop_sequences: int = Field(_ENGINE.limits.max_stop_sequences, ge=1)  # stop strings of one request (astrai.limits.RequestLimits)
+    scheduling_policy: Literal["fcfs", "priority"] = (
+        "fcfs"  # "priority": the body's priority field orders requests
+    )
+    max_stop_sequences: int = Field(
+        _ENGINE.limits.max_stop_sequences, ge=1
+    )  # stop strings of one request (astrai.limits.RequestLimits)
     max_stop_length: int = Field(_ENGINE.limits.max_stop_length, ge=1)  # characters of one stop string
-    max_logit_bias: int = Field(_ENGINE.limits.max_logit_bias, ge=1)  # logit_bias entries of one request (OpenAI's API takes 300)
-    grammar_workers: int = Field(_ENGINE.grammar.workers, ge=0)  # grammar compile processes (0: on the request's thread, unbounded)
-    grammar_queue: int = Field(_ENGINE.grammar.max_pending, ge=0)  # compiles that may wait for a worker; beyond: 429
-    grammar_compile_timeout: float = Field(_ENGINE.grammar.timeout, gt=0)  # seconds one compile may take; then 400
-    max_grammar_bytes: int = Field(_ENGINE.grammar.max_bytes, ge=1)  # largest schema, regex, choices, grammar or tool set (YAML/CLI: "256KiB")
-    grammar_cache_memory: int = Field(_ENGINE.grammar.cache_bytes, ge=0)  # compiled grammars kept for reuse (YAML/CLI: "256MiB")
-    speculative: Literal["ngram"] | None = None  # "ngram": prompt-lookup speculative decoding of greedy requests
-    num_speculative_tokens: int = Field(_ENGINE.num_speculative_tokens, ge=1, le=15)  # drafts per request and step
-    ngram_min: int = Field(_ENGINE.ngram_min, ge=1)  # shortest suffix n-gram matched against the request's earlier tokens
+    max_logit_bias: int = Field(
+        _ENGINE.limits.max_logit_bias, ge=1
+    )  # logit_bias entries of one request (OpenAI's API takes 300)
+    grammar_workers: int = Field(
+        _ENGINE.grammar.workers, ge=0
+    )  # grammar compile processes (0: on the request's thread, unbounded)
+    grammar_queue: int = Field(
+        _ENGINE.grammar.max_pending, ge=0
+    )  # compiles that may wait for a worker; beyond: 429
+    grammar_compile_timeout: float = Field(
+        _ENGINE.grammar.timeout, gt=0
+    )  # seconds one compile may take; then 400
+    max_grammar_bytes: int = Field(
+        _ENGINE.grammar.max_bytes, ge=1
+    )  # largest schema, regex, choices, grammar or tool set (YAML/CLI: "256KiB")
+    grammar_cache_memory: int = Field(
+        _ENGINE.grammar.cache_bytes, ge=0
+    )  # compiled grammars kept for reuse (YAML/CLI: "256MiB")
+    speculative: Literal["ngram"] | None = (
+        None  # "ngram": prompt-lookup speculative decoding of greedy requests
+    )
+    num_speculative_tokens: int = Field(
+        _ENGINE.num_speculative_tokens, ge=1, le=15
+    )  # drafts per request and step
+    ngram_min: int = Field(
+        _ENGINE.ngram_min, ge=1
+    )  # shortest suffix n-gram matched against the request's earlier tokens
     ngram_max: int = Field(_ENGINE.ngram_max, ge=1)  # longest (tried first); >= ngram_min
-    shutdown_timeout: float = Field(20.0, ge=0)  # seconds requests in flight get after SIGTERM; then they are aborted
+    shutdown_timeout: float = Field(
+        20.0, ge=0
+    )  # seconds requests in flight get after SIGTERM; then they are aborted
     on_load_failure: Literal["exit", "unhealthy"] = "exit"  # a failed model load: exit 1, or serve 503
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split over (astrai.distributed)
     tp_timeout: float = Field(_ENGINE.tp_timeout, gt=0)  # seconds a tensor-parallel collective may wait
-    data_parallel_size: int = Field(1, ge=1)  # engine replicas behind the SGLang Model Gateway (astrai_server.replicas)
-    data_parallel_base_port: int | None = Field(None, ge=1, le=65535)  # replica i on 127.0.0.1:(this + i); None: free ports
-    gateway_metrics_port: int | None = Field(None, ge=1, le=65535)  # the gateway's own Prometheus port (127.0.0.1); None: free
-    api_key: list[ApiKey] | None = Field(None, min_length=1)  # accepted keys (a string: one key); never empty: check_key
+    data_parallel_size: int = Field(
+        1, ge=1
+    )  # engine replicas behind the SGLang Model Gateway (astrai_server.replicas)
+    data_parallel_base_port: int | None = Field(
+        None, ge=1, le=65535
+    )  # replica i on 127.0.0.1:(this + i); None: free ports
+    gateway_metrics_port: int | None = Field(
+        None, ge=1, le=65535
+    )  # the gateway's own Prometheus port (127.0.0.1); None: free
+    api_key: list[ApiKey] | None = Field(
+        None, min_length=1
+    )  # accepted keys (a string: one key); never empty: check_key
     api_key_file: str | None = None  # more keys, one a line (# comments): edge.read_key_file, at start
-    admin_api_key: list[ApiKey] | None = Field(None, min_length=1)  # operator keys: every route, /stats and /metrics too
+    admin_api_key: list[ApiKey] | None = Field(
+        None, min_length=1
+    )  # operator keys: every route, /stats and /metrics too
     shared_prefix_cache: bool = False  # with keys: one prefix cache for every key (a single trusted tenant)
-    allowed_origins: list[str] = []  # CORS: origins browsers may call from ("*": any); []: no cross-origin access
+    allowed_origins: list[
+        str
+    ] = []  # CORS: origins browsers may call from ("*": any); []: no cross-origin access
     allowed_methods: list[str] = ["GET", "POST"]  # CORS: methods of cross-origin requests
     allowed_headers: list[str] = ["*"]  # CORS: request headers of cross-origin requests ("*": any)
     ssl_keyfile: str | None = None  # TLS private key (PEM); None: in ssl_certfile
@@ -127,7 +171,9 @@ class ServerSettings(BaseModel):
     sampling: dict[str, Any] = {}  # plugin sampling parameters for every request: {"typical_p": 0.9}
     plugin_options: dict[str, Any] = {}  # values of hook plugins' options, by dest
 
-    @field_validator("kv_memory", "max_request_bytes", "max_grammar_bytes", "grammar_cache_memory", mode="before")
+    @field_validator(
+        "kv_memory", "max_request_bytes", "max_grammar_bytes", "grammar_cache_memory", mode="before"
+    )
     @classmethod
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_bytes(value)
@@ -144,7 +190,9 @@ class ServerSettings(BaseModel):
     @classmethod
     def _tp_weights(cls, value: int, info: Any) -> int:
         if value > 1 and info.data.get("weights") == "gguf":
-            raise ValueError("tensor parallelism shards dense weights: --weights gguf needs --tensor-parallel-size 1")
+            raise ValueError(
+                "tensor parallelism shards dense weights: --weights gguf needs --tensor-parallel-size 1"
+            )
         return value
 
     @field_validator("api_key", "admin_api_key", mode="before")
@@ -157,7 +205,9 @@ class ServerSettings(BaseModel):
     def _origins(cls, value: list[str]) -> list[str]:
         for origin in value:
             if origin != "*" and not _ORIGIN.fullmatch(origin):
-                raise ValueError(f"{origin!r} is not an origin: scheme://host[:port], without a path or a trailing slash (or *)")
+                raise ValueError(
+                    f"{origin!r} is not an origin: scheme://host[:port], without a path or a trailing slash (or *)"
+                )
         return value
 
     @field_validator("allowed_methods", "allowed_headers")
@@ -175,23 +225,39 @@ class ServerSettings(BaseModel):
         from astrai.limits import RequestLimits
 
         return EngineConfig(
-            max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, paged=self.paged,
-            page_size=self.page_size, kv_memory_bytes=self.kv_memory, prefix_caching=self.prefix_caching,
-            max_prefill_tokens=self.max_prefill_tokens, attention_backend=self.attention_backend,
-            sampling=dict(self.sampling), plugin_options=dict(self.plugin_options),
-            max_queued_requests=self.max_queued_requests, queue_timeout=self.queue_timeout,
-            scheduling_policy=self.scheduling_policy, tensor_parallel_size=self.tensor_parallel_size,
-            tp_timeout=self.tp_timeout, speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-            ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            paged=self.paged,
+            page_size=self.page_size,
+            kv_memory_bytes=self.kv_memory,
+            prefix_caching=self.prefix_caching,
+            max_prefill_tokens=self.max_prefill_tokens,
+            attention_backend=self.attention_backend,
+            sampling=dict(self.sampling),
+            plugin_options=dict(self.plugin_options),
+            max_queued_requests=self.max_queued_requests,
+            queue_timeout=self.queue_timeout,
+            scheduling_policy=self.scheduling_policy,
+            tensor_parallel_size=self.tensor_parallel_size,
+            tp_timeout=self.tp_timeout,
+            speculative=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
+            ngram_min=self.ngram_min,
+            ngram_max=self.ngram_max,
             limits=RequestLimits(self.max_stop_sequences, self.max_stop_length, self.max_logit_bias),
             grammar=GrammarConfig(
-                workers=self.grammar_workers, max_pending=self.grammar_queue, timeout=self.grammar_compile_timeout,
-                max_bytes=self.max_grammar_bytes, cache_bytes=self.grammar_cache_memory,
+                workers=self.grammar_workers,
+                max_pending=self.grammar_queue,
+                timeout=self.grammar_compile_timeout,
+                max_bytes=self.max_grammar_bytes,
+                cache_bytes=self.grammar_cache_memory,
             ),
-        )  # fmt: skip
+        )
 
 
-def _describe(err: ValidationError, where: str, flags: bool = False, plugin_keys: Iterable[str] = (), env: bool = False) -> str:
+def _describe(
+    err: ValidationError, where: str, flags: bool = False, plugin_keys: Iterable[str] = (), env: bool = False
+) -> str:
     """One message naming each bad key: ``serve.yaml: unknown key 'server.foo'``, ``--port: ...``
     or (``env``) the environment variable."""
     parts = []
@@ -234,7 +300,11 @@ def env_name(key: str) -> str:
 def _env_kind(annotation: Any) -> str:
     """How a variable's text becomes the setting: "list", "mapping", "text" (as is) or "yaml"."""
     union = typing.get_origin(annotation) in (Union, types.UnionType)
-    kinds = {typing.get_origin(a) or a for a in (typing.get_args(annotation) if union else (annotation,)) if a is not type(None)}
+    kinds = {
+        typing.get_origin(a) or a
+        for a in (typing.get_args(annotation) if union else (annotation,))
+        if a is not type(None)
+    }
     if list in kinds:
         return "list"
     if dict in kinds:

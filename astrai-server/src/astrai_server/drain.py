@@ -65,8 +65,12 @@ class DrainingServer(uvicorn.Server):
     async def drain(self, why: str = "drain") -> None:
         """Wait for the requests in flight, abort them past the timeout, then stop uvicorn."""
         loop, app = asyncio.get_running_loop(), self.app
-        logger.info("%s: draining: new requests get 503; %d in flight have %g s to finish",
-                    why, _in_flight(app), self.shutdown_timeout)  # fmt: skip
+        logger.info(
+            "%s: draining: new requests get 503; %d in flight have %g s to finish",
+            why,
+            _in_flight(app),
+            self.shutdown_timeout,
+        )
         await _until_idle(app, loop.time() + self.shutdown_timeout)
         if _in_flight(app):
             engine = app.state.engine

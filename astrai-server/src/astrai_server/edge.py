@@ -42,7 +42,11 @@ from astrai_server.keys import authorized, key_ring
 from astrai_server.logs import RequestIdFilter, _current, current_request_id, log_config
 
 __all__ = [
-    "EdgeMiddleware", "RequestIdFilter", "authorized", "current_request_id", "install",
+    "EdgeMiddleware",
+    "RequestIdFilter",
+    "authorized",
+    "current_request_id",
+    "install",
     "uvicorn_options",
 ]
 
@@ -66,9 +70,12 @@ def install(app: Any, settings: ServerSettings) -> None:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(
-            CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=settings.allowed_methods,
-            allow_headers=settings.allowed_headers, expose_headers=["x-request-id", "retry-after"],
-        )  # fmt: skip
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
+            expose_headers=["x-request-id", "retry-after"],
+        )
     app.add_middleware(EdgeMiddleware, state=app.state)  # added last: outside CORS, so preflights get an id
 
 
@@ -120,7 +127,13 @@ class EdgeMiddleware:
             await app(scope, receive_watched, send_with_id)
         except Exception:
             if status is None:  # Starlette's own answer, with the id (it then finds the response started)
-                await send_with_id({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
+                await send_with_id(
+                    {
+                        "type": "http.response.start",
+                        "status": 500,
+                        "headers": [(b"content-type", b"text/plain; charset=utf-8")],
+                    }
+                )
                 await send({"type": "http.response.body", "body": b"Internal Server Error"})
             raise
         finally:
@@ -141,13 +154,23 @@ class EdgeMiddleware:
             rid = _new_id(live)
             if given is not None:
                 shown = repr(given[:64]) + ("..." if len(given) > 64 else "")
-                logger.info("x-request-id %s is not 1 to 128 characters of A-Z a-z 0-9 . _ : -; the request is %s", shown, rid, extra={"request_id": rid})
+                logger.info(
+                    "x-request-id %s is not 1 to 128 characters of A-Z a-z 0-9 . _ : -; the request is %s",
+                    shown,
+                    rid,
+                    extra={"request_id": rid},
+                )
         else:
             rid = given
             while rid in live:
                 rid = f"{given}-{secrets.token_hex(4)}"
             if rid != given:
-                logger.info("x-request-id %s is in flight already; this request is %s", given, rid, extra={"request_id": rid})
+                logger.info(
+                    "x-request-id %s is in flight already; this request is %s",
+                    given,
+                    rid,
+                    extra={"request_id": rid},
+                )
         live.add(rid)
         return rid
 
@@ -165,10 +188,16 @@ def _log_access(
     route = getattr(scope.get("route"), "path", None)
     client = scope.get("client")
     fields: dict[str, Any] = {
-        "request_id": rid, "method": scope["method"], "path": path, "route": route, "status": status,
-        "duration": round(duration, 6), "client": f"{client[0]}:{client[1]}" if client else None,
-        "abandoned": abandoned, "status_sent": sent,
-    }  # fmt: skip
+        "request_id": rid,
+        "method": scope["method"],
+        "path": path,
+        "route": route,
+        "status": status,
+        "duration": round(duration, 6),
+        "client": f"{client[0]}:{client[1]}" if client else None,
+        "abandoned": abandoned,
+        "status_sent": sent,
+    }
     usage = scope.get("state", {}).get("usage")
     tokens = ""
     if isinstance(usage, dict):
@@ -179,9 +208,16 @@ def _log_access(
     if abandoned:
         tokens += f" abandoned status_sent={'-' if sent is None else sent}"
     access_logger.info(
-        "%s %s %s %.3fs request_id=%s client=%s%s", fields["method"], path, "-" if status is None else status,
-        duration, rid, fields["client"] or "-", tokens, extra=fields,
-    )  # fmt: skip
+        "%s %s %s %.3fs request_id=%s client=%s%s",
+        fields["method"],
+        path,
+        "-" if status is None else status,
+        duration,
+        rid,
+        fields["client"] or "-",
+        tokens,
+        extra=fields,
+    )
 
 
 # ---------------------------------------------------------------- uvicorn and TLS
@@ -198,9 +234,12 @@ def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
     options["http"] = protocol_class(settings)
     if check_tls(settings):
         options.update(
-            ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile, ssl_keyfile_password=settings.ssl_keyfile_password,
-            ssl_ca_certs=settings.ssl_ca_certs, ssl_cert_reqs=CERT_REQS[settings.ssl_cert_reqs],
-        )  # fmt: skip
+            ssl_certfile=settings.ssl_certfile,
+            ssl_keyfile=settings.ssl_keyfile,
+            ssl_keyfile_password=settings.ssl_keyfile_password,
+            ssl_ca_certs=settings.ssl_ca_certs,
+            ssl_cert_reqs=CERT_REQS[settings.ssl_cert_reqs],
+        )
     return options
 
 
@@ -217,21 +256,27 @@ def check_tls(settings: ServerSettings) -> bool:
             raise ConfigError("--ssl-cert-reqs needs --ssl-certfile (the certificate TLS serves)")
         return False
     if s.ssl_cert_reqs != "none" and s.ssl_ca_certs is None:
-        raise ConfigError(f"--ssl-cert-reqs {s.ssl_cert_reqs} needs --ssl-ca-certs (the CA certificates that verify clients)")
+        raise ConfigError(
+            f"--ssl-cert-reqs {s.ssl_cert_reqs} needs --ssl-ca-certs (the CA certificates that verify clients)"
+        )
     for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
         path = getattr(s, name)
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"{_flag(name)} {path}: no such file")
 
     def no_password() -> str:
-        raise ConfigError(f"--ssl-keyfile {s.ssl_keyfile or s.ssl_certfile}: the key is encrypted; give --ssl-keyfile-password")
+        raise ConfigError(
+            f"--ssl-keyfile {s.ssl_keyfile or s.ssl_certfile}: the key is encrypted; give --ssl-keyfile-password"
+        )
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(s.ssl_certfile, s.ssl_keyfile, password=s.ssl_keyfile_password or no_password)
     except (ssl.SSLError, OSError) as e:
         key = f" and --ssl-keyfile {s.ssl_keyfile}" if s.ssl_keyfile else ""
-        raise ConfigError(f"--ssl-certfile {s.ssl_certfile}{key}: not a PEM certificate chain and its private key ({e})") from None
+        raise ConfigError(
+            f"--ssl-certfile {s.ssl_certfile}{key}: not a PEM certificate chain and its private key ({e})"
+        ) from None
     if s.ssl_ca_certs is not None:
         try:
             context.load_verify_locations(s.ssl_ca_certs)

@@ -32,7 +32,9 @@ class TextBound:
     def check(self, chars: int, one_string: bool = False) -> None:
         """RequestRejected, the context-length 400, when a text of ``chars`` characters cannot fit."""
         if chars >= self.chars:
-            text = f"a string of at least {chars} characters" if one_string else f"a text of {chars} characters"
+            text = (
+                f"a string of at least {chars} characters" if one_string else f"a text of {chars} characters"
+            )
             raise RequestRejected(
                 f"the prompt is at least {-(-chars // self.per_token)} tokens ({text}, at most {self.per_token} "
                 f"characters per token), but the context limit is {self.limit} tokens (prompt plus at least one generated token)"
@@ -91,5 +93,3 @@ def max_token_bytes(tokenizer: Any) -> int | None:
     except TypeError:
         pass
     return found
-
-

@@ -48,7 +48,9 @@ class ProtocolHandler:
     and on cancellation.
     """
 
-    def __init__(self, builder: ResponseBuilder, engine: Any, state: Any = None, max_choices: int | None = None) -> None:
+    def __init__(
+        self, builder: ResponseBuilder, engine: Any, state: Any = None, max_choices: int | None = None
+    ) -> None:
         if engine is None:
             raise EngineNotReady()
         self.builder, self.engine = builder, engine
@@ -79,15 +81,20 @@ class ProtocolHandler:
         if prepared.params.grammar is not None:
             compiled = await self.engine.grammars.compile_async(prepared.params.grammar)
         run = _Run(self.engine, prepared, loop, opening, compiled)
-        args = (getattr(self.state, "request_id", None), getattr(request, "priority", None) or 0,
-                cache_namespace(getattr(self.state, "cache_tenant", None), prepared.cache_salt))  # fmt: skip
+        args = (
+            getattr(self.state, "request_id", None),
+            getattr(request, "priority", None) or 0,
+            cache_namespace(getattr(self.state, "cache_tenant", None), prepared.cache_salt),
+        )
         if count == 1:
             run.submit(*args)
             return run
         submitted = loop.run_in_executor(None, run.submit, *args)  # many choices: not on the event loop
         try:
             await asyncio.shield(submitted)
-        except asyncio.CancelledError:  # the client left while they were submitted: withdraw them once they are
+        except (
+            asyncio.CancelledError
+        ):  # the client left while they were submitted: withdraw them once they are
             submitted.add_done_callback(lambda _: run.abort())
             raise
         return run
@@ -103,7 +110,8 @@ class ProtocolHandler:
             named = " and ".join(f"{name} {value}" for name, value in factors)
             raise RequestRejected(
                 f"{named} make {count} choices; at most {self.max_choices} are served per request "
-                "(--max-choices): send them in several requests", param=max(factors, key=lambda f: f[1])[0],
+                "(--max-choices): send them in several requests",
+                param=max(factors, key=lambda f: f[1])[0],
             )
         return count
 
@@ -119,10 +127,14 @@ class ProtocolHandler:
             gone.cancel()
         if not first.done():
             first.cancel()
-            logger.info("client of %s disconnected before its first token: aborting", run.prepared.response_id)
+            logger.info(
+                "client of %s disconnected before its first token: aborting", run.prepared.response_id
+            )
             run.abort()
             return False
-        early = next((r.error for r in run.results if r.done and r.error is not None and not r.output_ids), None)
+        early = next(
+            (r.error for r in run.results if r.done and r.error is not None and not r.output_ids), None
+        )
         if early is not None:
             run.abort()
             raise early
@@ -192,10 +204,12 @@ class ProtocolHandler:
             watcher.cancel()
             run.abort()
 
-
     def _usage(self, result: ChatResult) -> None:
         if self.state is not None:
-            self.state.usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+            self.state.usage = {
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+            }
 
 
 def refuse_unknown(request: BaseModel, engine: Any) -> None:
@@ -207,7 +221,8 @@ def refuse_unknown(request: BaseModel, engine: Any) -> None:
     for key, value in (request.model_extra or {}).items():
         if value is not None and key not in claimed:
             raise RequestRejected(
-                f"unsupported parameter {key!r}: astrai does not implement it (see docs/http-api.md)", param=key
+                f"unsupported parameter {key!r}: astrai does not implement it (see docs/http-api.md)",
+                param=key,
             )
 
 
@@ -229,7 +244,12 @@ class _Run:
     """The engine requests of one HTTP request (``n`` per prompt), and their events on the event loop."""
 
     def __init__(
-        self, engine: Any, prepared: Prepared, loop: asyncio.AbstractEventLoop, opening: str = "", grammar: Any = None
+        self,
+        engine: Any,
+        prepared: Prepared,
+        loop: asyncio.AbstractEventLoop,
+        opening: str = "",
+        grammar: Any = None,
     ) -> None:
         self.engine, self.prepared, self.loop = engine, prepared, loop
         self.grammar = grammar  # prepared.params.grammar compiled (None: none)
@@ -263,16 +283,25 @@ class _Run:
         try:
             for i in range(count):
                 k = i % p.n  # choice k of prompt i // n
-                params = p.params if p.params.seed is None else dataclasses.replace(p.params, seed=p.params.seed + k)
+                params = (
+                    p.params
+                    if p.params.seed is None
+                    else dataclasses.replace(p.params, seed=p.params.seed + k)
+                )
                 rid = None if request_id is None else request_id if count == 1 else f"{request_id}-{i}"
                 self.results.append(
                     self.engine.submit(
-                        self.prompts[i // p.n], params,
+                        self.prompts[i // p.n],
+                        params,
                         on_piece=lambda piece, i=i: self._post((i, piece)),
                         on_done=lambda _r, i=i: self._post((i, None)),
-                        request_id=rid, priority=priority, cache_namespace=namespace, sibling=i, grammar=self.grammar,
+                        request_id=rid,
+                        priority=priority,
+                        cache_namespace=namespace,
+                        sibling=i,
+                        grammar=self.grammar,
                     )
-                )  # fmt: skip
+                )
         except BaseException:
             self.abort()  # one choice rejected: withdraw the others
             raise
@@ -334,15 +363,21 @@ class _Run:
             params = self.prepared.params
             choices.append(
                 Choice(
-                    index=i, text=text, finish_reason="tool_calls" if calls else reason,
-                    completion_tokens=r.completion_tokens, stop_sequence=stop_sequence, tool_calls=calls,
+                    index=i,
+                    text=text,
+                    finish_reason="tool_calls" if calls else reason,
+                    completion_tokens=r.completion_tokens,
+                    stop_sequence=stop_sequence,
+                    tool_calls=calls,
                     prompt_index=i // self.prepared.n,
                     logprobs=list(r.logprobs) if params.logprobs is not None else None,
                     prompt_logprobs=r.prompt_logprobs if params.prompt_logprobs is not None else None,
                     logprobs_streamed=self._sent[i],
                 )
-            )  # fmt: skip
-        n = self.prepared.n  # a prompt's cached tokens: its first choice's (the others may hit what it computed)
+            )
+        n = (
+            self.prepared.n
+        )  # a prompt's cached tokens: its first choice's (the others may hit what it computed)
         cached = sum(getattr(self.results[k * n], "cached_tokens", 0) for k in range(len(self.prompts)))
         return ChatResult(choices=choices, prompt_tokens=sum(map(len, self.prompts)), cached_tokens=cached)
 

@@ -19,7 +19,17 @@ from typing import Any
 from astrai_server.config import ServerSettings, check_key
 from astrai_server.errors import ConfigError
 
-__all__ = ["OPEN", "Caller", "KeyRing", "api_keys", "authorized", "caller", "key_matches", "key_ring", "read_key_file"]
+__all__ = [
+    "OPEN",
+    "Caller",
+    "KeyRing",
+    "api_keys",
+    "authorized",
+    "caller",
+    "key_matches",
+    "key_ring",
+    "read_key_file",
+]
 
 
 def api_keys(settings: ServerSettings) -> tuple[bytes, ...] | None:
@@ -81,7 +91,9 @@ def read_key_file(path: str | Path) -> list[str]:
             except ValueError as e:
                 raise ConfigError(f"{where}, line {number}: {e}") from None
     if not keys:
-        raise ConfigError(f"{where}: the file holds no key (only blank lines and # comments); leave the setting unset to serve without a key")
+        raise ConfigError(
+            f"{where}: the file holds no key (only blank lines and # comments); leave the setting unset to serve without a key"
+        )
     return keys
 
 

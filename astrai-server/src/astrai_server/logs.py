@@ -21,7 +21,16 @@ from typing import Any
 #: What an ``astrai_server.access`` record carries besides its message (``edge._log_access``).
 #: ``abandoned`` (the client left before its response was complete: ``status`` is then 499) and
 #: ``status_sent`` (the status that reached the connection, None when none did) are on every access record.
-ACCESS_FIELDS = ("method", "path", "route", "status", "duration", "client", "prompt_tokens", "completion_tokens")
+ACCESS_FIELDS = (
+    "method",
+    "path",
+    "route",
+    "status",
+    "duration",
+    "client",
+    "prompt_tokens",
+    "completion_tokens",
+)
 ACCESS_FIELDS += ("abandoned", "status_sent")
 TEXT_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -31,7 +40,6 @@ _current: ContextVar[str | None] = ContextVar("astrai_request_id", default=None)
 def current_request_id() -> str | None:
     """The id of the HTTP request being served in this context (None outside one, or on another thread)."""
     return _current.get()
-
 
 
 class RequestIdFilter(logging.Filter):
@@ -50,9 +58,11 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name, "message": record.getMessage(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
             "request_id": getattr(record, "request_id", None) or _current.get(),
-        }  # fmt: skip
+        }
         out.update({name: getattr(record, name) for name in ACCESS_FIELDS if hasattr(record, name)})
         if record.exc_info:
             out["exc_info"] = self.formatException(record.exc_info)
@@ -70,9 +80,19 @@ def log_config(settings: Any) -> dict[str, Any]:
         "disable_existing_loggers": False,
         "filters": {"request_id": {"()": RequestIdFilter}},
         "formatters": {"astrai": formatter},
-        "handlers": {"astrai": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "astrai", "filters": ["request_id"]}},
+        "handlers": {
+            "astrai": {
+                "class": "logging.StreamHandler",
+                "stream": "ext://sys.stderr",
+                "formatter": "astrai",
+                "filters": ["request_id"],
+            }
+        },
         "root": {"level": settings.log_level.upper(), "handlers": ["astrai"]},
-        "loggers": {name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+        "loggers": {
+            name: {"handlers": [], "propagate": True}
+            for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+        },
     }
 
 

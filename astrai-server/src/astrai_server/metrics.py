@@ -116,7 +116,10 @@ PREEMPTIONS = (
 SPEC_COUNTERS = {
     "astrai:spec_decode_num_drafts": ("Decode rows verified with speculative drafts.", "spec_drafts"),
     "astrai:spec_decode_num_draft_tokens": ("Speculative draft tokens verified.", "spec_draft_tokens"),
-    "astrai:spec_decode_num_accepted_tokens": ("Speculative draft tokens the model confirmed.", "spec_accepted_tokens"),
+    "astrai:spec_decode_num_accepted_tokens": (
+        "Speculative draft tokens the model confirmed.",
+        "spec_accepted_tokens",
+    ),
 }
 
 

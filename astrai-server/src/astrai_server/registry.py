@@ -40,7 +40,9 @@ def select_builders(
                 raise failure.as_error() from failure.error
             if name not in loaded.classes:
                 installed = ", ".join(sorted(loaded.classes)) or "none"
-                raise PluginError(f"protocol {name!r} not found; misspelled or not installed? Installed: {installed}")
+                raise PluginError(
+                    f"protocol {name!r} not found; misspelled or not installed? Installed: {installed}"
+                )
     builders = [loaded.classes[name](model_name) for name in chosen]
     routes: dict[str, str] = {}
     for b in builders:

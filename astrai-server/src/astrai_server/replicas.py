@@ -110,9 +110,13 @@ def replica_ports(settings: ServerSettings) -> list[int]:
     if base is None:
         return [free_port() for _ in range(size)]
     if base + size - 1 > 65535:
-        raise ConfigError(f"--data-parallel-base-port {base}: {size} replicas need ports up to {base + size - 1}, past 65535")
+        raise ConfigError(
+            f"--data-parallel-base-port {base}: {size} replicas need ports up to {base + size - 1}, past 65535"
+        )
     if any(p is not None and base <= p < base + size for p in (settings.port, settings.gateway_metrics_port)):
-        raise ConfigError(f"--data-parallel-base-port {base}: the replicas' ports {base}-{base + size - 1} hold the gateway's port")
+        raise ConfigError(
+            f"--data-parallel-base-port {base}: the replicas' ports {base}-{base + size - 1} hold the gateway's port"
+        )
     return list(range(base, base + size))
 
 
@@ -129,23 +133,39 @@ def check_gateway_settings(settings: ServerSettings) -> None:
             )
     for name in ("ssl_keyfile_password", "ssl_ca_certs"):
         if getattr(settings, name) is not None:
-            raise ConfigError(f"--{name.replace('_', '-')} with --data-parallel-size: the gateway's TLS takes a plain key and no client certificates")
+            raise ConfigError(
+                f"--{name.replace('_', '-')} with --data-parallel-size: the gateway's TLS takes a plain key and no client certificates"
+            )
     if settings.ssl_cert_reqs != "none":
-        raise ConfigError("--ssl-cert-reqs with --data-parallel-size: the gateway verifies no client certificates")
+        raise ConfigError(
+            "--ssl-cert-reqs with --data-parallel-size: the gateway verifies no client certificates"
+        )
     check_tls(settings)  # a missing or bad certificate fails now
 
 
 def replica_settings(settings: ServerSettings, port: int, keys: list[str]) -> ServerSettings:
     """One replica's settings: the same, but on 127.0.0.1:``port``, one replica, the keys read
     already, plain HTTP and no CORS (the gateway terminates TLS and answers CORS)."""
-    return ServerSettings.model_validate({
-        **settings.model_dump(), "host": "127.0.0.1", "port": port, "data_parallel_size": 1,
-        "data_parallel_base_port": None, "gateway_metrics_port": None, "api_key": keys or None, "api_key_file": None,
-        "ssl_certfile": None, "ssl_keyfile": None, "allowed_origins": [],
-    })  # fmt: skip
+    return ServerSettings.model_validate(
+        {
+            **settings.model_dump(),
+            "host": "127.0.0.1",
+            "port": port,
+            "data_parallel_size": 1,
+            "data_parallel_base_port": None,
+            "gateway_metrics_port": None,
+            "api_key": keys or None,
+            "api_key_file": None,
+            "ssl_certfile": None,
+            "ssl_keyfile": None,
+            "allowed_origins": [],
+        }
+    )
 
 
-def gateway_args(settings: ServerSettings, port: int, urls: list[str], metrics_port: int, keys: list[str]) -> list[str]:
+def gateway_args(
+    settings: ServerSettings, port: int, urls: list[str], metrics_port: int, keys: list[str]
+) -> list[str]:
     """The arguments of ``smg launch`` that serve ``settings`` in front of the replicas at ``urls``.
 
     The default backend (sglang) over HTTP is smg's generic OpenAI-compatible router, which passes
@@ -153,14 +173,35 @@ def gateway_args(settings: ServerSettings, port: int, urls: list[str], metrics_p
     unhealthy after 2 failures, healthy again after 1 success) keep a dead replica out of the routing.
     """
     args = [
-        "--host", settings.host, "--port", str(port), "--worker-urls", *urls, "--policy", POLICY, "--backend", "sglang",
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--health-check-interval-secs", str(HEALTH_INTERVAL), "--health-failure-threshold", "2",
-        "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
-        "--max-payload-size", str(settings.max_request_bytes),
-        "--shutdown-grace-period-secs", str(math.ceil(settings.shutdown_timeout + ABORT_GRACE)),
-        "--log-level", LOG_LEVELS[settings.log_level],
-    ]  # fmt: skip
+        "--host",
+        settings.host,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *urls,
+        "--policy",
+        POLICY,
+        "--backend",
+        "sglang",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--health-check-interval-secs",
+        str(HEALTH_INTERVAL),
+        "--health-failure-threshold",
+        "2",
+        "--health-success-threshold",
+        "1",
+        "--worker-startup-check-interval",
+        "1",
+        "--max-payload-size",
+        str(settings.max_request_bytes),
+        "--shutdown-grace-period-secs",
+        str(math.ceil(settings.shutdown_timeout + ABORT_GRACE)),
+        "--log-level",
+        LOG_LEVELS[settings.log_level],
+    ]
     if settings.log_format == "json":
         args.append("--log-json")
     if keys:  # the first is also the gateway's own key towards the replicas (health checks, loads)
@@ -170,7 +211,12 @@ def gateway_args(settings: ServerSettings, port: int, urls: list[str], metrics_p
     if settings.allowed_origins:
         args += ["--cors-allowed-origins", *settings.allowed_origins]
     if settings.ssl_certfile is not None:
-        args += ["--tls-cert-path", settings.ssl_certfile, "--tls-key-path", settings.ssl_keyfile or settings.ssl_certfile]
+        args += [
+            "--tls-cert-path",
+            settings.ssl_certfile,
+            "--tls-key-path",
+            settings.ssl_keyfile or settings.ssl_certfile,
+        ]
     return args
 
 
@@ -201,7 +247,9 @@ class Supervisor:
             payload = replica_settings(settings, p, keys).model_dump_json().encode()
             self.replicas.append(Child(f"replica {i}", "replica", payload, _url("http", "127.0.0.1", p)))
         args = gateway_args(settings, port, [r.url for r in self.replicas], self.metrics_port, keys)
-        self.gateway = Child("gateway", "gateway", json.dumps(args).encode(), _url(scheme, _connect_host(settings.host), port))
+        self.gateway = Child(
+            "gateway", "gateway", json.dumps(args).encode(), _url(scheme, _connect_host(settings.host), port)
+        )
         self.public_url = _url(scheme, settings.host, port)
         self.stopping: str | None = None  # the signal that asked for the stop
 
@@ -219,11 +267,23 @@ class Supervisor:
         child.proc.stdin.close()
         child.started, child.ready, child.restart_at = time.monotonic(), False, None
         if child.role == "replica":
-            logger.info("%s started: pid %d, %s (its /metrics: %s/metrics)", child.name, child.proc.pid, child.url, child.url)
+            logger.info(
+                "%s started: pid %d, %s (its /metrics: %s/metrics)",
+                child.name,
+                child.proc.pid,
+                child.url,
+                child.url,
+            )
         else:
-            logger.info("gateway started: pid %d, %s (policy %s; its own metrics: http://127.0.0.1:%d/metrics; "
-                        "every replica's, labelled worker_addr: %s/engine_metrics)",
-                        child.proc.pid, self.public_url, POLICY, self.metrics_port, self.public_url)  # fmt: skip
+            logger.info(
+                "gateway started: pid %d, %s (policy %s; its own metrics: http://127.0.0.1:%d/metrics; "
+                "every replica's, labelled worker_addr: %s/engine_metrics)",
+                child.proc.pid,
+                self.public_url,
+                POLICY,
+                self.metrics_port,
+                self.public_url,
+            )
 
     def healthy(self, child: Child) -> bool:
         if child.role == "replica":
@@ -241,12 +301,23 @@ class Supervisor:
         child.failures = 1 if now - child.started >= STABLE else child.failures + 1
         if child.failures >= MAX_FAILURES:
             child.given_up = True
-            logger.error("%s (pid %d) exited with status %s, its %d failure in a row: not restarted again",
-                         child.name, child.proc.pid, code, child.failures)  # fmt: skip
+            logger.error(
+                "%s (pid %d) exited with status %s, its %d failure in a row: not restarted again",
+                child.name,
+                child.proc.pid,
+                code,
+                child.failures,
+            )
             return
         delay = min(BACKOFF_FIRST * 2 ** (child.failures - 1), BACKOFF_MAX)
         child.restart_at = now + delay
-        logger.error("%s (pid %d) exited with status %s: restarting it in %g s", child.name, child.proc.pid, code, delay)
+        logger.error(
+            "%s (pid %d) exited with status %s: restarting it in %g s",
+            child.name,
+            child.proc.pid,
+            code,
+            delay,
+        )
 
     # ------------------------------------------------------------ signals
 
@@ -269,7 +340,9 @@ class Supervisor:
         while waiting and self.stopping is None:
             for child in list(waiting):
                 if not child.alive():
-                    raise ReplicaError(f"{child.name} exited with status {child.proc.returncode} before it was ready (its error is above)")  # type: ignore[union-attr]
+                    raise ReplicaError(
+                        f"{child.name} exited with status {child.proc.returncode} before it was ready (its error is above)"
+                    )  # type: ignore[union-attr]
                 if self.healthy(child):
                     child.ready = True
                     waiting.remove(child)
@@ -292,12 +365,20 @@ class Supervisor:
                 elif not child.alive():
                     self.exited(child, now)
             if self.gateway.given_up or all(r.given_up for r in self.replicas):
-                logger.error("%s: stopping", "the gateway cannot run" if self.gateway.given_up else "no replica can run")
+                logger.error(
+                    "%s: stopping",
+                    "the gateway cannot run" if self.gateway.given_up else "no replica can run",
+                )
                 raise SystemExit(1)  # run() stops the rest
             if now >= next_check:  # a restarted child that answers again
                 next_check = now + 1.0
                 for child in self.children:
-                    if child.alive() and not child.ready and now - child.started > 1.0 and self.healthy(child):
+                    if (
+                        child.alive()
+                        and not child.ready
+                        and now - child.started > 1.0
+                        and self.healthy(child)
+                    ):
                         child.ready = True
                         logger.info("%s is ready again", child.name)
             time.sleep(POLL)
@@ -321,13 +402,17 @@ class Supervisor:
     def run(self) -> None:
         handlers = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            logger.info("starting %d replicas and the SGLang Model Gateway on %s", len(self.replicas), self.public_url)
+            logger.info(
+                "starting %d replicas and the SGLang Model Gateway on %s", len(self.replicas), self.public_url
+            )
             for child in self.replicas:
                 self.start(child)
             if self.wait_ready(self.replicas):
                 self.start(self.gateway)
                 if self.wait_ready([self.gateway], time.monotonic() + READY_TIMEOUT):
-                    logger.info("ready: the gateway on %s routes to %d replicas", self.public_url, len(self.replicas))
+                    logger.info(
+                        "ready: the gateway on %s routes to %d replicas", self.public_url, len(self.replicas)
+                    )
                 elif self.stopping is None:
                     logger.warning("the gateway has not registered every replica after %g s", READY_TIMEOUT)
                 self.supervise()

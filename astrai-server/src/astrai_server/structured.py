@@ -121,7 +121,9 @@ def vllm_structured_outputs(
         )
     key = chosen[0]
     if compact and key not in ("json", "json_object"):
-        raise RequestRejected(f"{param}.{COMPACT} applies to json and json_object only", param=f"{param}.{COMPACT}")
+        raise RequestRejected(
+            f"{param}.{COMPACT} applies to json and json_object only", param=f"{param}.{COMPACT}"
+        )
     if key == "json_object":
         return GrammarSpec.of("json_object", compact=bool(compact))
     return _spec(STRUCTURED_OUTPUT_KEYS[key], value[key], f"{param}.{key}", bool(compact))

@@ -59,9 +59,12 @@ _logs: weakref.WeakKeyDictionary[Any, RequestLog] = weakref.WeakKeyDictionary()
 @astrai.hookimpl
 def astrai_add_options(parser: Any) -> None:
     parser.add_argument(
-        "--request-log", dest="request_log", metavar="PATH", default=None,
+        "--request-log",
+        dest="request_log",
+        metavar="PATH",
+        default=None,
         help="append one JSON line per finished request to PATH (else: the astrai.request_log logger)",
-    )  # fmt: skip
+    )
 
 
 @astrai.hookimpl
@@ -73,7 +76,9 @@ def astrai_engine_started(engine: Any) -> None:
 def astrai_request_finished(engine: Any, request: Any) -> None:
     log = _logs.get(engine)
     if log is not None:
-        log.write({"event": "request_finished", "model": engine.model.config.name, **dataclasses.asdict(request)})
+        log.write(
+            {"event": "request_finished", "model": engine.model.config.name, **dataclasses.asdict(request)}
+        )
 
 
 @astrai.hookimpl

@@ -65,14 +65,22 @@ def read_source(source: dict[str, Any], dtype: torch.dtype) -> tuple[ModelConfig
 
     if source.get("state_file"):
         saved = torch.load(source["state_file"], weights_only=True)
-        config, weights = ModelConfig(**saved["config"]), {k: v.to(dtype) for k, v in saved["weights"].items()}
+        config, weights = (
+            ModelConfig(**saved["config"]),
+            {k: v.to(dtype) for k, v in saved["weights"].items()},
+        )
     else:
         config, weights, _kind, _path = read_checkpoint(source.get("model"), dtype)
     return served_config(config, source.get("max_seq_len")), weights
 
 
-def build_shard(config: ModelConfig, weights: dict[str, torch.Tensor], groups: Groups, dtype: torch.dtype,
-                device: torch.device) -> TPShard:  # fmt: skip
+def build_shard(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    groups: Groups,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> TPShard:
     """Rank ``groups.rank``'s shard of the checkpoint, fused (and packed where the CPU can)."""
     from astrai.model import build_model
     from astrai.model.cpu_linear import prepack_linears, prepack_supported
@@ -80,8 +88,12 @@ def build_shard(config: ModelConfig, weights: dict[str, torch.Tensor], groups: G
     cfg = shard_config(config, groups.size)
     cfg.tie_word_embeddings = False  # the LM head is a vocabulary slice, the embeddings whole
     model = build_model(cfg, dtype, device)
-    model.lm_head = nn.Linear(cfg.hidden_size, lm_rows(cfg.vocab_size, groups.size), bias=False).to(dtype=dtype, device=device)
-    model.load_weights({k: v.to(device) for k, v in shard_weights(weights, config, groups.size, groups.rank).items()})
+    model.lm_head = nn.Linear(cfg.hidden_size, lm_rows(cfg.vocab_size, groups.size), bias=False).to(
+        dtype=dtype, device=device
+    )
+    model.load_weights(
+        {k: v.to(device) for k, v in shard_weights(weights, config, groups.size, groups.rank).items()}
+    )
     model.fuse_projections()
     if prepack_supported(device, dtype):
         prepack_linears(model)
@@ -99,7 +111,9 @@ class TensorParallelModel(nn.Module):
     the gathered logits ``[B, vocab]`` (float32). ``config`` is the shard's (its heads: rank 0's KV
     pool holds its share of the KV heads; the vocabulary whole). See ``astrai.distributed.tp``."""
 
-    def __init__(self, shard: TPShard, config: ModelConfig, procs: list[subprocess.Popen], timeout: float) -> None:
+    def __init__(
+        self, shard: TPShard, config: ModelConfig, procs: list[subprocess.Popen], timeout: float
+    ) -> None:
         super().__init__()
         self.shard, self.config, self.procs, self.timeout = shard, config, procs, timeout
         self.groups = shard.groups
@@ -114,11 +128,15 @@ class TensorParallelModel(nn.Module):
         if self.broken is None:
             dead = [p for p in self.procs if p.poll() is not None]
             if dead:
-                self.broken = f"tensor-parallel worker (pid {dead[0].pid}) exited with status {dead[0].returncode}"
+                self.broken = (
+                    f"tensor-parallel worker (pid {dead[0].pid}) exited with status {dead[0].returncode}"
+                )
                 logger.error("%s: the engine cannot run", self.broken)
         return self.broken is None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
         if not self.healthy:
             raise WorkerLost(self.broken)
         try:
@@ -170,9 +188,14 @@ def _free_port() -> int:
 
 
 def load_tensor_parallel(
-    name_or_path: str | None, dtype: torch.dtype, device: str | torch.device, size: int, timeout: float = 300.0,
-    state_file: str | None = None, max_seq_len: int | None = None,
-) -> tuple[TensorParallelModel, Any]:  # fmt: skip
+    name_or_path: str | None,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    size: int,
+    timeout: float = 300.0,
+    state_file: str | None = None,
+    max_seq_len: int | None = None,
+) -> tuple[TensorParallelModel, Any]:
     """Rank 0 of a ``size``-way tensor-parallel model (and the tokenizer; None with ``state_file``).
 
     Starts the other ranks (unless torchrun did), waits until each has loaded its shard, joins the
@@ -187,12 +210,28 @@ def load_tensor_parallel(
     procs: list[subprocess.Popen] = []
     if torchrun_rank() is None:
         port = _free_port()
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
-                              timeout=__import__("datetime").timedelta(seconds=STARTUP_TIMEOUT))  # fmt: skip
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=__import__("datetime").timedelta(seconds=STARTUP_TIMEOUT),
+        )
         for rank in range(1, size):
-            spec = {"rank": rank, "size": size, "host": "127.0.0.1", "port": port, "source": source,
-                    "dtype": str(dtype).removeprefix("torch."), "device": _rank_device(device, rank), "timeout": timeout}  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, "-m", "astrai.distributed.worker", json.dumps(spec)]))
+            spec = {
+                "rank": rank,
+                "size": size,
+                "host": "127.0.0.1",
+                "port": port,
+                "source": source,
+                "dtype": str(dtype).removeprefix("torch."),
+                "device": _rank_device(device, rank),
+                "timeout": timeout,
+            }
+            procs.append(
+                subprocess.Popen([sys.executable, "-m", "astrai.distributed.worker", json.dumps(spec)])
+            )
         _wait_ready(store, procs, size)
         groups = init_groups(0, size, "", device, timeout, store=store)
     else:
@@ -205,8 +244,14 @@ def load_tensor_parallel(
         from astrai.model import load_tokenizer
 
         tokenizer = load_tokenizer(name_or_path, config)
-    logger.info("tensor parallel: %d ranks (%s, %s), shards of %d query / %d KV heads", size, device, dtype,
-                shard.model.config.num_attention_heads, shard.model.config.num_key_value_heads)  # fmt: skip
+    logger.info(
+        "tensor parallel: %d ranks (%s, %s), shards of %d query / %d KV heads",
+        size,
+        device,
+        dtype,
+        shard.model.config.num_attention_heads,
+        shard.model.config.num_key_value_heads,
+    )
     return model, tokenizer
 
 
@@ -225,7 +270,9 @@ def _wait_ready(store: Any, procs: list[subprocess.Popen], size: int) -> None:
             if p.poll() is not None:
                 for q in procs:
                     q.kill()
-                raise AstraiError(f"tensor-parallel worker {rank} exited with status {p.returncode} while starting (see its log above)")
+                raise AstraiError(
+                    f"tensor-parallel worker {rank} exited with status {p.returncode} while starting (see its log above)"
+                )
         if time.monotonic() > deadline:
             for q in procs:
                 q.kill()
@@ -240,15 +287,22 @@ def worker_main(spec: dict[str, Any]) -> int:
     source, dtype, device, timeout. 0 on ``STOP``; 1 when rank 0 went away."""
     import datetime
 
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s tp-rank-{spec['rank']} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(levelname)s tp-rank-{spec['rank']} %(name)s: %(message)s"
+    )
     dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _threads(spec["size"], device)
     config, weights = read_source(spec["source"], dtype)
     if "port" in spec:
-        store = dist.TCPStore(spec["host"], spec["port"], spec["size"], is_master=False,
-                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT))  # fmt: skip
+        store = dist.TCPStore(
+            spec["host"],
+            spec["port"],
+            spec["size"],
+            is_master=False,
+            timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT),
+        )
         store.set(f"ready/{spec['rank']}", "1")
         groups = init_groups(spec["rank"], spec["size"], "", device, spec["timeout"], store=store)
     else:
@@ -270,4 +324,7 @@ def save_state(path: str | Path, config: ModelConfig, weights: dict[str, torch.T
     """Write ``{"config", "weights"}`` for ``load_tensor_parallel(state_file=...)`` (a model built in memory)."""
     import dataclasses
 
-    torch.save({"config": dataclasses.asdict(config), "weights": {k: v.detach().cpu() for k, v in weights.items()}}, path)
+    torch.save(
+        {"config": dataclasses.asdict(config), "weights": {k: v.detach().cpu() for k, v in weights.items()}},
+        path,
+    )

@@ -91,7 +91,9 @@ def _kv_rows(config: ModelConfig, n: int, rank: int) -> slice:
     return slice(head * d, (head + 1) * d)
 
 
-def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, n: int, rank: int) -> dict[str, torch.Tensor]:
+def shard_weights(
+    weights: dict[str, torch.Tensor], config: ModelConfig, n: int, rank: int
+) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s part of ``weights`` (astrai's state dict, before fusion): contiguous copies.
 
     The LM head keeps its rows ``vocab_shard(...)`` (of the embeddings when they are tied), zero

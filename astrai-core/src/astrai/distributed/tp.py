@@ -85,7 +85,9 @@ class TPShard(nn.Module):
             layer.self_attn.reduce = reduce
             layer.mlp.reduce = reduce
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
         return self.model(ids, positions, kv, logits_indices)
 
 
@@ -102,25 +104,50 @@ class _Reduce:
 # ---------------------------------------------------------------- the step message
 
 
-def send_step(groups: Groups, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, logits_indices: torch.Tensor) -> None:
+def send_step(
+    groups: Groups, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, logits_indices: torch.Tensor
+) -> None:
     """Rank 0: the header (control group), then the payload (device group) of one step."""
     b, t, s = len(kv.seq_lens_host), kv.num_tokens, sum(kv.seq_lens_host)
     name = (kv.backend.name if kv.backend is not None else "").encode()[:NAME]
     header = torch.zeros(HEADER + NAME, dtype=torch.int64)
-    header[:12] = torch.tensor([
-        STEP, t, b, logits_indices.numel(), s, kv.k_buffer.shape[1], kv.req_to_token.shape[0],
-        kv.req_to_token.shape[1], kv.page_size, kv.max_len, kv.max_q_len, len(name),
-    ])  # fmt: skip
+    header[:12] = torch.tensor(
+        [
+            STEP,
+            t,
+            b,
+            logits_indices.numel(),
+            s,
+            kv.k_buffer.shape[1],
+            kv.req_to_token.shape[0],
+            kv.req_to_token.shape[1],
+            kv.page_size,
+            kv.max_len,
+            kv.max_q_len,
+            len(name),
+        ]
+    )
     header[HEADER : HEADER + len(name)] = torch.tensor(list(name), dtype=torch.int64)
     dist.broadcast(header, 0, group=groups.control)
     seq = kv.seq_lens
     rows = torch.repeat_interleave(kv.req_pool_indices, seq, output_size=s)
-    pos = torch.arange(s, device=seq.device) - torch.repeat_interleave(kv.kv_indptr[:-1].to(torch.int64), seq, output_size=s)
+    pos = torch.arange(s, device=seq.device) - torch.repeat_interleave(
+        kv.kv_indptr[:-1].to(torch.int64), seq, output_size=s
+    )
     slots = kv.req_to_token[rows, pos].to(torch.int64)
-    payload = torch.cat([
-        ids.to(torch.int64), positions.to(torch.int64), logits_indices.to(torch.int64), kv.req_pool_indices, seq,
-        kv.out_cache_loc, kv.kv_indptr.to(torch.int64), kv.qo_indptr.to(torch.int64), slots,
-    ])  # fmt: skip
+    payload = torch.cat(
+        [
+            ids.to(torch.int64),
+            positions.to(torch.int64),
+            logits_indices.to(torch.int64),
+            kv.req_pool_indices,
+            seq,
+            kv.out_cache_loc,
+            kv.kv_indptr.to(torch.int64),
+            kv.qo_indptr.to(torch.int64),
+            slots,
+        ]
+    )
     dist.broadcast(payload, 0, group=groups.device)
 
 
@@ -134,15 +161,29 @@ def send_signal(groups: Groups, kind: int) -> None:
 class _Mirror:
     """A worker's K/V buffers and ``req_to_token`` mirror for one pool geometry of rank 0's."""
 
-    def __init__(self, config: ModelConfig, slots: int, rows: int, max_ctx: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        slots: int,
+        rows: int,
+        max_ctx: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (config.num_hidden_layers, slots, config.num_key_value_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.req_to_token = torch.zeros((rows, max_ctx), dtype=torch.int32, device=device)
 
 
-def receive_step(groups: Groups, header: torch.Tensor, mirrors: dict, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor, str]:  # fmt: skip
+def receive_step(
+    groups: Groups,
+    header: torch.Tensor,
+    mirrors: dict,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor, str]:
     """A worker: the payload of the step ``header`` announced, as the shard's inputs and its backend's name."""
     t, b, n, s, slots, rows, max_ctx, page, max_len, max_q, name_len = (int(x) for x in header[1:12])
     name = bytes(int(c) for c in header[HEADER : HEADER + name_len]).decode()
@@ -160,11 +201,21 @@ def receive_step(groups: Groups, header: torch.Tensor, mirrors: dict, config: Mo
     mirror.req_to_token[flat_rows, flat_pos] = row_slots.to(torch.int32)
     q_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
     kv = KVCache(
-        k_buffer=mirror.k, v_buffer=mirror.v, req_to_token=mirror.req_to_token, req_pool_indices=req_idx,
-        seq_lens=seq, out_cache_loc=out_loc, max_len=max_len, kv_indptr=kv_indptr.to(torch.int32),
-        qo_indptr=qo_indptr.to(torch.int32), max_q_len=max_q, num_tokens=t, q_lens_host=tuple(q_lens),
-        seq_lens_host=tuple(seq.tolist()), page_size=page,
-    )  # fmt: skip
+        k_buffer=mirror.k,
+        v_buffer=mirror.v,
+        req_to_token=mirror.req_to_token,
+        req_pool_indices=req_idx,
+        seq_lens=seq,
+        out_cache_loc=out_loc,
+        max_len=max_len,
+        kv_indptr=kv_indptr.to(torch.int32),
+        qo_indptr=qo_indptr.to(torch.int32),
+        max_q_len=max_q,
+        num_tokens=t,
+        q_lens_host=tuple(q_lens),
+        seq_lens_host=tuple(seq.tolist()),
+        page_size=page,
+    )
     return ids, positions, kv, logits_indices, name
 
 
@@ -195,12 +246,16 @@ def worker_loop(shard: TPShard, config: ModelConfig, dtype: torch.dtype, device:
                 return
             if kind == NOOP:
                 continue
-            ids, positions, kv, logits_indices, name = receive_step(groups, header, mirrors, config, dtype, device)
+            ids, positions, kv, logits_indices, name = receive_step(
+                groups, header, mirrors, config, dtype, device
+            )
             bind_step(kv, query, BackendChoice(name or None, "tensor-parallel rank 0"))
             gather_logits(groups, shard(ids, positions, kv, logits_indices), config.vocab_size)
 
 
-def init_groups(rank: int, size: int, init_method: str, device: torch.device, timeout: float, store: Any = None) -> Groups:
+def init_groups(
+    rank: int, size: int, init_method: str, device: torch.device, timeout: float, store: Any = None
+) -> Groups:
     """Join the process group (``store``, else ``init_method``) and make the control group."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     span = datetime.timedelta(seconds=timeout)

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from astrai.extension.backend.base import AttentionBackend
 
 
-
 class KernelTable:
     """The fused kernels in force for each device type: what the loaded backends lend.
 

@@ -14,6 +14,12 @@ from astrai.grammar.base import (
 from astrai.grammar.cache import GrammarCache
 
 __all__ = [
-    "GRAMMARS", "KINDS", "GrammarBackend", "GrammarCache", "GrammarConfig", "GrammarMatcher", "GrammarSpec",
+    "GRAMMARS",
+    "KINDS",
+    "GrammarBackend",
+    "GrammarCache",
+    "GrammarConfig",
+    "GrammarMatcher",
+    "GrammarSpec",
     "check_grammar_backend",
 ]

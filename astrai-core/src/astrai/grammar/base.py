@@ -22,7 +22,14 @@ from astrai.plugins import check_class
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GRAMMARS", "GrammarBackend", "GrammarConfig", "GrammarMatcher", "GrammarSpec", "check_grammar_backend"]
+__all__ = [
+    "GRAMMARS",
+    "GrammarBackend",
+    "GrammarConfig",
+    "GrammarMatcher",
+    "GrammarSpec",
+    "check_grammar_backend",
+]
 
 GRAMMARS = "astrai.grammars"
 """The entry-point group of ``GrammarBackend`` subclasses; ``EngineConfig.grammar_backend`` names one."""
@@ -56,9 +63,13 @@ class GrammarSpec:
         or ``compact`` for a kind that is not JSON.
         """
         if compact and kind not in ("json_schema", "json_object"):
-            raise RequestRejected(f"compact JSON applies to a JSON schema or object, not a {kind}", param="grammar")
+            raise RequestRejected(
+                f"compact JSON applies to a JSON schema or object, not a {kind}", param="grammar"
+            )
         if kind not in KINDS:
-            raise RequestRejected(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}", param="grammar")
+            raise RequestRejected(
+                f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}", param="grammar"
+            )
         if kind in ("json_schema", "structural_tag"):
             if isinstance(value, str):
                 try:
@@ -66,7 +77,9 @@ class GrammarSpec:
                 except ValueError as e:
                     raise RequestRejected(f"{kind} is not valid JSON: {e}", param="grammar") from None
             if not isinstance(value, (dict, bool)):
-                raise RequestRejected(f"{kind} must be a JSON object, got {type(value).__name__}", param="grammar")
+                raise RequestRejected(
+                    f"{kind} must be a JSON object, got {type(value).__name__}", param="grammar"
+                )
             text = json.dumps(value, separators=(",", ":"))  # key order kept: properties come in it
             return cls(kind, text, compact=compact and kind == "json_schema")
         if kind == "choice":
@@ -89,8 +102,12 @@ class GrammarConfig:
 
     workers: int = 1  # compile worker processes (compiles at once)
     max_pending: int = 8  # compiles that may wait for a worker; one more: Overloaded (429)
-    timeout: float = 15.0  # seconds one compile may take; then its worker is killed and the request gets a 400
-    max_bytes: int = 256 * 2**10  # largest spec (schema, regex, choices, grammar, tool set), in bytes of its text
+    timeout: float = (
+        15.0  # seconds one compile may take; then its worker is killed and the request gets a 400
+    )
+    max_bytes: int = (
+        256 * 2**10
+    )  # largest spec (schema, regex, choices, grammar, tool set), in bytes of its text
     cache_bytes: int = 256 * 2**20  # memory the compiled grammars kept for reuse may hold
     cache_entries: int = 256  # compiled grammars kept for reuse
 

@@ -48,7 +48,11 @@ class GrammarCache:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int], name: str | None = None,
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        name: str | None = None,
         config: GrammarConfig | None = None,
     ) -> None:
         self._args = (tokenizer, vocab_size, tuple(stop_token_ids))
@@ -89,13 +93,18 @@ class GrammarCache:
             if self.name in loaded.failures:
                 raise PluginError(loaded.failures[self.name].describe())
             if self.name not in loaded.classes:
-                raise PluginError(f"grammar backend {self.name!r} is not installed; installed: {', '.join(loaded.classes) or 'none'}")
+                raise PluginError(
+                    f"grammar backend {self.name!r} is not installed; installed: {', '.join(loaded.classes) or 'none'}"
+                )
             return loaded.classes[self.name]
         order = sorted(loaded.classes, key=lambda n: (n != "xgrammar", n))
         for name in order:
             if loaded.classes[name].is_available():
                 return loaded.classes[name]
-        raise RequestRejected("constrained decoding needs a grammar backend: none is installed (pip install xgrammar)", param="grammar")
+        raise RequestRejected(
+            "constrained decoding needs a grammar backend: none is installed (pip install xgrammar)",
+            param="grammar",
+        )
 
     def check(self, spec: GrammarSpec) -> None:
         """RequestRejected (400) when ``spec`` is larger than ``config.max_bytes``: nothing is compiled."""
@@ -103,7 +112,8 @@ class GrammarCache:
         if size > self.config.max_bytes:
             raise RequestRejected(
                 f"the {spec.kind} is {size} bytes; at most {self.config.max_bytes} are compiled "
-                "(--max-grammar-bytes)", param="grammar",
+                "(--max-grammar-bytes)",
+                param="grammar",
             )
 
     def compile(self, spec: GrammarSpec, cancel: threading.Event | None = None) -> Any:
@@ -128,7 +138,9 @@ class GrammarCache:
             self.check(spec)
             backend = self.backend
             pool = self._pool
-            compiled = backend.compile(spec) if pool is None else backend.deserialize(pool.compile(spec, cancel))
+            compiled = (
+                backend.compile(spec) if pool is None else backend.deserialize(pool.compile(spec, cancel))
+            )
             self._keep(spec, compiled, backend.compiled_bytes(compiled))
             return compiled
         finally:
@@ -153,7 +165,9 @@ class GrammarCache:
         with self._lock:
             if self._threads is None:  # one waiter per compile that may run or wait, and one to refuse more
                 c = self.config
-                self._threads = ThreadPoolExecutor(c.workers + c.max_pending + 1, thread_name_prefix="astrai-grammar")
+                self._threads = ThreadPoolExecutor(
+                    c.workers + c.max_pending + 1, thread_name_prefix="astrai-grammar"
+                )
             threads = self._threads
         cancel = threading.Event()
         future = asyncio.get_running_loop().run_in_executor(threads, self.compile, spec, cancel)
@@ -161,7 +175,9 @@ class GrammarCache:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             cancel.set()
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+            future.add_done_callback(
+                lambda f: f.cancelled() or f.exception()
+            )  # retrieved: no "never retrieved" log
             raise
 
     def matcher(self, spec: GrammarSpec, compiled: Any = None) -> GrammarMatcher:

@@ -58,13 +58,20 @@ class XGrammarBackend(GrammarBackend):
         # from_huggingface lets added special tokens (<|im_start|>, ...) appear as text inside a JSON string:
         # blank them, so that only the stop tokens among them are ever allowed (as stops)
         special = {i for i in tokenizer.hf.added_tokens_decoder if i not in stops}
-        if special:  # the tokenizer's own (encoded) vocabulary, as from_huggingface reads it, specials emptied
+        if (
+            special
+        ):  # the tokenizer's own (encoded) vocabulary, as from_huggingface reads it, specials emptied
             encoded = [""] * vocab_size
             for token, i in tokenizer.hf.get_vocab().items():
                 if i < vocab_size:
                     encoded[i] = "" if i in special else token
-            info = xgr.TokenizerInfo(encoded, info.vocab_type, vocab_size=vocab_size, stop_token_ids=stops,
-                                     add_prefix_space=info.add_prefix_space)  # fmt: skip
+            info = xgr.TokenizerInfo(
+                encoded,
+                info.vocab_type,
+                vocab_size=vocab_size,
+                stop_token_ids=stops,
+                add_prefix_space=info.add_prefix_space,
+            )
         self._use(info)
 
     def _use(self, info: Any) -> None:
@@ -134,8 +141,9 @@ class XGrammarBackend(GrammarBackend):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         if logits.device.type != "cpu" or sys.byteorder != "little":  # xgrammar's CUDA/Triton kernel
-            self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
-                                                  indices=list(rows))  # fmt: skip
+            self._xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=list(rows)
+            )
             return
         apply_bitmask_cpu(logits, bitmask, rows, self.vocab_size)
 
@@ -152,7 +160,9 @@ def _byte_addends(dtype: torch.dtype) -> torch.Tensor:
     return table
 
 
-def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], vocab_size: int) -> None:
+def apply_bitmask_cpu(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], vocab_size: int
+) -> None:
     """xgrammar's bitmask layout (int32 words, token ``32 w + j`` is bit ``j`` of word ``w``) applied to
     CPU logits: each bitmask byte indexes a table of eight 0/-inf addends (one gather for the whole
     batch) and the result is added to the rows in place. 6-8x faster than xgrammar's CPU kernel at

@@ -47,7 +47,9 @@ def _check_radix(pool: PagePool, live: list[int], holders: np.ndarray) -> None:
         if node.depth != parent.depth + 1 or len(node.key) != pool.page_size:
             _fail(f"radix node of page {node.page}: depth {node.depth}, key {node.key}")
         if node.namespace != parent.namespace:
-            _fail(f"radix node of page {node.page} is in namespace {node.namespace!r}, its parent in {parent.namespace!r}")
+            _fail(
+                f"radix node of page {node.page} is in namespace {node.namespace!r}, its parent in {parent.namespace!r}"
+            )
         if radix.node_of_page(node.page) is not node or mask[node.page]:
             _fail(f"page {node.page} is indexed twice or not at its node")
         mask[node.page] = True
@@ -66,7 +68,9 @@ def _check_radix(pool: PagePool, live: list[int], holders: np.ndarray) -> None:
         if lock is None or lock.page != pages[held[-1]]:
             _fail(f"row {row}: lock is not its deepest held radix page")
         if lock.namespace != pool.req_namespace(row):  # a page never serves another namespace
-            _fail(f"row {row} of namespace {pool.req_namespace(row)!r} holds pages of namespace {lock.namespace!r}")
+            _fail(
+                f"row {row} of namespace {pool.req_namespace(row)!r} holds pages of namespace {lock.namespace!r}"
+            )
         path = []
         node = lock
         while node.parent is not None:
@@ -80,7 +84,9 @@ def _check_radix(pool: PagePool, live: list[int], holders: np.ndarray) -> None:
     evictable = 0
     for node in nodes:
         if node.lock_count != locks.get(node, 0):
-            _fail(f"radix node of page {node.page}: lock_count {node.lock_count}, expected {locks.get(node, 0)}")
+            _fail(
+                f"radix node of page {node.page}: lock_count {node.lock_count}, expected {locks.get(node, 0)}"
+            )
         if node.lock_count == 0:
             evictable += 1
             if refcount[node.page] != 1:
@@ -165,4 +171,6 @@ def assert_nothing_held(pool: PagePool) -> None:
     radix_mask = pool.radix.page_mask if pool.radix is not None else np.zeros_like(pool.allocator.free_mask)
     held = np.flatnonzero((refcount != 0) & ~(radix_mask & (refcount == 1))).tolist()
     if held:
-        _fail(f"pages {held} are held by something other than the radix (refcounts {refcount[held].tolist()})")
+        _fail(
+            f"pages {held} are held by something other than the radix (refcounts {refcount[held].tolist()})"
+        )

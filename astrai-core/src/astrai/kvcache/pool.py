@@ -83,8 +83,14 @@ class PagePool:
     """
 
     def __init__(
-        self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, config: KVConfig,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        self,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        config: KVConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
         self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = n_layers, n_heads, n_kv_heads, head_dim
@@ -117,10 +123,17 @@ class PagePool:
         rows = config.max_batch_size
         self._pages = self.req_to_token_pool.pages  # paged: each row's page ids in position order
         self._locks: list[RadixNode | None] = [None] * rows  # deepest radix node each row holds
-        self._namespaces: list[Hashable] = [None] * rows  # the radix namespace each row matches and records in
+        self._namespaces: list[Hashable] = [
+            None
+        ] * rows  # the radix namespace each row matches and records in
         mode = ("paged, radix" if self.radix else "paged") if self.paged else "contiguous"
-        logger.info("KV pool (%s): %d slots, page_size %d, %.1f MiB", mode, self.size, self.page_size,
-                    self.storage.nbytes() / 2**20)
+        logger.info(
+            "KV pool (%s): %d slots, page_size %d, %.1f MiB",
+            mode,
+            self.size,
+            self.page_size,
+            self.storage.nbytes() / 2**20,
+        )
 
     # ----------------------------------------------------------------- views
     @property
@@ -215,7 +228,9 @@ class PagePool:
         have = self.req_len(req_idx)
         if not self.paged:
             return self.max_ctx_len - have
-        return min(self.round_up(have) - have + self.allocator.num_free * self.page_size, self.max_ctx_len - have)
+        return min(
+            self.round_up(have) - have + self.allocator.num_free * self.page_size, self.max_ctx_len - have
+        )
 
     def truncate(self, req_idx: int, new_len: int) -> None:
         """Keep positions ``[0, new_len)`` only: the pages past them go back (a speculative draft's
@@ -329,7 +344,11 @@ class PagePool:
         pages live requests reference or pin through their cached path; contiguous: their positions).
         ``in_use + cached + free == total``."""
         if not self.paged:
-            return {"kv_tokens_total": self.size, "kv_tokens_in_use": self._live_positions(), "kv_tokens_cached": 0}
+            return {
+                "kv_tokens_total": self.size,
+                "kv_tokens_in_use": self._live_positions(),
+                "kv_tokens_cached": 0,
+            }
         cached = self.radix.evictable_pages if self.radix is not None else 0
         in_use = self.allocator.n_pages - self.allocator.num_free - cached
         return {
@@ -339,7 +358,9 @@ class PagePool:
         }
 
     # ----------------------------------------------------------------- per step
-    def bind_tasks(self, req_indices: Sequence[int], q_lens: Sequence[int], seq_lens: Sequence[int]) -> KVCache:
+    def bind_tasks(
+        self, req_indices: Sequence[int], q_lens: Sequence[int], seq_lens: Sequence[int]
+    ) -> KVCache:
         """Build this step's KVCache (``plan`` empty, no backend) with one host-to-device copy per dtype.
 
         Request ``i`` (row ``req_indices[i]``) brings ``q_lens[i] >= 1`` tokens at positions

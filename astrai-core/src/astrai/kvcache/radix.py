@@ -22,7 +22,18 @@ logger = logging.getLogger(__name__)
 class RadixNode:
     """One complete page of the cache: an edge from ``parent`` labelled by the page's tokens."""
 
-    __slots__ = ("key", "page", "parent", "children", "depth", "last_access", "lock_count", "hash", "id", "namespace")
+    __slots__ = (
+        "key",
+        "page",
+        "parent",
+        "children",
+        "depth",
+        "last_access",
+        "lock_count",
+        "hash",
+        "id",
+        "namespace",
+    )
 
     def __init__(self, key: tuple[int, ...], page: int, parent: RadixNode | None, node_id: int) -> None:
         self.key = key  # exact token tuple of this page (page_size ids)
@@ -145,7 +156,11 @@ class RadixCache:
 
     # ----------------------------------------------------------------- insertion
     def insert(
-        self, token_ids: Sequence[int], pages: Sequence[int], lock: RadixNode | None, namespace: Hashable = None
+        self,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        lock: RadixNode | None,
+        namespace: Hashable = None,
     ) -> RadixNode | None:
         """Insert the complete pages of one request into ``namespace``'s tree; returns its new lock node.
 
@@ -173,7 +188,9 @@ class RadixCache:
             child = node.children.get(keys[i]) if node is not None else None
             owner = self._node_of_page.get(int(pages[i]))
             if owner is not None and owner is not child:
-                raise ValueError(f"page {int(pages[i])} is cached under another prefix than position {i * ps}")
+                raise ValueError(
+                    f"page {int(pages[i])} is cached under another prefix than position {i * ps}"
+                )
             node = child
         self._roots[namespace] = root
         deepest = lock

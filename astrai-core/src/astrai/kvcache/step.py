@@ -84,9 +84,18 @@ def _bind_decode(pool: _Layers, rows: list[int], sl: list[int]) -> KVCache:
 
 def _kv_cache(pool: _Layers, req_pool_indices, seq_lens, out_cache_loc, kv_indptr, qo_indptr, ql, sl):
     return KVCache(
-        k_buffer=pool.storage.k_buffer, v_buffer=pool.storage.v_buffer, req_to_token=pool.table.req_to_token,
-        req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
-        max_len=max(sl), kv_indptr=kv_indptr, qo_indptr=qo_indptr,
-        max_q_len=max(ql), num_tokens=sum(ql), q_lens_host=tuple(ql), seq_lens_host=tuple(sl),
+        k_buffer=pool.storage.k_buffer,
+        v_buffer=pool.storage.v_buffer,
+        req_to_token=pool.table.req_to_token,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        out_cache_loc=out_cache_loc,
+        max_len=max(sl),
+        kv_indptr=kv_indptr,
+        qo_indptr=qo_indptr,
+        max_q_len=max(ql),
+        num_tokens=sum(ql),
+        q_lens_host=tuple(ql),
+        seq_lens_host=tuple(sl),
         page_size=pool.page_size,
-    )  # fmt: skip
+    )

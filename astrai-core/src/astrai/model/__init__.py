@@ -47,6 +47,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """bfloat16 on CUDA, and on CPUs with native bf16 matmul (AVX512-BF16 or AMX); else float32."""
     if torch.device(device).type == "cuda":
@@ -60,6 +61,7 @@ def _zero_init() -> Iterator[None]:
     """``nn.Linear`` and ``nn.Embedding`` start from zeros instead of torch's random init while
     this is active (one thread at a time): a loader that overwrites every parameter skips ~1 s
     of random numbers on the default model. Other modules keep their own init."""
+
     def zero(module: nn.Module) -> None:
         with torch.no_grad():
             for p in module.parameters(recurse=False):
@@ -233,6 +235,12 @@ def _load(
         prepack_linears(model)
     trim_heap()  # the loader's transient copies (float32 tensors, the unfused and unquantized weights)
     n_quant = sum(isinstance(m, QuantizedLinear) for m in model.modules())
-    logger.info("loaded %s (%s, %s%s) in %.2f s", config.name, kind, dtype,
-                f", {n_quant} quantized linears" if n_quant else "", time.perf_counter() - start)  # fmt: skip
+    logger.info(
+        "loaded %s (%s, %s%s) in %.2f s",
+        config.name,
+        kind,
+        dtype,
+        f", {n_quant} quantized linears" if n_quant else "",
+        time.perf_counter() - start,
+    )
     return model, tokenizer

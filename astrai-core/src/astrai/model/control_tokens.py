@@ -96,6 +96,8 @@ class ContentMarks:
             piece_ids = encode("\n" + piece)
             piece_ids = piece_ids[len(newline) :] if piece_ids[: len(newline)] == newline else encode(piece)
             if plain and tokenizer.hf.convert_tokens_to_ids(piece) in piece_ids:
-                raise RequestRejected(f"the content holds {piece!r}, which this tokenizer cannot encode as plain text")
+                raise RequestRejected(
+                    f"the content holds {piece!r}, which this tokenizer cannot encode as plain text"
+                )
             ids += piece_ids
         return ids

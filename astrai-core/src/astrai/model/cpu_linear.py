@@ -46,8 +46,12 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self._onednn: torch.Tensor | None = None  # oneDNN's layout of the weight, made when first needed
-        self._small: tuple[object, object] | None = None  # (a plugin's linear kernel, the weight packed for it)
-        self._op = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no overload resolution per call
+        self._small: tuple[object, object] | None = (
+            None  # (a plugin's linear kernel, the weight packed for it)
+        )
+        self._op = (
+            torch.ops.mkldnn._linear_pointwise.default
+        )  # the overload itself: no overload resolution per call
         # an LM head (prepack_linears): float32 outputs from the plugin's kernel, the sums unrounded
         # (two logits a few hundredths apart would tie in bf16); oneDNN's bf16 result without one
         self.float_out = False

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def interleave_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Permute q/k projection rows from HF's rotate_half layout to interleaved pairs.
 

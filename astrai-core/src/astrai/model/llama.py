@@ -65,7 +65,9 @@ class Attention(nn.Module):
             self.qkv_proj = QuantizedLinear.concat(parts)
             del self.q_proj, self.k_proj, self.v_proj
             return
-        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+        fused = nn.Linear(
+            parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None
+        )
         with torch.no_grad():
             fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]))
             if fused.bias is not None:
@@ -134,7 +136,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), freqs, kv_cache)
         norm = self.post_attention_layernorm
-        x, h = add_rms_norm(x, attn, norm.weight, norm.eps)  # the residual add and the next norm, fused when a kernel is installed
+        x, h = add_rms_norm(
+            x, attn, norm.weight, norm.eps
+        )  # the residual add and the next norm, fused when a kernel is installed
         return x + self.mlp(h)
 
 
@@ -217,7 +221,9 @@ class LlamaForCausalLM(nn.Module):
         Returns ``[B, vocab]`` float32. Writes this step's K/V into the pool.
         """
         x = self.model.embed_tokens(input_ids)
-        if kv_cache.backend is None:  # a direct call (no ModelRunner bound the step): resolve its backend once
+        if (
+            kv_cache.backend is None
+        ):  # a direct call (no ModelRunner bound the step): resolve its backend once
             bind_step(kv_cache, x.new_empty((0, self.config.num_attention_heads, self.config.head_dim)))
         freqs = self.rotary(positions.unsqueeze(0))
         stack = kernel_for("decoder_layers", x)  # a plugin's whole-stack kernel (astrai.extension.fused)
@@ -243,21 +249,39 @@ class LlamaForCausalLM(nn.Module):
         if not layers:
             return None
         first = layers[0]
-        shape = (first.self_attn.n_heads, first.self_attn.n_kv_heads, first.self_attn.head_dim,
-                 first.mlp.down_proj.in_features, first.input_layernorm.eps, first.self_attn.scale)  # fmt: skip
+        shape = (
+            first.self_attn.n_heads,
+            first.self_attn.n_kv_heads,
+            first.self_attn.head_dim,
+            first.mlp.down_proj.in_features,
+            first.input_layernorm.eps,
+            first.self_attn.scale,
+        )
         norms, linears, biases = [], [], []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             stock = (
-                type(layer) is DecoderLayer and type(attn) is Attention and type(mlp) is MLP
-                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-                and hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")
-                and attn.reduce is None and mlp.reduce is None  # a tensor-parallel shard sums over ranks
-            )  # fmt: skip
+                type(layer) is DecoderLayer
+                and type(attn) is Attention
+                and type(mlp) is MLP
+                and type(layer.input_layernorm) is RMSNorm
+                and type(layer.post_attention_layernorm) is RMSNorm
+                and hasattr(attn, "qkv_proj")
+                and hasattr(mlp, "gate_up_proj")
+                and attn.reduce is None
+                and mlp.reduce is None  # a tensor-parallel shard sums over ranks
+            )
             if not stock:
                 return None
             eps = layer.input_layernorm.eps
-            if (attn.n_heads, attn.n_kv_heads, attn.head_dim, mlp.down_proj.in_features, eps, attn.scale) != shape:
+            if (
+                attn.n_heads,
+                attn.n_kv_heads,
+                attn.head_dim,
+                mlp.down_proj.in_features,
+                eps,
+                attn.scale,
+            ) != shape:
                 return None
             if layer.post_attention_layernorm.eps != eps:
                 return None
@@ -291,10 +315,14 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
         if missing or unexpected:
-            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         with torch.no_grad():
             for name, param in own.items():
                 src = state_dict[name]
                 if src.shape != param.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(param.shape)}"
+                    )
                 param.copy_(src)

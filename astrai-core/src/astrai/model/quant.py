@@ -146,10 +146,10 @@ def split_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, n
             codes = blk[:, 2:].view(np.int8)
         else:
             if qtype in ("Q5_0", "Q5_1"):
-                qh = np.ascontiguousarray(blk[:, off:off + 4]).view(np.uint32)
+                qh = np.ascontiguousarray(blk[:, off : off + 4]).view(np.uint32)
                 high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
                 off += 4
-            codes = _nibbles(blk[:, off:off + 16], 16)
+            codes = _nibbles(blk[:, off : off + 16], 16)
             if qtype in ("Q5_0", "Q5_1"):
                 codes = codes | (high << 4)
             codes = codes.astype(np.int8)
@@ -193,7 +193,9 @@ def split_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, n
     return codes, scales, mins
 
 
-def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, spec: QuantSpec) -> tuple[torch.Tensor, QuantLayout]:
+def pack(
+    codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, spec: QuantSpec
+) -> tuple[torch.Tensor, QuantLayout]:
     """Codes ``[n, k]`` int8 and scales/mins ``[n, k / group]`` -> the tile layout (uint8) and its layout."""
     n, k = codes.shape
     g, tiles = spec.group, -(-n // TILE)
@@ -216,7 +218,9 @@ def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, spec: Q
         # float16 scales come from float16 fields: the conversion back is exact
         return rows(a).astype(dtype).reshape(tiles, TILE, k // g).transpose(0, 2, 1).copy().view(np.uint8)
 
-    parts = [per_tile(scales)] + ([per_tile(mins)] if spec.has_min else []) + [np.ascontiguousarray(code_bytes)]
+    parts = (
+        [per_tile(scales)] + ([per_tile(mins)] if spec.has_min else []) + [np.ascontiguousarray(code_bytes)]
+    )
     packed = np.concatenate(parts, axis=-1).reshape(-1)
     layout = QuantLayout(n, k, spec)
     assert packed.size == layout.nbytes
@@ -268,7 +272,9 @@ class QuantizedLinear(nn.Module):
     reference ``dequantize``.
     """
 
-    def __init__(self, segments: list[tuple[torch.Tensor, QuantLayout]], bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, segments: list[tuple[torch.Tensor, QuantLayout]], bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.in_features = segments[0][1].k
         self.out_features = sum(lay.n for _, lay in segments)
@@ -289,7 +295,12 @@ class QuantizedLinear(nn.Module):
         merged: list[tuple[torch.Tensor, QuantLayout]] = []
         for part in parts:
             for packed, lay in part.segments:
-                if merged and merged[-1][1].spec == lay.spec and merged[-1][1].k == lay.k and merged[-1][1].n % TILE == 0:
+                if (
+                    merged
+                    and merged[-1][1].spec == lay.spec
+                    and merged[-1][1].k == lay.k
+                    and merged[-1][1].n % TILE == 0
+                ):
                     prev, prev_lay = merged[-1]
                     merged[-1] = (torch.cat([prev, packed]), QuantLayout(prev_lay.n + lay.n, lay.k, lay.spec))
                 else:
@@ -298,10 +309,12 @@ class QuantizedLinear(nn.Module):
         present = [b for b in biases if b is not None]
         bias = None
         if present:
-            bias = torch.cat([
-                b.detach() if b is not None else torch.zeros(p.out_features, dtype=present[0].dtype)
-                for p, b in zip(parts, biases, strict=True)
-            ])  # fmt: skip
+            bias = torch.cat(
+                [
+                    b.detach() if b is not None else torch.zeros(p.out_features, dtype=present[0].dtype)
+                    for p, b in zip(parts, biases, strict=True)
+                ]
+            )
         return cls(merged, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -322,7 +335,11 @@ class QuantizedLinear(nn.Module):
                 outs.append(wide(rows, packed, lay.ints(), bias))
                 continue
             # many rows: the whole weight dequantized once (as the bf16 model holds it), oneDNN's GEMM
-            wt = kernel.weight_t(packed, lay.ints(), rows.dtype) if kernel is not None else dequantize(packed, lay).to(rows.dtype).t()
+            wt = (
+                kernel.weight_t(packed, lay.ints(), rows.dtype)
+                if kernel is not None
+                else dequantize(packed, lay).to(rows.dtype).t()
+            )
             outs.append(torch.matmul(rows, wt) if bias is None else torch.addmm(bias, rows, wt))
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)

@@ -43,7 +43,11 @@ def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _bytes_to_unicode() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the character each byte is written as -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), 256),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -122,7 +126,9 @@ class Tokenizer:
             return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
         if backend.normalizer is not None:
             text = backend.normalizer.normalize_str(text)
-        splits = [s for s, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer else [text]
+        splits = (
+            [s for s, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer else [text]
+        )
         return [token.id for split in splits for token in backend.model.tokenize(split)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

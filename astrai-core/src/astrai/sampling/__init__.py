@@ -38,8 +38,17 @@ _LAZY = {
 }
 
 __all__ = [
-    "BaseSamplingStrategy", "MinPStrategy", "SamplingBatch", "SamplingParams", "SamplingPipeline", "SamplingStrategy",
-    "TemperatureStrategy", "TopKStrategy", "TopPStrategy", "apply_penalties", "sample",
+    "BaseSamplingStrategy",
+    "MinPStrategy",
+    "SamplingBatch",
+    "SamplingParams",
+    "SamplingPipeline",
+    "SamplingStrategy",
+    "TemperatureStrategy",
+    "TopKStrategy",
+    "TopPStrategy",
+    "apply_penalties",
+    "sample",
 ]
 
 

@@ -123,7 +123,9 @@ class SamplingBatch:
         seeds = [0 if p.seed is None else _as_int64(p.seed) for p in params]
         # top_k is bounded by the vocabulary at submit; the cap only keeps a direct caller's huge value
         # (any k >= V keeps the row whole) inside int64.
-        ints = torch.tensor([[min(p.top_k, _INT64_MAX) for p in params], seeds, list(steps)], dtype=torch.int64)
+        ints = torch.tensor(
+            [[min(p.top_k, _INT64_MAX) for p in params], seeds, list(steps)], dtype=torch.int64
+        )
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
             ints[1, unseeded] = torch.randint(0, 1 << 62, (len(unseeded),), dtype=torch.int64)
@@ -151,7 +153,13 @@ class SamplingBatch:
         seen = None
         if any(repetition) and not isinstance(output_ids, torch.Tensor):
             prompts, outputs = prompt_ids or [()] * n, output_ids or [()] * n
-            seen = _pad([[*pr, *out] if rep else [] for rep, pr, out in zip(repetition, prompts, outputs, strict=True)], device)
+            seen = _pad(
+                [
+                    [*pr, *out] if rep else []
+                    for rep, pr, out in zip(repetition, prompts, outputs, strict=True)
+                ],
+                device,
+            )
         return cls(
             params=params,
             temperature=floats[0],
@@ -248,5 +256,7 @@ def _pad(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
     width = int(lengths.max()) if rows else 0
     padded = torch.full((len(rows), width), -1, dtype=torch.int64)
     # Flat copy: one tensor from all ids, placed by a mask (no per-row tensor building).
-    padded[torch.arange(width) < lengths.unsqueeze(1)] = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.int64)
+    padded[torch.arange(width) < lengths.unsqueeze(1)] = torch.tensor(
+        list(chain.from_iterable(rows)), dtype=torch.int64
+    )
     return padded.to(device)

@@ -31,7 +31,11 @@ def brief_repr(value: Any) -> str:
     try:
         text = repr(value)
     except ValueError:  # holds an int beyond sys.get_int_max_str_digits()
-        return f"an integer of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
+        return (
+            f"an integer of {value.bit_length()} bits"
+            if isinstance(value, int)
+            else f"a {type(value).__name__}"
+        )
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -49,7 +53,10 @@ def _real(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False)
     if not finite(value):
         raise RequestRejected(f"{name} must be a finite number, got {brief_repr(value)}", param=_field(name))
     if value > hi or value < lo or (lo_open and value == lo):
-        raise RequestRejected(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {brief_repr(value)}", param=_field(name))
+        raise RequestRejected(
+            f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {brief_repr(value)}",
+            param=_field(name),
+        )
     return float(value)
 
 
@@ -121,39 +128,61 @@ class SamplingParams:
         self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
         self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        self.repetition_penalty = _real(
+            "repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True
+        )
         self.min_tokens = _integer("min_tokens", self.min_tokens, 0)
         if self.seed is not None:
             self.seed = _integer("seed", self.seed, None)
         self.stop = self._check_stop(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise RequestRejected(f"stop_token_ids must be a list of token ids, got {brief_repr(self.stop_token_ids)}", param="stop_token_ids")
+            raise RequestRejected(
+                f"stop_token_ids must be a list of token ids, got {brief_repr(self.stop_token_ids)}",
+                param="stop_token_ids",
+            )
         self.stop_token_ids = [_integer("stop_token_ids[]", t, 0) for t in self.stop_token_ids]
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
-            raise RequestRejected(f"grammar must be a GrammarSpec, got {brief_repr(self.grammar)}", param="grammar")
+            raise RequestRejected(
+                f"grammar must be a GrammarSpec, got {brief_repr(self.grammar)}", param="grammar"
+            )
         if self.grammar is not None and self.min_tokens:
-            raise RequestRejected("min_tokens cannot be combined with a grammar (it decides where the output ends)",
-                                  param="min_tokens")  # fmt: skip
+            raise RequestRejected(
+                "min_tokens cannot be combined with a grammar (it decides where the output ends)",
+                param="min_tokens",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, _integer(name, getattr(self, name), 0))
                 if getattr(self, name) > MAX_LOGPROBS:
-                    raise RequestRejected(f"{name} must be <= {MAX_LOGPROBS}, got {getattr(self, name)}", param=_field(name))
+                    raise RequestRejected(
+                        f"{name} must be <= {MAX_LOGPROBS}, got {getattr(self, name)}", param=_field(name)
+                    )
         if self.logit_bias is None:
             self.logit_bias = {}
         if not isinstance(self.logit_bias, dict):
-            raise RequestRejected(f"logit_bias must be an object of token id -> bias, got {brief_repr(self.logit_bias)}", param="logit_bias")
+            raise RequestRejected(
+                f"logit_bias must be an object of token id -> bias, got {brief_repr(self.logit_bias)}",
+                param="logit_bias",
+            )
         self.logit_bias = {
-            _token_id(k): _real(f"logit_bias[{brief_repr(k)}]", v, -100.0, 100.0) for k, v in self.logit_bias.items()
+            _token_id(k): _real(f"logit_bias[{brief_repr(k)}]", v, -100.0, 100.0)
+            for k, v in self.logit_bias.items()
         }
         if not isinstance(self.ignore_eos, bool):
-            raise RequestRejected(f"ignore_eos must be a boolean, got {brief_repr(self.ignore_eos)}", param="ignore_eos")
+            raise RequestRejected(
+                f"ignore_eos must be a boolean, got {brief_repr(self.ignore_eos)}", param="ignore_eos"
+            )
         if self.strategy is not None and (not isinstance(self.strategy, str) or not self.strategy):
-            raise RequestRejected(f"strategy must be a non-empty string or null, got {brief_repr(self.strategy)}", param="strategy")
+            raise RequestRejected(
+                f"strategy must be a non-empty string or null, got {brief_repr(self.strategy)}",
+                param="strategy",
+            )
         if self.extra is None:
             self.extra = {}
         if not isinstance(self.extra, dict) or not all(isinstance(k, str) for k in self.extra):
-            raise RequestRejected(f"extra must be an object with string keys, got {brief_repr(self.extra)}", param="extra")
+            raise RequestRejected(
+                f"extra must be an object with string keys, got {brief_repr(self.extra)}", param="extra"
+            )
 
     @staticmethod
     def _check_stop(stop: Any) -> list[str]:
@@ -162,7 +191,9 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestRejected(f"stop must be a non-empty string or a list of them, got {brief_repr(stop)}", param="stop")
+            raise RequestRejected(
+                f"stop must be a non-empty string or a list of them, got {brief_repr(stop)}", param="stop"
+            )
         return list(stop)
 
     @property
@@ -185,4 +216,3 @@ class SamplingParams:
             and self.strategy is None
             and self.grammar is None
         )
-

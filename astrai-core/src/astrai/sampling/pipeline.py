@@ -203,7 +203,9 @@ class SamplingPipeline(SamplingStrategy):
             if self._selected(name, params) or any(k in params.extra for k in strategy.extra_params):
                 strategy.validate(params)
         if vocab_size is not None and any(t >= vocab_size for t in params.logit_bias):
-            raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab_size}", param="logit_bias")
+            raise RequestRejected(
+                f"logit_bias token ids must be < vocab size {vocab_size}", param="logit_bias"
+            )
         if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
             raise RequestRejected(f"stop_token_ids must be < vocab size {vocab_size}", param="stop_token_ids")
 
