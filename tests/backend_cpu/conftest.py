@@ -17,7 +17,11 @@ _spec = importlib.util.spec_from_file_location("astrai_core_test_fixtures", _COR
 core = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(core)
 tiny_model, tiny_tokenizer, pool_guard, make_engine, tiny_engine = (
-    core.tiny_model, core.tiny_tokenizer, core.pool_guard, core.make_engine, core.tiny_engine,
+    core.tiny_model,
+    core.tiny_tokenizer,
+    core.pool_guard,
+    core.make_engine,
+    core.tiny_engine,
 )
 
 

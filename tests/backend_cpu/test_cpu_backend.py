@@ -21,7 +21,9 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 def test_decode_rows_match_the_reference(dtype, head_dim, group):
     # lengths around the kernel's 128-position work items (1, 127..129, 300), scattered slots
     prefix = [0, 126, 127, 128, 299, 40, 7]
-    kv = run_and_check([1] * 7, prefix, 2, group, head_dim, dtype, seed=head_dim + group, layers=(0, 1), backend=CpuBackend())
+    kv = run_and_check(
+        [1] * 7, prefix, 2, group, head_dim, dtype, seed=head_dim + group, layers=(0, 1), backend=CpuBackend()
+    )
     assert kv.plan["cpu"].tok_rows is None  # a pure decode step: every row on the kernel
 
 
@@ -35,7 +37,12 @@ def test_mixed_step_decodes_on_the_kernel_the_rest_on_prefill_attention_or_torch
     if dtype == torch.bfloat16 and torch.ops.astrai_cpu.has_prefill_attention():
         # every other request, fresh or after cached positions: (row, first token row, rows, prefix)
         assert plan.native is None
-        assert [c.tolist() for c in plan.chunks] == [kv.req_pool_indices[[1, 3, 6]].tolist(), [1, 25, 97], [23, 70, 5], [0, 9, 4]]
+        assert [c.tolist() for c in plan.chunks] == [
+            kv.req_pool_indices[[1, 3, 6]].tolist(),
+            [1, 25, 97],
+            [23, 70, 5],
+            [0, 9, 4],
+        ]
     else:
         assert plan.chunks is None
         assert plan.native.fresh == ((1, 23),) and plan.native.prefill is not None
@@ -67,7 +74,9 @@ def test_a_request_gets_the_same_bits_alone_and_in_any_batch(dtype):
     args = (kv.k_buffer[0], kv.v_buffer[0], kv.req_to_token)
     batch = paged_decode(q, *args, kv.req_pool_indices, kv.seq_lens, 0.125)
     for i in range(6):
-        alone = paged_decode(q[i : i + 1], *args, kv.req_pool_indices[i : i + 1], kv.seq_lens[i : i + 1], 0.125)
+        alone = paged_decode(
+            q[i : i + 1], *args, kv.req_pool_indices[i : i + 1], kv.seq_lens[i : i + 1], 0.125
+        )
         assert torch.equal(alone[0], batch[i])
 
 
@@ -88,7 +97,9 @@ def test_capabilities():
     backend = CpuBackend()
     assert CpuBackend.is_available() == (True, "")
     assert backend.supports(torch.zeros(1, 2, 64), None) is None
-    assert backend.supports(torch.zeros(1, 2, 64, dtype=torch.float64), None).startswith("dtype torch.float64")
+    assert backend.supports(torch.zeros(1, 2, 64, dtype=torch.float64), None).startswith(
+        "dtype torch.float64"
+    )
     assert backend.priority < 100  # preferred over torch_native on the CPU
 
 
@@ -114,7 +125,11 @@ def test_the_wheel_ships_every_source_and_header():
     line = re.search(r"^astrai_backend_cpu = (\[.*\])$", (root / "pyproject.toml").read_text(), re.M)
     globs = ast.literal_eval(line.group(1))
     package = root / "src" / "astrai_backend_cpu"
-    shipped = {p for p in package.rglob("*") if p.is_file() and any(fnmatch.fnmatch(str(p.relative_to(package)), g) for g in globs)}
+    shipped = {
+        p
+        for p in package.rglob("*")
+        if p.is_file() and any(fnmatch.fnmatch(str(p.relative_to(package)), g) for g in globs)
+    }
     csrc = {p for p in (package / "csrc").iterdir() if p.is_file()}
     assert csrc and csrc <= shipped, sorted(str(p.name) for p in csrc - shipped)
     assert set(build.SOURCES) <= csrc

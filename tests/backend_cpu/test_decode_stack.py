@@ -78,9 +78,17 @@ def spy(in_force, monkeypatch):
 def new_pool(model, rows=16, paged=True):
     cfg = model.config
     # contiguous: no pool size (one max_seq_len run of slots per row)
-    kv = KVConfig(max_batch_size=rows, max_seq_len=256, page_size=16 if paged else 1, n_tokens=4096 if paged else None)
-    return PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, kv,
-                    dtype=next(model.parameters()).dtype)  # fmt: skip
+    kv = KVConfig(
+        max_batch_size=rows, max_seq_len=256, page_size=16 if paged else 1, n_tokens=4096 if paged else None
+    )
+    return PagePool(
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        kv,
+        dtype=next(model.parameters()).dtype,
+    )
 
 
 def prefill(model, pool, prompts):
@@ -131,7 +139,10 @@ def test_bit_for_bit_the_layers_result(spy, batch, bias, paged):
     model = bf16_model(bias=bias)
     pool = new_pool(model, paged=paged)
     gen = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in torch.randint(1, 150, (batch,), generator=gen)]
+    prompts = [
+        torch.randint(3, 250, (int(n),), generator=gen).tolist()
+        for n in torch.randint(1, 150, (batch,), generator=gen)
+    ]
     rows, tokens = prefill(model, pool, prompts)
     lens = [len(p) for p in prompts]
     for _ in range(3):  # a few steps, the last ones on K/V the stack itself wrote
@@ -248,8 +259,10 @@ def test_default_model_in_bf16(spy, default_model_path):
 
     model, tokenizer = load_model(str(default_model_path), dtype=torch.bfloat16)
     pool = new_pool(model)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}])
-               for q in ("What is the capital of France?", "Name a prime number.", "Say hello.")]  # fmt: skip
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        for q in ("What is the capital of France?", "Name a prime number.", "Say hello.")
+    ]
     rows, tokens = prefill(model, pool, prompts)
     lens = [len(p) for p in prompts]
     for _ in range(4):
@@ -269,7 +282,9 @@ def test_bf16_greedy_text_does_not_depend_on_the_batch(make_engine, default_mode
     from astrai.model import load_model
 
     model, tokenizer = load_model(str(default_model_path), dtype=torch.bfloat16)
-    engine = make_engine(model, tokenizer, max_batch_size=8, max_seq_len=256, n_tokens=4096, max_prefill_tokens=16)
+    engine = make_engine(
+        model, tokenizer, max_batch_size=8, max_seq_len=256, n_tokens=4096, max_prefill_tokens=16
+    )
     batch = engine.generate(REAL_PROMPTS, max_tokens=24, temperature=0.0)
     alone = [engine.generate(p, max_tokens=24, temperature=0.0) for p in REAL_PROMPTS]
     assert alone == batch

@@ -11,7 +11,9 @@ from astrai.extension.backend.rotary import RotaryEmbedding, rotate_torch
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"]
+)
 
 
 def close(got, want):
@@ -21,7 +23,9 @@ def close(got, want):
     if want.dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     else:
-        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -6 if want.dtype == torch.bfloat16 else 2 ** -9)
+        torch.testing.assert_close(
+            got.float(), want.float(), atol=0, rtol=2**-6 if want.dtype == torch.bfloat16 else 2**-9
+        )
         assert (got != want).float().mean() < 0.01
 
 
@@ -77,7 +81,9 @@ def test_rotary_broadcast_freqs_take_the_torch_path():
         assert torch.equal(apply_rotary_emb(x, freqs), rotate_torch(x, freqs))
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16")
+@pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16"
+)
 @pytest.mark.parametrize("k", [576, 1536, 100, 33])  # 33: an odd K (x padded to pairs)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 40])  # blocks of 8 rows: whole and partial
@@ -96,7 +102,9 @@ def test_linear_is_f_linear_and_batch_invariant(k, bias, rows):
             assert torch.equal(kernel(x[i : i + 1], packed, b)[0], got[i])
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16")
+@pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16"
+)
 @pytest.mark.parametrize("rows", [1, 11, 70])  # 70: past the AMX limit, still the kernel
 def test_linear_float_out_is_the_unrounded_sum_for_an_lm_head(rows):
     """``float_out``: the float32 sums the bf16 result rounds; PackedLinear takes it for the LM head
@@ -121,11 +129,15 @@ def test_linear_float_out_is_the_unrounded_sum_for_an_lm_head(rows):
         model.lm_head.weight.data, model.lm_head.bias.data = w, b
         model.body.to(torch.bfloat16)
         assert prepack_linears(model) == 2
-        assert isinstance(model.lm_head, PackedLinear) and model.lm_head.float_out and not model.body.float_out
+        assert (
+            isinstance(model.lm_head, PackedLinear) and model.lm_head.float_out and not model.body.float_out
+        )
         assert torch.equal(model.lm_head(x), got)
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16")
+@pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(), reason="linear_packed is built for CPUs with AVX512-BF16"
+)
 def test_linear_takes_any_number_of_rows_where_there_is_no_amx(in_force):
     kernel = in_force["linear"]
     assert kernel.max_rows == (64 if torch.cpu._is_amx_tile_supported() else None)

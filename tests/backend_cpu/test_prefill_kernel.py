@@ -63,13 +63,17 @@ def attention(q, k, v, prefix, dtype):
     allowed = torch.arange(total)[None, :] <= (prefix + torch.arange(n))[:, None]
     return F.scaled_dot_product_attention(
         *(x.to(dtype).transpose(0, 1)[None] for x in (q, k, v)),
-        attn_mask=allowed, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1],
-    )[0].transpose(0, 1)  # fmt: skip
+        attn_mask=allowed,
+        scale=q.shape[-1] ** -0.5,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )[0].transpose(0, 1)
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (2, 1, 128)])
-@pytest.mark.parametrize(("n", "prefix"), [(1, 0), (7, 0), (8, 0), (9, 0), (31, 0), (33, 0), (257, 0), (2, 16),
-                                           (40, 32), (9, 100), (100, 5)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n", "prefix"),
+    [(1, 0), (7, 0), (8, 0), (9, 0), (31, 0), (33, 0), (257, 0), (2, 16), (40, 32), (9, 100), (100, 5)],
+)
 def test_matches_float64_as_closely_as_sdpa(n, prefix, hq, hkv, d):
     """One chunk of n rows after `prefix` cached positions, K/V scattered over the pool."""
     q, k, v = qkv_slices(prefix + n, hq, hkv, d, seed=n * hq + d + prefix)
@@ -89,7 +93,9 @@ def test_a_ragged_step_is_each_chunk_alone():
     shapes = [(0, 37), (64, 16), (5, 1), (0, 130), (200, 9)]  # (prefix, rows)
     qs, ks, vs = zip(*(qkv_slices(p + n, 9, 3, 64, seed=i) for i, (p, n) in enumerate(shapes)), strict=True)
     k_buf, v_buf, table = scattered_pool(list(ks), list(vs), seed=1)
-    q = torch.cat([qq[p:] for qq, (p, _) in zip(qs, shapes, strict=True)] + [qs[0][:3]])  # 3 rows nobody lists
+    q = torch.cat(
+        [qq[p:] for qq, (p, _) in zip(qs, shapes, strict=True)] + [qs[0][:3]]
+    )  # 3 rows nobody lists
     chunks, row = [], 0
     for i, (p, n) in enumerate(shapes):
         chunks.append((i, row, n, p))
@@ -130,13 +136,23 @@ def test_model_prefill_on_the_kernels_is_as_close_to_float32_as_torch_native():
     """A bf16 model with head dim 64: a ragged step of fresh prompts, then one of chunks after them
     (and a decode row). Its logits under ``cpu`` (the kernels) are as close to the same weights'
     float32 logits as torch_native's bf16 logits (SDPA and its gather path) are."""
-    cfg = dataclasses.replace(tiny_config(), hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                              intermediate_size=512)  # fmt: skip
+    cfg = dataclasses.replace(
+        tiny_config(),
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+    )
     f32 = build_model(cfg, torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in f32.named_parameters():
-            w = 1.0 + 0.2 * torch.randn(p.shape, generator=gen) if "norm" in name else torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
+            w = (
+                1.0 + 0.2 * torch.randn(p.shape, generator=gen)
+                if "norm" in name
+                else torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
+            )
             p.copy_(w.bfloat16().float())  # values that bf16 holds exactly
     f32.fuse_projections()
     bf16 = copy.deepcopy(f32)
@@ -147,10 +163,20 @@ def test_model_prefill_on_the_kernels_is_as_close_to_float32_as_torch_native():
     prompts = [torch.randint(3, 250, (a + b,), generator=gen) for a, b in zip(first, then, strict=True)]
     steps = [(first, [0] * 4), (then, first)]  # (rows per request, positions before them)
     logits = {}
-    for name, model, backend in (("cpu", bf16, "cpu"), ("torch_native", bf16, "torch_native"), ("f32", f32, "torch_native")):
+    for name, model, backend in (
+        ("cpu", bf16, "cpu"),
+        ("torch_native", bf16, "torch_native"),
+        ("f32", f32, "torch_native"),
+    ):
         dtype = next(model.parameters()).dtype
-        pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                        KVConfig(max_batch_size=4, max_seq_len=256, page_size=16, n_tokens=1024), dtype=dtype)  # fmt: skip
+        pool = PagePool(
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            KVConfig(max_batch_size=4, max_seq_len=256, page_size=16, n_tokens=1024),
+            dtype=dtype,
+        )
         rows = [pool.task_alloc() for _ in prompts]
         for n_new, before in steps:
             ends = [b + n for b, n in zip(before, n_new, strict=True)]

@@ -11,7 +11,9 @@ from tests.core.test_quant import random_blocks
 
 pytestmark = [
     pytest.mark.usefixtures("cpu_kernels"),
-    pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the quantized kernels need AVX512-BF16"),
+    pytest.mark.skipif(
+        not torch.cpu._is_avx512_bf16_supported(), reason="the quantized kernels need AVX512-BF16"
+    ),
 ]
 
 QTYPES = pytest.mark.parametrize("qtype", sorted(NATIVE))
@@ -87,10 +89,16 @@ def test_a_rows_result_does_not_depend_on_the_batch(qtype, dtype):
 def test_weight_t_and_rows_are_the_reference_dequantization(qtype):
     packed, layout = packed_weight(qtype, 37, 256, seed=5)
     ref = dequantize(packed, layout)
-    assert torch.equal(torch.ops.astrai_cpu.quant_weight_t(packed, layout.ints(), torch.float32), ref.t().contiguous())
-    assert torch.equal(torch.ops.astrai_cpu.quant_weight_t(packed, layout.ints(), torch.bfloat16), ref.t().bfloat16())
+    assert torch.equal(
+        torch.ops.astrai_cpu.quant_weight_t(packed, layout.ints(), torch.float32), ref.t().contiguous()
+    )
+    assert torch.equal(
+        torch.ops.astrai_cpu.quant_weight_t(packed, layout.ints(), torch.bfloat16), ref.t().bfloat16()
+    )
     ids = torch.tensor([36, 0, 17, 17])
-    assert torch.equal(torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), ids, torch.bfloat16), ref[ids].bfloat16())
+    assert torch.equal(
+        torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), ids, torch.bfloat16), ref[ids].bfloat16()
+    )
 
 
 @QTYPES
@@ -145,10 +153,14 @@ def test_wide_takes_amx_up_to_its_rows_then_the_whole_weight_into_onednn():
     kernel = QuantLinearKernel()
     ops = torch.ops.astrai_cpu
     if not torch.cpu._is_amx_tile_supported():
-        assert torch.equal(kernel.wide(x, packed, layout.ints(), bias), ops.quant_linear_wide(x, packed, layout.ints(), bias))
+        assert torch.equal(
+            kernel.wide(x, packed, layout.ints(), bias), ops.quant_linear_wide(x, packed, layout.ints(), bias)
+        )
         return
     _needs_amx()
-    assert torch.equal(kernel.wide(x, packed, layout.ints(), bias), ops.quant_linear_amx(x, packed, layout.ints(), bias))
+    assert torch.equal(
+        kernel.wide(x, packed, layout.ints(), bias), ops.quant_linear_amx(x, packed, layout.ints(), bias)
+    )
     kernel.amx_rows = 79
     whole = torch.addmm(bias, x, ops.quant_weight_t(packed, layout.ints(), torch.bfloat16))
     assert torch.equal(kernel.wide(x, packed, layout.ints(), bias), whole)

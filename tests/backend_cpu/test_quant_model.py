@@ -13,7 +13,12 @@ from astrai.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
-PROMPTS = ["Describe the water cycle.", "Write a haiku about the sea.", "def fibonacci(n):", "List three primes."]
+PROMPTS = [
+    "Describe the water cycle.",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three primes.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +35,9 @@ def test_one_copy_of_the_files_blocks_and_no_dense_linear(gguf_bf16, default_mod
     quantized_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name in ("Q4_1", "Q8_0"))
     packed = sum(b.numel() for b in model.buffers() if b.dtype == torch.uint8)
     assert packed == quantized_bytes  # Q4_1 and Q8_0 keep the file's bits: the same bytes, rearranged
-    assert not [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, torch.nn.Embedding))]
+    assert not [
+        m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, torch.nn.Embedding))
+    ]
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert model.lm_head.segments[0][0] is model.model.embed_tokens.packed  # the tied head shares the table
     assert sum(p.numel() for p in model.parameters()) < 100_000  # the norms: every weight matrix is quantized
@@ -40,7 +47,10 @@ def test_one_copy_of_the_files_blocks_and_no_dense_linear(gguf_bf16, default_mod
 
 def _greedy(engine, prompts, n=24):
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    results = [engine.submit(engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]), params) for p in prompts]
+    results = [
+        engine.submit(engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]), params)
+        for p in prompts
+    ]
     assert all(r.wait_completion(120) for r in results)
     for r in results:
         r.raise_for_error()
@@ -64,8 +74,16 @@ def test_bf16_greedy_is_independent_of_the_batch(gguf_bf16, make_engine):
     assert isinstance(stack_kernel, DecoderLayersKernel) and stack_kernel._stacks[model][0] is not None
 
 
-@pytest.mark.parametrize("name", ["model.layers.0.self_attn.qkv_proj", "model.layers.7.self_attn.o_proj",
-                                  "model.layers.12.mlp.gate_up_proj", "model.layers.29.mlp.down_proj", "lm_head"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.7.self_attn.o_proj",
+        "model.layers.12.mlp.gate_up_proj",
+        "model.layers.29.mlp.down_proj",
+        "lm_head",
+    ],
+)
 @pytest.mark.parametrize("rows", [1, 8])
 def test_bf16_products_are_nearer_the_exact_ones_than_the_dense_bf16_path(gguf_bf16, name, rows):
     """On the model's own Q4_1 and Q8_0 weights: the kernel sums the exact dequantized products in
@@ -111,7 +129,10 @@ def test_the_decode_stack_takes_a_quantized_models_steps_up_to_the_quantized_ker
     model, tokenizer = gguf_bf16
     with torch.no_grad():
         real = fused.kernel_for("decoder_layers", torch.empty(0))
-        linear, quant = fused.kernel_for("linear", torch.empty(0)), fused.kernel_for("quant_linear", torch.empty(0))
+        linear, quant = (
+            fused.kernel_for("linear", torch.empty(0)),
+            fused.kernel_for("quant_linear", torch.empty(0)),
+        )
     decode_rows: list[tuple[int, bool]] = []  # (rows, whether the stack ran them) per decode step
 
     def spy(model_, x, freqs, kv_cache):

@@ -35,11 +35,30 @@ def build(out_dir: Path) -> Path:
     shutil.copy(EMU / "ptx.cuh", out_dir / "ptx.cuh")
     lib = out_dir / "libastrai_emu.so"
     cmd = [
-        os.environ.get("CXX", "g++"), "-std=c++20", "-O1", "-fPIC", "-shared", "-fno-strict-aliasing",
-        "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror", f"-I{EMU / 'include'}", f"-I{out_dir}",
-        "-include", str(EMU / "emu.h"), "-x", "c++", *(str(out_dir / k) for k in _sources.KERNELS),
-        "-x", "none", str(EMU / "emu.cpp"), str(EMU / "capi.cpp"), "-o", str(lib),
-    ]  # fmt: skip
+        os.environ.get("CXX", "g++"),
+        "-std=c++20",
+        "-O1",
+        "-fPIC",
+        "-shared",
+        "-fno-strict-aliasing",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unknown-pragmas",
+        "-Werror",
+        f"-I{EMU / 'include'}",
+        f"-I{out_dir}",
+        "-include",
+        str(EMU / "emu.h"),
+        "-x",
+        "c++",
+        *(str(out_dir / k) for k in _sources.KERNELS),
+        "-x",
+        "none",
+        str(EMU / "emu.cpp"),
+        str(EMU / "capi.cpp"),
+        "-o",
+        str(lib),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return lib
 

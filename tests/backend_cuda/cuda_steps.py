@@ -136,8 +136,24 @@ def check_decode(
         poisoned(step.decode_o_part), poisoned(step.decode_ml_part), poisoned(step.decode_out)
     scale = q.shape[-1] ** -0.5
     for fn, s in ((impl.attn_paged_decode, mine), (reference.attn_paged_decode, ref)):
-        fn(q, k, v, s.k_buffer, s.v_buffer, layer, s.req_to_token, s.req_pool_indices, s.seq_lens,
-           s.out_cache_loc, max_len, num_splits, s.decode_o_part, s.decode_ml_part, s.decode_out, scale)  # fmt: skip
+        fn(
+            q,
+            k,
+            v,
+            s.k_buffer,
+            s.v_buffer,
+            layer,
+            s.req_to_token,
+            s.req_pool_indices,
+            s.seq_lens,
+            s.out_cache_loc,
+            max_len,
+            num_splits,
+            s.decode_o_part,
+            s.decode_ml_part,
+            s.decode_out,
+            scale,
+        )
     assert _same(mine.k_buffer, ref.k_buffer) and _same(mine.v_buffer, ref.v_buffer), "pool writes differ"
     o_m, o_r = mine.decode_o_part[:, :, :num_splits].cpu(), ref.decode_o_part[:, :, :num_splits].cpu()
     ml_m, ml_r = mine.decode_ml_part[:, :, :num_splits].cpu(), ref.decode_ml_part[:, :, :num_splits].cpu()
@@ -166,8 +182,20 @@ def check_prefill(impl, kv: KVCache, q, k, v, layer: int = 0) -> dict:
     outs = []
     for fn in (impl.attn_paged_prefill, reference.attn_paged_prefill):
         out = poisoned(torch.empty_like(q))
-        fn(q, kv.k_buffer, kv.v_buffer, layer, kv.req_to_token, kv.req_pool_indices, kv.qo_indptr,
-           kv.kv_indptr, kv.q_tile_to_batch, kv.q_tile_to_index, scale, out)  # fmt: skip
+        fn(
+            q,
+            kv.k_buffer,
+            kv.v_buffer,
+            layer,
+            kv.req_to_token,
+            kv.req_pool_indices,
+            kv.qo_indptr,
+            kv.kv_indptr,
+            kv.q_tile_to_batch,
+            kv.q_tile_to_index,
+            scale,
+            out,
+        )
         outs.append(out.float().cpu())
     assert not outs[0].isnan().any(), "a query row was not written"
     err = float((outs[0] - outs[1]).abs().max()) / _max_abs(kv.v_buffer[layer])

@@ -83,7 +83,9 @@ def test_decode_scratch_is_allocated_once_per_pool_and_sliced_per_step():
     assert all(a is b for a, b in zip(first, second, strict=True))
     o_part, ml_part, out = first
     assert o_part.shape == (4, 4, DECODE_MAX_SPLITS, 64) and o_part.dtype == torch.float32
-    assert ml_part.shape == (4, 4, DECODE_MAX_SPLITS) and out.shape == (4, 4, 64) and out.dtype == torch.bfloat16
+    assert (
+        ml_part.shape == (4, 4, DECODE_MAX_SPLITS) and out.shape == (4, 4, 64) and out.dtype == torch.bfloat16
+    )
 
 
 @no_cuda
@@ -134,8 +136,18 @@ def test_installs_without_cuda_as_pure_python(tmp_path):
     """The wheel of a machine without CUDA: the kernel sources as package data, no compiled library."""
     source = tmp_path / "src"  # a copy: building in place would leave build/ in the checkout
     shutil.copytree(DISTRIBUTION, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-           str(source)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(tmp_path),
+        str(source),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     (wheel,) = tmp_path.glob("astrai_backend_cuda-*.whl")
     assert wheel.name.endswith("-py3-none-any.whl")

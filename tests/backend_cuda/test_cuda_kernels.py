@@ -72,8 +72,20 @@ def test_prefill_writes_only_listed_tiles(kernels):
     out = torch.full_like(q, float("nan"))
     kv.k_buffer[0].index_copy_(0, kv.out_cache_loc, k)
     kv.v_buffer[0].index_copy_(0, kv.out_cache_loc, v)
-    impl.attn_paged_prefill(q, kv.k_buffer, kv.v_buffer, 0, kv.req_to_token, kv.req_pool_indices, kv.qo_indptr,
-                            kv.kv_indptr, kv.q_tile_to_batch, kv.q_tile_to_index, 0.125, out)  # fmt: skip
+    impl.attn_paged_prefill(
+        q,
+        kv.k_buffer,
+        kv.v_buffer,
+        0,
+        kv.req_to_token,
+        kv.req_pool_indices,
+        kv.qo_indptr,
+        kv.kv_indptr,
+        kv.q_tile_to_batch,
+        kv.q_tile_to_index,
+        0.125,
+        out,
+    )
     assert out[:64].isnan().all() and not out[64:].isnan().any()
 
 

@@ -117,10 +117,19 @@ def tiny_llama():
     from astrai.model import ModelConfig, build_model
 
     config = ModelConfig(
-        architecture="llama", vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-        bos_token_id=0, eos_token_ids=[1], name="tiny-d64",
-    )  # fmt: skip
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_ids=[1],
+        name="tiny-d64",
+    )
     gen = torch.Generator().manual_seed(99)
     model = build_model(config, torch.float32)
     with torch.no_grad():
@@ -139,8 +148,14 @@ def greedy_run(model, prompts, late_prompt, steps=6, forced=None):
     request, logits of every step)``.
     """
     c = model.config
-    pool = PagePool(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                    KVConfig(max_batch_size=4, max_seq_len=128, page_size=16, n_tokens=1024), dtype=torch.bfloat16)  # fmt: skip
+    pool = PagePool(
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        KVConfig(max_batch_size=4, max_seq_len=128, page_size=16, n_tokens=1024),
+        dtype=torch.bfloat16,
+    )
     seqs, tokens, logits_seen = [], [], []
 
     def step(new_tokens):  # new_tokens[i]: the tokens request i brings in this step

@@ -33,10 +33,23 @@ def torch_native(kv, q, k, v, scale):
 def reference_decode(kv, q, k, v, scale, num_splits, max_len=None):
     mine = clone_step(kv)
     reference.attn_paged_decode(
-        q, k, v, mine.k_buffer, mine.v_buffer, LAYER, mine.req_to_token, mine.req_pool_indices, mine.seq_lens,
-        mine.out_cache_loc, mine.max_len if max_len is None else max_len, num_splits, mine.decode_o_part,
-        mine.decode_ml_part, mine.decode_out, scale,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mine.k_buffer,
+        mine.v_buffer,
+        LAYER,
+        mine.req_to_token,
+        mine.req_pool_indices,
+        mine.seq_lens,
+        mine.out_cache_loc,
+        mine.max_len if max_len is None else max_len,
+        num_splits,
+        mine.decode_o_part,
+        mine.decode_ml_part,
+        mine.decode_out,
+        scale,
+    )
     return mine
 
 
@@ -105,9 +118,18 @@ def test_prefill_matches_torch_native(q_lens, prefix, n_heads, n_kv, head_dim):
     scale = head_dim**-0.5
     expected, native = torch_native(kv, q, k, v, scale)  # writes k/v into the clone's pool
     out = reference.attn_paged_prefill(
-        q, native.k_buffer, native.v_buffer, LAYER, native.req_to_token, native.req_pool_indices,
-        native.qo_indptr, native.kv_indptr, native.q_tile_to_batch, native.q_tile_to_index, scale,
-    )  # fmt: skip
+        q,
+        native.k_buffer,
+        native.v_buffer,
+        LAYER,
+        native.req_to_token,
+        native.req_pool_indices,
+        native.qo_indptr,
+        native.kv_indptr,
+        native.q_tile_to_batch,
+        native.q_tile_to_index,
+        scale,
+    )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -123,8 +145,10 @@ def test_rotary_matches_apply_rotary_emb():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    max_len=st.integers(1, 20000), splits=st.integers(1, 32), seq_len=st.integers(1, 20000),
-)  # fmt: skip
+    max_len=st.integers(1, 20000),
+    splits=st.integers(1, 32),
+    seq_len=st.integers(1, 20000),
+)
 def test_split_ranges_partition_every_sequence(max_len, splits, seq_len):
     ranges = split_ranges(max_len, splits, seq_len)
     covered = [p for start, end in ranges for p in range(start, end)] if seq_len < 3000 else None
@@ -135,9 +159,13 @@ def test_split_ranges_partition_every_sequence(max_len, splits, seq_len):
 
 @settings(max_examples=200, deadline=None)
 @given(
-    batch=st.integers(1, 256), n_kv=st.integers(1, 16), max_len=st.integers(1, 32768),
-    sms=st.integers(1, 160), blocks=st.integers(1, 8), max_splits=st.integers(1, 32),
-)  # fmt: skip
+    batch=st.integers(1, 256),
+    n_kv=st.integers(1, 16),
+    max_len=st.integers(1, 32768),
+    sms=st.integers(1, 160),
+    blocks=st.integers(1, 8),
+    max_splits=st.integers(1, 32),
+)
 def test_split_count_is_valid(batch, n_kv, max_len, sms, blocks, max_splits):
     s = decode_num_splits(batch, n_kv, max_len, sms, blocks, max_splits)
     assert 1 <= s <= max_splits

@@ -52,9 +52,18 @@ def tiny_half_model():
     from astrai.model import ModelConfig, build_model
 
     config = ModelConfig(
-        architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        bos_token_id=0, eos_token_ids=[1], name="tiny-fp16",
+        architecture="llama",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_ids=[1],
+        name="tiny-fp16",
     )
     gen = torch.Generator().manual_seed(4321)
     model = build_model(config, torch.float16)

@@ -30,14 +30,20 @@ def _check(cond: bool, message: str) -> None:
 def _check_common(q, k, v, block_table) -> None:
     _check(q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only support fp16 and bf16 data type")
     _check(k.dtype == q.dtype and v.dtype == q.dtype, "query and key/value must have the same dtype")
-    _check(q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "must have contiguous last dimension")
+    _check(
+        q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "must have contiguous last dimension"
+    )
     _check(q.shape[-1] <= 256, "FlashAttention forward only supports head dimension at most 256")
-    _check(q.shape[-2] % k.shape[-2] == 0, "Number of heads in key/value must divide number of heads in query")
+    _check(
+        q.shape[-2] % k.shape[-2] == 0, "Number of heads in key/value must divide number of heads in query"
+    )
     if block_table is not None:
         _check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
         _check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
-        _check(k.dim() == 4 and k.shape[1] % PAGED_BLOCK_MULTIPLE == 0,
-               "Paged KV cache block size must be divisible by 256")
+        _check(
+            k.dim() == 4 and k.shape[1] % PAGED_BLOCK_MULTIPLE == 0,
+            "Paged KV cache block size must be divisible by 256",
+        )
 
 
 def _positions(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,18 +76,38 @@ def _unsupported(**options) -> None:
 
 
 def flash_attn_with_kvcache(
-    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
     return_softmax_lse=False,
 ):
     """q (B, Sq, H, D); paged k_cache/v_cache (num_blocks, P, Hkv, D) with block_table (B, max_blocks)
     int32; k/v (B, Snew, Hkv, D) written in place at positions cache_seqlens[b] + i; attention over
     cache_seqlens[b] + Snew keys. Returns (B, Sq, H, D)."""
-    _unsupported(rotary_cos=(rotary_cos, None), cache_batch_idx=(cache_batch_idx, None),
-                 cache_leftpad=(cache_leftpad, None), window_size=(tuple(window_size), (-1, -1)),
-                 softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
-                 return_softmax_lse=(return_softmax_lse, False))
+    _unsupported(
+        rotary_cos=(rotary_cos, None),
+        cache_batch_idx=(cache_batch_idx, None),
+        cache_leftpad=(cache_leftpad, None),
+        window_size=(tuple(window_size), (-1, -1)),
+        softcap=(softcap, 0.0),
+        alibi_slopes=(alibi_slopes, None),
+        return_softmax_lse=(return_softmax_lse, False),
+    )
     if block_table is None:
         raise NotImplementedError("flash double: only the paged cache (block_table) is implemented")
     _check_common(q, k_cache, v_cache, block_table)
@@ -89,8 +115,10 @@ def flash_attn_with_kvcache(
     _check(block_table.shape[0] == batch, "block_table must have shape [batch_size, max_num_blocks_per_seq]")
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32)
-    _check(cache_seqlens is not None and cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (batch,),
-           "seqlens_k must have dtype int32 and shape (batch_size,)")
+    _check(
+        cache_seqlens is not None and cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (batch,),
+        "seqlens_k must have dtype int32 and shape (batch_size,)",
+    )
     _check((k is None) == (v is None), "If key is supplied, value must also be passed in")
     n_new = 0 if k is None else k.shape[1]
     if k is not None:
@@ -110,16 +138,33 @@ def flash_attn_with_kvcache(
 
 
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
 ):
     """q (total_q, H, D); k/v (total_k, Hkv, D), or paged (num_blocks, P, Hkv, D) with block_table
     (B, max_blocks) int32, sequence b then reading positions 0..n_k-1 through block_table[b];
     cu_seqlens_q/k (B + 1,) int32. Returns (total_q, H, D)."""
-    _unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
-                 softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
-                 return_attn_probs=(return_attn_probs, False))
+    _unsupported(
+        dropout_p=(dropout_p, 0.0),
+        window_size=(tuple(window_size), (-1, -1)),
+        softcap=(softcap, 0.0),
+        alibi_slopes=(alibi_slopes, None),
+        return_attn_probs=(return_attn_probs, False),
+    )
     _check_common(q, k, v, block_table)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check(cu.dtype == torch.int32 and cu.is_contiguous(), f"{name} must be contiguous int32")
@@ -128,11 +173,15 @@ def flash_attn_varlen_func(
     q_lens, k_lens = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
     _check(q.shape[0] == cu_seqlens_q[-1], "total_q must equal cu_seqlens_q[-1]")
     # The kernel sizes its grid by max_seqlen_*: rows beyond them would silently go missing.
-    _check(max(q_lens) <= max_seqlen_q and max(k_lens) <= max_seqlen_k, "max_seqlen_q/k below the real maxima")
+    _check(
+        max(q_lens) <= max_seqlen_q and max(k_lens) <= max_seqlen_k, "max_seqlen_q/k below the real maxima"
+    )
     if block_table is None:
         _check(k.dim() == 3 and k.shape[0] == cu_seqlens_k[-1], "total_k must equal cu_seqlens_k[-1]")
     else:
-        _check(block_table.shape[0] == batch, "block_table must have shape [batch_size, max_num_blocks_per_seq]")
+        _check(
+            block_table.shape[0] == batch, "block_table must have shape [batch_size, max_num_blocks_per_seq]"
+        )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.empty(q.shape, dtype=q.dtype)
     for b in range(batch):

@@ -14,15 +14,27 @@ from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai.kvcache import KVConfig, PagePool
 
 
-def make_pool(page_size, n_pages, n_kv_heads, head_dim, dtype, gen, *, paged=True, max_seq_len=2048,
-              n_layers=2, device="cpu"):
+def make_pool(
+    page_size,
+    n_pages,
+    n_kv_heads,
+    head_dim,
+    dtype,
+    gen,
+    *,
+    paged=True,
+    max_seq_len=2048,
+    n_layers=2,
+    device="cpu",
+):
     """A pool with random K/V in every slot (a slot read before this step holds some earlier token's K/V).
 
     Paged: ``n_pages`` pages of ``page_size``. Contiguous (``paged=False``): 12 rows of ``max_seq_len``.
     """
     if paged:
-        config = KVConfig(max_batch_size=12, max_seq_len=max_seq_len, page_size=page_size,
-                          n_tokens=n_pages * page_size)
+        config = KVConfig(
+            max_batch_size=12, max_seq_len=max_seq_len, page_size=page_size, n_tokens=n_pages * page_size
+        )
     else:
         config = KVConfig(max_batch_size=12, max_seq_len=max_seq_len)
     pool = PagePool(n_layers, n_kv_heads, n_kv_heads, head_dim, config, dtype=dtype, device=device)
@@ -53,7 +65,9 @@ def ragged_step(pool, q_lens, prefix_lens, gen, hits=()):
     Requests listed in ``hits`` get their prefix (a whole number of pages) from the radix: a donor
     request's pages, shared, as a prefix hit in the engine does. Returns ``(kv, rows)``.
     """
-    donor = torch.randint(2, 300, (max([prefix_lens[i] for i in hits], default=0) + 1,), generator=gen).tolist()
+    donor = torch.randint(
+        2, 300, (max([prefix_lens[i] for i in hits], default=0) + 1,), generator=gen
+    ).tolist()
     if hits:
         row = pool.task_alloc()
         pool.extend(row, len(donor))

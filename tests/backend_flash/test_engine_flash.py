@@ -49,8 +49,14 @@ def run(engine):
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged256", "contiguous"])
 def test_engine_greedy_tokens_match_torch_native(make_engine, tiny_half_model, paged):
-    config = {"max_batch_size": 8, "max_seq_len": 512, "page_size": 256, "n_tokens": 256 * 24,
-              "max_prefill_tokens": 160, "paged": paged}  # 160: prompts resume mid-page in chunks
+    config = {
+        "max_batch_size": 8,
+        "max_seq_len": 512,
+        "page_size": 256,
+        "n_tokens": 256 * 24,
+        "max_prefill_tokens": 160,
+        "paged": paged,
+    }  # 160: prompts resume mid-page in chunks
     # The batch's requests reach the scheduler thread one by one: now and then the first of them
     # starts a step alone, and in fp16 another batch composition can flip a near-tie. A numeric
     # difference between the backends differs every time; a race, once: one more pair of runs.

@@ -14,7 +14,9 @@ from astrai.extension.backend.policy import BackendRegistry, load_attention_back
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai_backend_flash import FlashAttnBackend
 
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reasons given on a machine without CUDA")
+no_cuda = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the reasons given on a machine without CUDA"
+)
 
 
 def step(dtype=torch.bfloat16, page_size=256, head_dim=64, seed=0):
@@ -73,7 +75,12 @@ class TestWithTheDouble:
         ("dtype", "page_size", "head_dim", "reason"),
         [
             (torch.float32, 256, 64, "dtype torch.float32 not supported"),
-            (torch.bfloat16, 16, 64, "KV page size 16 is not a multiple of flash-attn's paged block size 256"),
+            (
+                torch.bfloat16,
+                16,
+                64,
+                "KV page size 16 is not a multiple of flash-attn's paged block size 256",
+            ),
             (torch.bfloat16, 128, 64, "KV page size 128 is not a multiple"),
             (torch.bfloat16, 256, 20, "head_dim 20 not supported"),
             (torch.bfloat16, 256, 264, "head_dim 264 not supported"),
@@ -108,7 +115,10 @@ class TestWithTheDouble:
         assert registry.select(q16, kv16).name == "torch_native"
         q32, _, _, kv32 = step(torch.float32)
         assert registry.select(q32, kv32).name == "torch_native"
-        with attn_backend("flash"), pytest.raises(BackendUnavailable, match="cannot run this call: KV page size 16"):
+        with (
+            attn_backend("flash"),
+            pytest.raises(BackendUnavailable, match="cannot run this call: KV page size 16"),
+        ):
             registry.select(q16, kv16)
         with attn_backend("flash"):
             out = registry.attention(q, k, v, 0, kv, 0.125)

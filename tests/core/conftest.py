@@ -55,9 +55,18 @@ def tiny_config():
     from astrai.model import ModelConfig
 
     return ModelConfig(
-        architecture="llama", vocab_size=CharTokenizer.VOCAB, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=512, bos_token_id=BOS, eos_token_ids=[EOS], name="tiny",
+        architecture="llama",
+        vocab_size=CharTokenizer.VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        bos_token_id=BOS,
+        eos_token_ids=[EOS],
+        name="tiny",
     )
 
 
@@ -85,16 +94,24 @@ def reference_greedy(model, prompt_ids, n, presence_penalty=0.0, frequency_penal
 
     cfg = model.config
     pool = PagePool(
-        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-        KVConfig(max_batch_size=1, max_seq_len=len(prompt_ids) + n), dtype=next(model.parameters()).dtype,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        KVConfig(max_batch_size=1, max_seq_len=len(prompt_ids) + n),
+        dtype=next(model.parameters()).dtype,
     )
     row, out, ids, start = pool.task_alloc(), [], list(prompt_ids), 0
     counts = torch.zeros(cfg.vocab_size)
     for _ in range(n):
         end = start + len(ids)
         pool.extend(row, end)
-        logits = model(torch.tensor(ids), torch.arange(start, end), pool.bind_tasks([row], [len(ids)], [end]),
-                       torch.tensor([len(ids) - 1]))[0]
+        logits = model(
+            torch.tensor(ids),
+            torch.arange(start, end),
+            pool.bind_tasks([row], [len(ids)], [end]),
+            torch.tensor([len(ids) - 1]),
+        )[0]
         logits = logits - frequency_penalty * counts - presence_penalty * (counts > 0).float()
         out.append(int(logits.argmax()))
         counts[out[-1]] += 1

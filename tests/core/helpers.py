@@ -34,8 +34,13 @@ class Stopper:
 
 
 def submit(
-    sched: Any, tokenizer: Any, prompt_ids: Sequence[int], priority: int = 0, rid: str | None = None,
-    done: list[str] | None = None, **params: Any,
+    sched: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    priority: int = 0,
+    rid: str | None = None,
+    done: list[str] | None = None,
+    **params: Any,
 ) -> GenerateResult:
     """Queue one greedy request (``params`` over ``GREEDY``) on ``sched``; returns its result, bound
     to its ``Request`` (``request_of``). ``done`` collects request ids as they end."""
@@ -43,7 +48,14 @@ def submit(
     rid = rid or f"r{next(_ids)}"
     on_done = None if done is None else (lambda r: done.append(r.request_id))
     result = GenerateResult(rid, len(prompt_ids), on_done=on_done)
-    req = Request(rid, list(prompt_ids), p, result, StopChecker(IncrementalDecoder(tokenizer), p.stop), priority=priority)
+    req = Request(
+        rid,
+        list(prompt_ids),
+        p,
+        result,
+        StopChecker(IncrementalDecoder(tokenizer), p.stop),
+        priority=priority,
+    )
     result.bind(req)
     sched.submit(req)
     return result

@@ -176,9 +176,12 @@ def test_selection_is_per_thread():
 
 def test_broken_plugin_strict_when_named_skipped_with_warning_otherwise(caplog):
     failure = PluginFailure(
-        "astrai.attention_backends", "cuda", "astrai_backend_cuda:CudaBackend", "astrai-backend-cuda 0.1.0",
+        "astrai.attention_backends",
+        "cuda",
+        "astrai_backend_cuda:CudaBackend",
+        "astrai-backend-cuda 0.1.0",
         ImportError("libcudart.so.12: cannot open shared object file"),
-    )  # fmt: skip
+    )
     reg = BackendRegistry([fake("torch_native", 100)], {"cuda": failure})
     with caplog.at_level(logging.WARNING, logger="astrai.extension.backend.policy"):
         assert run(reg) == 100

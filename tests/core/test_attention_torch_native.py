@@ -131,7 +131,11 @@ def test_long_prompt_among_decodes_runs_apart_from_them():
     kv = run_and_check([1] * 10 + [40], [5] * 10 + [3], 1, 3, 64, torch.float32, seed=8)
     plan = kv.plan["torch_native"]
     # Decodes are not padded to 40 query rows: they take the decode path, the prompt its tile.
-    assert plan.decode.max_len == 6 and plan.decode.flat_rows.numel() == 10 * 6 and plan.decode.tok_rows.tolist() == list(range(10))
+    assert (
+        plan.decode.max_len == 6
+        and plan.decode.flat_rows.numel() == 10 * 6
+        and plan.decode.tok_rows.tolist() == list(range(10))
+    )
     assert plan.prefill.kv_slots.shape[0] == 1 and plan.prefill.mask.shape[2] == 40
 
 

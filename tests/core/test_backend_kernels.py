@@ -60,7 +60,9 @@ def test_loading_backends_changes_no_module_global(discovered):
         fused.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5)
     assert sorted(set(_watched_modules()) - set(modules)) == []  # nothing new imported to hide a change
     after = _globals(modules)
-    changed = sorted(f"{m}.{k}" for m, k in before.keys() | after.keys() if before.get((m, k)) != after.get((m, k)))
+    changed = sorted(
+        f"{m}.{k}" for m, k in before.keys() | after.keys() if before.get((m, k)) != after.get((m, k))
+    )
     assert changed == []
 
 

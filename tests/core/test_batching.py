@@ -32,7 +32,6 @@ class Sink:
         raise AssertionError("the policy never delivers: the scheduler does")
 
 
-
 def pool(n_tokens: int | None = 64, page_size: int = 4, rows: int = 4, radix: bool = True) -> PagePool:
     return PagePool(1, 1, 1, 2, KVConfig(rows, 64, page_size, n_tokens, prefix_caching=radix))
 
@@ -40,7 +39,9 @@ def pool(n_tokens: int | None = 64, page_size: int = 4, rows: int = 4, radix: bo
 _arrivals = iter(range(10**6))
 
 
-def request(rid: str, prompt: list[int], max_tokens: int = 4, backend: BackendChoice | None = None) -> Request:
+def request(
+    rid: str, prompt: list[int], max_tokens: int = 4, backend: BackendChoice | None = None
+) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     req = Request(rid, prompt, params, Sink(), Stopper(text=True), backend=backend)
     req.arrival = next(_arrivals)

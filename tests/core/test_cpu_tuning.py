@@ -77,7 +77,9 @@ def test_the_scheduler_releases_the_team_of_the_thread_that_starts_it_or_submits
     from astrai.sampling import SamplingParams
 
     calls: list[int] = []
-    monkeypatch.setattr(astrai.scheduler, "release_openmp_team", lambda: calls.append(threading.get_ident()) or True)
+    monkeypatch.setattr(
+        astrai.scheduler, "release_openmp_team", lambda: calls.append(threading.get_ident()) or True
+    )
     engine = make_engine(tiny_model, tiny_tokenizer)
     assert calls == [threading.get_ident()]
     submitter: list[int] = []

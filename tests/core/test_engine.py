@@ -83,8 +83,9 @@ def test_submit_returns_a_complete_generate_result(tiny_engine, tiny_tokenizer):
     engine = tiny_engine()
     pieces: list[str] = []
     done: list[GenerateResult] = []
-    r = engine.submit([0, 50, 60, 70], SamplingParams(max_tokens=7, **GREEDY), on_piece=pieces.append,
-                      on_done=done.append)
+    r = engine.submit(
+        [0, 50, 60, 70], SamplingParams(max_tokens=7, **GREEDY), on_piece=pieces.append, on_done=done.append
+    )
     assert r.wait_completion()
     assert done == [r] and r.done and r.wait(timeout=0)
     assert (r.prompt_tokens, r.completion_tokens, len(r.output_ids)) == (4, 7, 7)
@@ -100,7 +101,11 @@ def test_stats_count_tasks_tokens_and_kv(tiny_engine):
     engine.shutdown()  # the loop has published its last step
     stats = engine.get_stats()
     assert {k: stats[k] for k in ("total_tasks", "total_tokens", "active_tasks", "waiting_queue")} == {
-        "total_tasks": 4, "total_tokens": 20, "active_tasks": 0, "waiting_queue": 0}
+        "total_tasks": 4,
+        "total_tokens": 20,
+        "active_tasks": 0,
+        "waiting_queue": 0,
+    }
     assert (stats["kv_tokens_total"], stats["kv_tokens_in_use"], stats["preemptions"]) == (512, 0, 0)
     assert stats["kv_tokens_cached"] > 0 and stats["prefix_hit_tokens"] == 0
     assert not engine.is_healthy() and engine.scheduler.reason == "shut down"
@@ -134,11 +139,21 @@ def test_a_returned_request_is_never_counted_active_or_waiting(tiny_engine):
 
 def test_engine_config_maps_onto_kv_config(tiny_model):
     mc = tiny_model.config
-    per_token = KVStorage.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, torch.float32)
+    per_token = KVStorage.bytes_per_token(
+        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, torch.float32
+    )
     kv = kv_config(EngineConfig(), mc, torch.float32)
     expected = min(EngineConfig().max_batch_size * 512, DEFAULT_KV_MEMORY_BYTES // per_token)
-    assert (kv.paged, kv.page_size, kv.max_seq_len, kv.n_tokens, kv.prefix_caching) == (True, 16, 512, expected, True)
-    kv = kv_config(EngineConfig(max_seq_len=4096, kv_memory_bytes=1 << 20, max_batch_size=3), mc, torch.float32)
+    assert (kv.paged, kv.page_size, kv.max_seq_len, kv.n_tokens, kv.prefix_caching) == (
+        True,
+        16,
+        512,
+        expected,
+        True,
+    )
+    kv = kv_config(
+        EngineConfig(max_seq_len=4096, kv_memory_bytes=1 << 20, max_batch_size=3), mc, torch.float32
+    )
     assert (kv.max_seq_len, kv.memory_budget_bytes, kv.n_tokens, kv.max_batch_size) == (512, 1 << 20, None, 3)
     kv = kv_config(EngineConfig(paged=False, max_seq_len=64), mc, torch.float32)
     assert (kv.paged, kv.max_seq_len, kv.page_size) == (False, 64, 1)
@@ -203,8 +218,12 @@ def test_real_model_streams_multibyte_text_whole(make_engine, real_model):
     assert any(ord(c) > 0x3000 for c in r.text)
     assert not any("\ufffd" in p for p in pieces)
     assert "".join(pieces) == r.text == tokenizer.decode(r.output_ids).rstrip("\ufffd")
-    streamed = engine.chat([{"role": "user", "content": "Translate 'thank you' to Japanese."}], stream=True,
-                           max_tokens=12, temperature=0.0)
+    streamed = engine.chat(
+        [{"role": "user", "content": "Translate 'thank you' to Japanese."}],
+        stream=True,
+        max_tokens=12,
+        temperature=0.0,
+    )
     assert "".join(streamed) == r.text
 
 

@@ -29,7 +29,9 @@ def test_without_kernels_the_ops_are_the_pytorch_formulation(dtype, kernel_regis
 
 def test_a_kernel_runs_only_on_its_device_type_and_without_grad(kernel_registry):
     calls = []
-    kernel_registry({"cpu": {"silu_and_mul": lambda x: calls.append(x) or x[:, :2]}, "cuda": {"silu_and_mul": id}})
+    kernel_registry(
+        {"cpu": {"silu_and_mul": lambda x: calls.append(x) or x[:, :2]}, "cuda": {"silu_and_mul": id}}
+    )
     x = torch.ones(1, 4)
     with torch.no_grad():
         assert fused.silu_and_mul(x).shape == (1, 2) and len(calls) == 1
@@ -53,7 +55,9 @@ def test_no_registry_no_kernels(monkeypatch):
 
 def test_the_preferred_backend_wins_and_each_is_asked_once_per_device_type(kernel_registry):
     first, second = (lambda x, w, eps: x), (lambda x, w, eps: w)
-    registry = kernel_registry({"cpu": {"rms_norm": first}}, {"cpu": {"rms_norm": second, "silu_and_mul": id}})
+    registry = kernel_registry(
+        {"cpu": {"rms_norm": first}}, {"cpu": {"rms_norm": second, "silu_and_mul": id}}
+    )
     assert registry.kernels.get("rms_norm", "cpu") is first  # lender0 (priority 90) over lender1 (91)
     assert registry.kernels.get("silu_and_mul", "cpu") is id  # what only lender1 lends
     asked = []
@@ -115,12 +119,19 @@ def test_packed_linear_gives_a_linear_kernel_what_it_takes_and_the_rest_to_onedn
     assert kernel.calls == [1, 2, 3] and kernel.packs == 1  # packed once, on first use
 
 
-def test_the_model_offers_each_step_to_decoder_layers_and_runs_its_layers_on_none(tiny_model, kernel_registry):
+def test_the_model_offers_each_step_to_decoder_layers_and_runs_its_layers_on_none(
+    tiny_model, kernel_registry
+):
     from astrai.kvcache import KVConfig, PagePool
 
     cfg = tiny_model.config
-    pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                    KVConfig(max_batch_size=1, max_seq_len=16))  # fmt: skip
+    pool = PagePool(
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        KVConfig(max_batch_size=1, max_seq_len=16),
+    )
     row = pool.task_alloc()
     pool.extend(row, 3)
 
@@ -134,7 +145,11 @@ def test_the_model_offers_each_step_to_decoder_layers_and_runs_its_layers_on_non
     kernel_registry({"cpu": {"decoder_layers": lambda *args: seen.append(args) and None}})
     assert torch.equal(step(), layers)  # declined: the layers ran
     model, x, freqs, kv = seen[0]
-    assert model is tiny_model and x.shape == (3, cfg.hidden_size) and freqs.shape == (1, 3, cfg.head_dim // 2, 2)
+    assert (
+        model is tiny_model
+        and x.shape == (3, cfg.hidden_size)
+        and freqs.shape == (1, 3, cfg.head_dim // 2, 2)
+    )
     assert kv.num_tokens == 3
     kernel_registry({"cpu": {"decoder_layers": lambda model, x, *_: torch.zeros_like(x)}})
     taken = step()  # its hidden states replace the layers': the final norm of zeros is zeros

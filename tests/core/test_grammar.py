@@ -18,11 +18,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_specs_are_canonical_and_checked():
-    assert GrammarSpec.of("json_schema", {"type": "object"}) == GrammarSpec.of("json_schema", '{"type": "object"}')
+    assert GrammarSpec.of("json_schema", {"type": "object"}) == GrammarSpec.of(
+        "json_schema", '{"type": "object"}'
+    )
     assert GrammarSpec.of("json_schema", {"b": 1, "a": 2}).value == '{"b":1,"a":2}'  # property order is kept
     assert GrammarSpec.of("choice", ["x", "y"]).value == '["x", "y"]'
-    for kind, value in (("yaml", "x"), ("choice", []), ("choice", "x"), ("regex", ""), ("json_schema", "{nope"),
-                        ("json_schema", [1])):  # fmt: skip
+    for kind, value in (
+        ("yaml", "x"),
+        ("choice", []),
+        ("choice", "x"),
+        ("regex", ""),
+        ("json_schema", "{nope"),
+        ("json_schema", [1]),
+    ):
         with pytest.raises(RequestRejected) as err:
             GrammarSpec.of(kind, value)
         assert err.value.param == "grammar"
@@ -62,7 +70,9 @@ class SequenceBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> Any:
         if spec.kind != "regex":
-            raise RequestRejected(f"the sequence backend compiles literal strings, not {spec.kind}", param="grammar")
+            raise RequestRejected(
+                f"the sequence backend compiles literal strings, not {spec.kind}", param="grammar"
+            )
         type(self).compiles += 1
         time.sleep(0.05)  # slow enough for concurrent callers to overlap
         return self.tokenizer.encode(spec.value)
@@ -103,14 +113,21 @@ def test_a_grammar_backend_plugin_forces_the_output(constrained_engine, tiny_tok
     want = "the answer"
     spec = GrammarSpec.of("regex", want)
     free = _run(engine, prompt, temperature=temperature, seed=1, max_tokens=12, ignore_eos=True)
-    got = [_run(engine, prompt, temperature=temperature, seed=s, max_tokens=40, grammar=spec, logprobs=1) for s in range(3)]
+    got = [
+        _run(engine, prompt, temperature=temperature, seed=s, max_tokens=40, grammar=spec, logprobs=1)
+        for s in range(3)
+    ]
     for r in got:
         assert r.text == want and r.finish_reason is FinishReason.STOP  # ended by the grammar's stop token
         assert r.output_ids[-1] in tiny_tokenizer.eos_token_ids and len(r.logprobs) == len(r.output_ids)
     assert free.text != want
     # mixed batch: constrained and free rows together; the free row is what it is alone
-    both = [engine.submit(prompt, SamplingParams(temperature=temperature, seed=1, max_tokens=12, ignore_eos=True)),
-            engine.submit(prompt, SamplingParams(temperature=temperature, seed=2, max_tokens=40, grammar=spec))]  # fmt: skip
+    both = [
+        engine.submit(
+            prompt, SamplingParams(temperature=temperature, seed=1, max_tokens=12, ignore_eos=True)
+        ),
+        engine.submit(prompt, SamplingParams(temperature=temperature, seed=2, max_tokens=40, grammar=spec)),
+    ]
     for r in both:
         r.wait_completion()
     assert both[0].text == free.text and both[1].text == want
@@ -118,8 +135,13 @@ def test_a_grammar_backend_plugin_forces_the_output(constrained_engine, tiny_tok
 
 def test_max_tokens_before_the_grammar_completes_is_length(constrained_engine, tiny_tokenizer):
     engine = constrained_engine()
-    r = _run(engine, tiny_tokenizer.encode("hi", add_special_tokens=True), temperature=0.0, max_tokens=3,
-             grammar=GrammarSpec.of("regex", "a longer answer"))  # fmt: skip
+    r = _run(
+        engine,
+        tiny_tokenizer.encode("hi", add_special_tokens=True),
+        temperature=0.0,
+        max_tokens=3,
+        grammar=GrammarSpec.of("regex", "a longer answer"),
+    )
     assert r.finish_reason is FinishReason.LENGTH and len(r.output_ids) == 3
 
 
@@ -144,24 +166,38 @@ def test_xgrammar_is_the_default_backend_and_reports_the_reason(real_model):
     model, tokenizer = real_model
     cache = GrammarCache(tokenizer, model.config.vocab_size, tokenizer.eos_token_ids)
     assert isinstance(cache.backend, XGrammarBackend)
-    with pytest.raises(RequestRejected, match='cannot compile the json_schema: Unsupported type "objectx"') as err:
+    with pytest.raises(
+        RequestRejected, match='cannot compile the json_schema: Unsupported type "objectx"'
+    ) as err:
         cache.compile(GrammarSpec.of("json_schema", {"type": "objectx"}))
     assert err.value.param == "grammar"
-    assert cache.compile(GrammarSpec.of("regex", "[a-z]+")) is cache.compile(GrammarSpec.of("regex", "[a-z]+"))
+    assert cache.compile(GrammarSpec.of("regex", "[a-z]+")) is cache.compile(
+        GrammarSpec.of("regex", "[a-z]+")
+    )
 
 
 def test_constrained_requests_survive_preemption_and_aborts(constrained_engine, tiny_tokenizer):
     """A pool too small for all: preempted constrained requests recompute their KV, keep their matcher
     (it never rewinds: their tokens stay accepted) and still end exactly on their grammar."""
     engine = constrained_engine(n_tokens=40, page_size=4, max_batch_size=4, max_prefill_tokens=16)
-    answers = ["the tall tree is here and there it is", "a short one in the rain on the hill",
-               "another tall one that is on the rise", "ok then this is it and that is all"]  # fmt: skip
+    answers = [
+        "the tall tree is here and there it is",
+        "a short one in the rain on the hill",
+        "another tall one that is on the rise",
+        "ok then this is it and that is all",
+    ]
     prompts = [tiny_tokenizer.encode(f"q{i}", add_special_tokens=True) for i in range(4)]
     for a in answers:  # compiled first, so that the four arrive together
         engine.grammars.compile(GrammarSpec.of("regex", a))
-    results = [engine.submit(p, SamplingParams(temperature=1.0, seed=i, max_tokens=34, grammar=GrammarSpec.of("regex", a)))
-               for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]  # fmt: skip
-    aborted = engine.submit(prompts[0], SamplingParams(max_tokens=34, grammar=GrammarSpec.of("regex", answers[2])))
+    results = [
+        engine.submit(
+            p, SamplingParams(temperature=1.0, seed=i, max_tokens=34, grammar=GrammarSpec.of("regex", a))
+        )
+        for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
+    ]
+    aborted = engine.submit(
+        prompts[0], SamplingParams(max_tokens=34, grammar=GrammarSpec.of("regex", answers[2]))
+    )
     engine.abort(aborted.request_id)
     for r, a in zip(results, answers, strict=True):
         r.wait_completion()
@@ -182,7 +218,9 @@ def test_xgrammar_sees_every_token_as_the_tokenizer_spells_it_but_special_ones(r
     model, tokenizer = real_model
     stops = tokenizer.eos_token_ids
     backend = XGrammarBackend(tokenizer, model.config.vocab_size, stops)
-    reference = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=model.config.vocab_size, stop_token_ids=stops)
+    reference = xgr.TokenizerInfo.from_huggingface(
+        tokenizer.hf, vocab_size=model.config.vocab_size, stop_token_ids=stops
+    )
     special = {i for i in tokenizer.hf.added_tokens_decoder if i not in stops}
     got, want = backend.tokenizer_info.decoded_vocab, reference.decoded_vocab
     assert special and all(got[i] == b"" for i in special)
@@ -223,7 +261,9 @@ def test_json_object_mode_allows_any_object_and_nothing_else(real_model):
 
     def accepts(text: str) -> bool:
         matcher = backend.matcher(compiled)
-        return all(matcher.accept(t) for t in tokenizer.encode(text)) and matcher.accept(tokenizer.eos_token_ids[0])
+        return all(matcher.accept(t) for t in tokenizer.encode(text)) and matcher.accept(
+            tokenizer.eos_token_ids[0]
+        )
 
     assert accepts('{"a": 1, "b": [1, {"c": null}]}') and accepts("{}")
     assert not accepts("[false]") and not accepts('"x"') and not accepts("1")

@@ -15,7 +15,9 @@ from astrai.grammar.pool import Cancelled
 #: An enum whose compile takes xgrammar minutes (45 s for 20,000 strings on a 2-core machine).
 SLOW = GrammarSpec.of("json_schema", {"enum": [f"value number {i}" for i in range(20_000)]})
 #: compact: a few tens of kB compiled (whitespace between tokens costs megabytes: the byte bound's test)
-QUICK = GrammarSpec.of("json_schema", {"type": "object", "properties": {"city": {"type": "string"}}}, compact=True)
+QUICK = GrammarSpec.of(
+    "json_schema", {"type": "object", "properties": {"city": {"type": "string"}}}, compact=True
+)
 
 
 @pytest.fixture

@@ -45,7 +45,9 @@ def _far_from_tie(differing: list[int], outputs: list[list[int]], expected: list
             top = dict(r.logprobs[0].top)
             now, then = top.get(outputs[i][at]), top.get(expected[i][at])
             if now is None or then is None or abs(now - then) > NEAR_TIE:
-                far.append(f"prompt {i} at token {at}: {outputs[i][at]} ({now}) vs recorded {expected[i][at]} ({then})")
+                far.append(
+                    f"prompt {i} at token {at}: {outputs[i][at]} ({now}) vs recorded {expected[i][at]} ({then})"
+                )
     return far
 
 
@@ -64,7 +66,11 @@ def test_greedy_ids_equal_the_recorded_ones(case, default_model_path):
     differing = [i for i, (a, b) in enumerate(zip(outputs, expected, strict=True)) if a != b]
     if dtype == "bfloat16" and differing:
         far = _far_from_tie(differing, outputs, expected)
-        assert not far, f"{case}: ids differ from those recorded at {REFERENCE['commit']} away from a near-tie: {far}"
-        assert len(differing) <= len(outputs) // 4, f"{case}: prompts {differing} differ (near-ties, but so many?)"
+        assert not far, (
+            f"{case}: ids differ from those recorded at {REFERENCE['commit']} away from a near-tie: {far}"
+        )
+        assert len(differing) <= len(outputs) // 4, (
+            f"{case}: prompts {differing} differ (near-ties, but so many?)"
+        )
         return
     assert not differing, f"{case}: prompts {differing} differ from the ids recorded at {REFERENCE['commit']}"

@@ -64,13 +64,13 @@ class Explode(SamplingStrategy):
 def make_scheduler(model, pool_guard, pipeline=None, **kv):
     cfg = model.config
     kv = {"max_batch_size": 8, "max_seq_len": 128, "page_size": 4, "n_tokens": 512, **kv}
-    pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                    KVConfig(**kv))  # fmt: skip
+    pool = PagePool(
+        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, KVConfig(**kv)
+    )
     pool_guard(pool)
-    return InferenceScheduler(model, pool, EngineConfig(max_prefill_tokens=512), eos_token_ids=[EOS], pipeline=pipeline)
-
-
-
+    return InferenceScheduler(
+        model, pool, EngineConfig(max_prefill_tokens=512), eos_token_ids=[EOS], pipeline=pipeline
+    )
 
 
 @pytest.mark.parametrize("arrives", ["with the others", "while they decode"])
@@ -155,7 +155,10 @@ def test_a_failure_a_row_repeats_alone_fails_only_the_rows_that_repeat_it():
     assert sorted(failed) == [3, 6] and str(failed[3]) == "rows [3]"
     assert len(attempts) <= 12  # bisection, not one attempt per subset
     # a failure that no part repeats fails nobody; one that every single row repeats fails them all
-    assert run_apart([0, 1, 2], lambda part: dict.fromkeys(part, 0), RuntimeError("transient")) == ({0: 0, 1: 0, 2: 0}, {})
+    assert run_apart([0, 1, 2], lambda part: dict.fromkeys(part, 0), RuntimeError("transient")) == (
+        {0: 0, 1: 0, 2: 0},
+        {},
+    )
 
     def broken(part):
         raise RuntimeError("always")
@@ -195,7 +198,9 @@ def test_a_top_k_at_or_beyond_the_vocabulary_is_off_and_shares_a_batch_harmlessl
     ],
     ids=lambda v: repr(v)[:40] if isinstance(v, dict) else v,
 )
-def test_values_that_would_overflow_a_tensor_are_refused_at_submit(tiny_model, tiny_tokenizer, pool_guard, params, param):
+def test_values_that_would_overflow_a_tensor_are_refused_at_submit(
+    tiny_model, tiny_tokenizer, pool_guard, params, param
+):
     sched = make_scheduler(tiny_model, pool_guard, SamplingPipeline.default(extra=[Explode()]))
     with pytest.raises(RequestRejected) as err:
         submit(sched, tiny_tokenizer, prompt(4), **params)

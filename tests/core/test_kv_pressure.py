@@ -32,11 +32,15 @@ EOS = 1
 _ids = itertools.count()
 
 
-
 def request(n_prompt: int, max_tokens: int, start: int = 10) -> Request:
     rid = next(_ids)
-    req = Request(f"r{rid}", [start + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                  GenerateResult(f"r{rid}", n_prompt), Stopper())  # fmt: skip
+    req = Request(
+        f"r{rid}",
+        [start + i for i in range(n_prompt)],
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        GenerateResult(f"r{rid}", n_prompt),
+        Stopper(),
+    )
     req.arrival = rid
     return req
 
@@ -101,8 +105,13 @@ def test_a_flood_on_a_tight_pool_preempts_no_request_more_than_twice_and_every_a
     tiny_model, tiny_tokenizer, reference, pool_guard, n_tokens, chunk
 ):
     cfg = tiny_model.config
-    pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                    KVConfig(max_batch_size=12, max_seq_len=128, page_size=4, n_tokens=n_tokens))  # fmt: skip
+    pool = PagePool(
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        KVConfig(max_batch_size=12, max_seq_len=128, page_size=4, n_tokens=n_tokens),
+    )
     pool_guard(pool)
     sched = InferenceScheduler(tiny_model, pool, EngineConfig(max_prefill_tokens=chunk), eos_token_ids=[EOS])
     rng = random.Random(n_tokens)

@@ -21,7 +21,9 @@ def cached_paths(pool: PagePool) -> set[tuple[int, ...]]:
     return {node.token_path() for node in pool.radix.iter_nodes()}
 
 
-def run(pool: PagePool, tokens: list[int], *, share: bool = True, keep: bool = False, namespace: str | None = None) -> int:
+def run(
+    pool: PagePool, tokens: list[int], *, share: bool = True, keep: bool = False, namespace: str | None = None
+) -> int:
     """One request: match (if share), compute every token, record, free (unless keep); returns row."""
     row = pool.task_alloc()
     if share:

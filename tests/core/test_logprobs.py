@@ -19,8 +19,14 @@ def full_log_softmax(model, ids: list[int]) -> torch.Tensor:
     from astrai.kvcache import KVConfig, PagePool
 
     cfg = model.config
-    pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                    KVConfig(max_batch_size=1, max_seq_len=len(ids)), dtype=torch.float32)  # fmt: skip
+    pool = PagePool(
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        KVConfig(max_batch_size=1, max_seq_len=len(ids)),
+        dtype=torch.float32,
+    )
     row = pool.task_alloc()
     pool.extend(row, len(ids))
     kv = pool.bind_tasks([row], [len(ids)], [len(ids)])
@@ -76,15 +82,28 @@ def test_generated_and_prompt_logprobs_equal_one_full_forward(tiny_engine, tiny_
 def test_sampled_rows_get_logprobs_of_the_raw_distribution(tiny_engine, tiny_model, tiny_tokenizer):
     engine = tiny_engine()
     prompt = tiny_tokenizer.encode("once upon", add_special_tokens=True)
-    got = _run(engine, prompt, temperature=0.7, top_k=5, seed=3, max_tokens=5, ignore_eos=True, logprobs=0,
-               frequency_penalty=1.0)  # fmt: skip
+    got = _run(
+        engine,
+        prompt,
+        temperature=0.7,
+        top_k=5,
+        seed=3,
+        max_tokens=5,
+        ignore_eos=True,
+        logprobs=0,
+        frequency_penalty=1.0,
+    )
     ref = full_log_softmax(tiny_model, prompt + got.output_ids)
     assert_entries(got.logprobs, got.output_ids, ref[len(prompt) - 1 : -1], 0)
 
 
-def test_prompt_logprobs_survive_chunked_prefill_and_the_prefix_cache(tiny_engine, tiny_model, tiny_tokenizer):
+def test_prompt_logprobs_survive_chunked_prefill_and_the_prefix_cache(
+    tiny_engine, tiny_model, tiny_tokenizer
+):
     engine = tiny_engine(max_prefill_tokens=5)
-    prompt = tiny_tokenizer.encode("a long prompt that takes several chunks to prefill", add_special_tokens=True)
+    prompt = tiny_tokenizer.encode(
+        "a long prompt that takes several chunks to prefill", add_special_tokens=True
+    )
     ref = full_log_softmax(tiny_model, prompt)
     warm = _run(engine, prompt, temperature=0.0, max_tokens=2)  # its pages enter the prefix cache
     assert not warm.prompt_logprobs and not warm.logprobs

@@ -12,9 +12,15 @@ from astrai.model.quant import NATIVE, QuantizedLinear, QuantLayout, dequantize,
 
 # bytes per block, block size, and the offsets of the float16 fields (kept finite below)
 BLOCKS = {
-    "Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q5_0": (22, 32, [0]), "Q5_1": (24, 32, [0, 2]),
-    "Q8_0": (34, 32, [0]), "Q4_K": (144, 256, [0, 2]), "Q5_K": (176, 256, [0, 2]), "Q6_K": (210, 256, [208]),
-}  # fmt: skip
+    "Q4_0": (18, 32, [0]),
+    "Q4_1": (20, 32, [0, 2]),
+    "Q5_0": (22, 32, [0]),
+    "Q5_1": (24, 32, [0, 2]),
+    "Q8_0": (34, 32, [0]),
+    "Q4_K": (144, 256, [0, 2]),
+    "Q5_K": (176, 256, [0, 2]),
+    "Q6_K": (210, 256, [208]),
+}
 
 
 def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
@@ -24,7 +30,9 @@ def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows * k // block, size), dtype=np.uint8)
     for off in halves:
-        raw[:, off:off + 2] = rng.uniform(-0.05, 0.05, size=len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raw[:, off : off + 2] = (
+            rng.uniform(-0.05, 0.05, size=len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        )
     return raw.reshape(rows, -1)
 
 
@@ -51,8 +59,15 @@ def test_pack_and_the_reference_dequantize_round_trip(qtype, rows):
     raw = random_blocks(qtype, rows, k, seed=rows)
     packed, layout = pack(*split_blocks(raw, qtype), NATIVE[qtype])
     assert packed.dtype == torch.uint8 and packed.numel() == layout.nbytes
-    assert layout.ints() == [rows, k, NATIVE[qtype].bits, NATIVE[qtype].group, int(NATIVE[qtype].has_min),
-                             int(NATIVE[qtype].f16_scales), int(NATIVE[qtype].signed)]  # fmt: skip
+    assert layout.ints() == [
+        rows,
+        k,
+        NATIVE[qtype].bits,
+        NATIVE[qtype].group,
+        int(NATIVE[qtype].has_min),
+        int(NATIVE[qtype].f16_scales),
+        int(NATIVE[qtype].signed),
+    ]
     expected = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, k)
     np.testing.assert_array_equal(dequantize(packed, layout).numpy(), expected)
 

@@ -249,5 +249,13 @@ def test_plain_greedy_is_greedy_with_nothing_that_changes_the_logits():
     """The scheduler takes the argmax without the pipeline only for these rows."""
     assert SamplingParams(temperature=0).plain_greedy
     assert not SamplingParams(temperature=0.5).plain_greedy
-    for change in ({"presence_penalty": 0.5}, {"frequency_penalty": -1}, {"logit_bias": {3: 5}}, {"strategy": "min_p"}):
-        assert SamplingParams(temperature=0, **change).greedy and not SamplingParams(temperature=0, **change).plain_greedy
+    for change in (
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": -1},
+        {"logit_bias": {3: 5}},
+        {"strategy": "min_p"},
+    ):
+        assert (
+            SamplingParams(temperature=0, **change).greedy
+            and not SamplingParams(temperature=0, **change).plain_greedy
+        )

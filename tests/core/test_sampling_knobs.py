@@ -22,7 +22,12 @@ def test_min_p_keeps_what_hugging_face_keeps():
     from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
 
     logits = _logits(4)
-    params = [SamplingParams(min_p=0.05), SamplingParams(min_p=0.3, temperature=0.7), SamplingParams(), SamplingParams(min_p=1.0)]
+    params = [
+        SamplingParams(min_p=0.05),
+        SamplingParams(min_p=0.3, temperature=0.7),
+        SamplingParams(),
+        SamplingParams(min_p=1.0),
+    ]
     got = SamplingPipeline.default().apply(logits.clone(), SamplingBatch.from_params(params, [0] * 4))
     for row, p in enumerate(params):
         want = TemperatureLogitsWarper(p.temperature)(None, logits[row : row + 1].clone())
@@ -45,8 +50,11 @@ def test_repetition_penalty_matches_hugging_face_over_prompt_and_output():
 
     logits = _logits(3, seed=1)
     prompts, outputs = [[1, 2, 3, 3], [5], [7, 8]], [[9, 1], [5, 5, 6], []]
-    params = [SamplingParams(repetition_penalty=1.3, temperature=0.0), SamplingParams(repetition_penalty=0.8),
-              SamplingParams(temperature=0.0)]  # fmt: skip
+    params = [
+        SamplingParams(repetition_penalty=1.3, temperature=0.0),
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(temperature=0.0),
+    ]
     batch = SamplingBatch.from_params(params, [0] * 3, output_ids=outputs, prompt_ids=prompts)
     got = SamplingPipeline.default().apply(logits.clone(), batch)
     for row, p in enumerate(params):
@@ -57,7 +65,9 @@ def test_repetition_penalty_matches_hugging_face_over_prompt_and_output():
 
 def test_repetition_penalty_changes_the_greedy_token():
     logits = torch.tensor([[5.0, 4.9, 0.0]])
-    plain = SamplingPipeline.default().sample(logits, SamplingBatch.from_params([SamplingParams(temperature=0)], [0]))
+    plain = SamplingPipeline.default().sample(
+        logits, SamplingBatch.from_params([SamplingParams(temperature=0)], [0])
+    )
     params = [SamplingParams(temperature=0, repetition_penalty=1.2)]
     assert not params[0].plain_greedy
     batch = SamplingBatch.from_params(params, [0], output_ids=[[]], prompt_ids=[[0]])
@@ -77,8 +87,16 @@ def test_banned_tokens_are_never_drawn():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"min_p": 1.5}, {"min_p": -0.1}, {"repetition_penalty": 0.0}, {"min_tokens": -1}, {"stop_token_ids": [-1]},
-     {"stop_token_ids": 3}, {"logprobs": 21}, {"prompt_logprobs": -1}],  # fmt: skip
+    [
+        {"min_p": 1.5},
+        {"min_p": -0.1},
+        {"repetition_penalty": 0.0},
+        {"min_tokens": -1},
+        {"stop_token_ids": [-1]},
+        {"stop_token_ids": 3},
+        {"logprobs": 21},
+        {"prompt_logprobs": -1},
+    ],
     ids=lambda kw: next(iter(kw)),
 )
 def test_knobs_reject_bad_values_naming_the_field(kwargs):
@@ -88,7 +106,9 @@ def test_knobs_reject_bad_values_naming_the_field(kwargs):
 
 
 def _greedy(engine, tokenizer, **params):
-    result = engine.submit(tokenizer.encode("the cat", add_special_tokens=True), SamplingParams(temperature=0.0, **params))
+    result = engine.submit(
+        tokenizer.encode("the cat", add_special_tokens=True), SamplingParams(temperature=0.0, **params)
+    )
     result.wait_completion()
     result.raise_for_error()
     return result

@@ -46,18 +46,20 @@ class Recorder(torch.nn.Module):
 def make_pool(model, pool_guard, **kv):
     cfg = model.config
     kv = {"max_batch_size": 4, "max_seq_len": 128, "page_size": 4, "n_tokens": 256, **kv}
-    pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                    KVConfig(**kv))
+    pool = PagePool(
+        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, KVConfig(**kv)
+    )
     pool_guard(pool)
     return pool
 
 
-
-
-
-def test_one_forward_per_step_mixes_decodes_and_prefill_chunks(tiny_model, tiny_tokenizer, reference, pool_guard):
+def test_one_forward_per_step_mixes_decodes_and_prefill_chunks(
+    tiny_model, tiny_tokenizer, reference, pool_guard
+):
     rec = Recorder(tiny_model)
-    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=8), eos_token_ids=[EOS])
+    sched = InferenceScheduler(
+        rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=8), eos_token_ids=[EOS]
+    )
     a, b = prompt(5), prompt(20, start=11)
     ra = submit(sched, tiny_tokenizer, a, max_tokens=6)
     sched.step()
@@ -100,9 +102,13 @@ def test_prefix_cache_hits_through_the_scheduler(tiny_engine, tiny_model, refere
     assert again.output_ids == reference(tiny_model, first, 5)
 
 
-def test_requests_sharing_a_prefix_being_computed_wait_for_its_pages(tiny_model, tiny_tokenizer, reference, pool_guard):
+def test_requests_sharing_a_prefix_being_computed_wait_for_its_pages(
+    tiny_model, tiny_tokenizer, reference, pool_guard
+):
     rec = Recorder(tiny_model)
-    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=32), eos_token_ids=[EOS])
+    sched = InferenceScheduler(
+        rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=32), eos_token_ids=[EOS]
+    )
     shared = prompt(17)  # 4 complete pages of 4, and one token more
     a, b, c, d = shared + [50, 51], shared + [60], shared + [70, 71, 72], prompt(10, start=80)
     results = [submit(sched, tiny_tokenizer, p, max_tokens=4) for p in (a, b, c, d)]
@@ -119,7 +125,9 @@ def test_requests_sharing_a_prefix_being_computed_wait_for_its_pages(tiny_model,
 
 def test_a_request_sharing_only_a_short_head_does_not_wait(tiny_model, tiny_tokenizer, reference, pool_guard):
     rec = Recorder(tiny_model)
-    sched = InferenceScheduler(rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=32), eos_token_ids=[EOS])
+    sched = InferenceScheduler(
+        rec, make_pool(tiny_model, pool_guard), EngineConfig(max_prefill_tokens=32), eos_token_ids=[EOS]
+    )
     shared = prompt(17)
     a, e = shared + [50, 51], shared[:4] + prompt(16, start=31)  # e shares one page of its 20 tokens
     results = [submit(sched, tiny_tokenizer, p, max_tokens=3) for p in (a, e)]
@@ -150,12 +158,16 @@ def test_prefix_caching_off_and_contiguous_mode_give_the_same_tokens(tiny_engine
         assert engine.get_stats()["prefix_hit_tokens"] == 0
 
 
-def test_exhaustion_preempts_and_everyone_finishes_as_if_alone(tiny_engine, tiny_model, tiny_tokenizer, reference):
+def test_exhaustion_preempts_and_everyone_finishes_as_if_alone(
+    tiny_engine, tiny_model, tiny_tokenizer, reference
+):
     engine = tiny_engine(n_tokens=40, page_size=4, max_batch_size=4, max_prefill_tokens=16)
     prompts = [prompt(6), prompt(9, 4), prompt(5, 6), prompt(8, 8)]
     streams = [[] for _ in prompts]
-    results = [engine.submit(p, SamplingParams(max_tokens=24, **GREEDY), on_piece=s.append)
-               for p, s in zip(prompts, streams, strict=True)]
+    results = [
+        engine.submit(p, SamplingParams(max_tokens=24, **GREEDY), on_piece=s.append)
+        for p, s in zip(prompts, streams, strict=True)
+    ]
     for p, r, s in zip(prompts, results, streams, strict=True):
         r.wait_completion()
         assert r.output_ids == reference(tiny_model, p, 24)
@@ -168,7 +180,9 @@ def test_exhaustion_preempts_and_everyone_finishes_as_if_alone(tiny_engine, tiny
 def test_a_request_that_cannot_be_admitted_does_not_block_later_ones(
     tiny_model, tiny_tokenizer, reference, pool_guard
 ):
-    sched = InferenceScheduler(tiny_model, make_pool(tiny_model, pool_guard, n_tokens=32), eos_token_ids=[EOS])
+    sched = InferenceScheduler(
+        tiny_model, make_pool(tiny_model, pool_guard, n_tokens=32), eos_token_ids=[EOS]
+    )
     r1 = submit(sched, tiny_tokenizer, prompt(8), max_tokens=16)
     sched.step()
     big, small = prompt(20, 3), prompt(3, 5)
@@ -184,7 +198,9 @@ def test_a_request_that_cannot_be_admitted_does_not_block_later_ones(
 
 def test_never_fitting_requests_are_rejected_at_submission(tiny_engine):
     engine = tiny_engine(max_seq_len=64)
-    with pytest.raises(RequestRejected, match=r"50 tokens \+ max_tokens 20 = 70 tokens exceeds the limit of 64"):
+    with pytest.raises(
+        RequestRejected, match=r"50 tokens \+ max_tokens 20 = 70 tokens exceeds the limit of 64"
+    ):
         engine.submit(prompt(50), SamplingParams(max_tokens=20))
     small_pool = tiny_engine(n_tokens=32)
     with pytest.raises(RequestRejected, match=r"= 40 tokens exceeds the limit of 32"):
@@ -227,23 +243,33 @@ def _stop_between_two_tokens(tokenizer, ref):
     full = "".join(texts)
     for k in range(2, len(ref) - 1):
         stop = texts[k] + texts[k + 1]
-        if texts[k].isprintable() and texts[k + 1].isprintable() and full.find(stop) == len("".join(texts[:k])):
+        if (
+            texts[k].isprintable()
+            and texts[k + 1].isprintable()
+            and full.find(stop) == len("".join(texts[:k]))
+        ):
             return k, stop, full
     raise AssertionError("no pair of printable tokens")
 
 
-def test_stop_string_split_across_tokens_is_never_streamed(tiny_engine, tiny_model, tiny_tokenizer, reference):
+def test_stop_string_split_across_tokens_is_never_streamed(
+    tiny_engine, tiny_model, tiny_tokenizer, reference
+):
     engine = tiny_engine()
     ids = tiny_tokenizer.encode("hello there", add_special_tokens=True)
     ref = reference(tiny_model, ids, 40)
     k, stop, full = _stop_between_two_tokens(tiny_tokenizer, ref)
     pieces: list[str] = []
-    r = engine.submit(ids, SamplingParams(max_tokens=40, stop=["\x00never", stop], **GREEDY), on_piece=pieces.append)
+    r = engine.submit(
+        ids, SamplingParams(max_tokens=40, stop=["\x00never", stop], **GREEDY), on_piece=pieces.append
+    )
     r.wait_completion()
     assert (r.finish_reason, r.stop_sequence) == (FinishReason.STOP_SEQUENCE, stop)
     assert r.text == "".join(pieces) == full[: full.find(stop)]
     assert r.output_ids == ref[: k + 2]
-    streamed = engine.generate(tiny_tokenizer.decode(ids[1:]), stream=True, stop=stop, max_tokens=40, **GREEDY)
+    streamed = engine.generate(
+        tiny_tokenizer.decode(ids[1:]), stream=True, stop=stop, max_tokens=40, **GREEDY
+    )
     assert "".join(streamed) == r.text
 
 
@@ -257,7 +283,11 @@ def test_eos_model_stop_ids_and_max_tokens(make_engine, tiny_model, tiny_tokeniz
     assert (stopped.finish_reason, stopped.output_ids) == (FinishReason.STOP, ref[: ref.index(ref[3]) + 1])
     ignored = engine.submit(ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     ignored.wait_completion()
-    assert (ignored.finish_reason, ignored.output_ids, ignored.completion_tokens) == (FinishReason.LENGTH, ref, 8)
+    assert (ignored.finish_reason, ignored.output_ids, ignored.completion_tokens) == (
+        FinishReason.LENGTH,
+        ref,
+        8,
+    )
     eos = engine.submit(ids, SamplingParams(max_tokens=8, temperature=0.0, logit_bias={EOS: 100.0}))
     eos.wait_completion()
     assert (eos.finish_reason, eos.output_ids, eos.text) == (FinishReason.STOP, [EOS], "")
@@ -285,7 +315,9 @@ def test_per_request_sampling_parameters(tiny_engine, tiny_model, reference):
     assert biased.output_ids == [42] * 5
 
 
-def test_a_step_failure_that_no_row_repeats_alone_fails_nobody(tiny_model, tiny_tokenizer, reference, pool_guard):
+def test_a_step_failure_that_no_row_repeats_alone_fails_nobody(
+    tiny_model, tiny_tokenizer, reference, pool_guard
+):
     # a transient failure (an OOM, say): the rows retried apart succeed, so nobody fails
     # (tests/core/test_isolation.py: a failure a row repeats alone fails that row only)
     rec = Recorder(tiny_model)
@@ -302,7 +334,9 @@ def test_a_step_failure_that_no_row_repeats_alone_fails_nobody(tiny_model, tiny_
     assert_nothing_held(sched.pool)
 
 
-def test_a_failing_step_through_the_engine_and_the_loop_keeps_serving(make_engine, tiny_model, tiny_tokenizer):
+def test_a_failing_step_through_the_engine_and_the_loop_keeps_serving(
+    make_engine, tiny_model, tiny_tokenizer
+):
     rec = Recorder(tiny_model)
     engine = make_engine(rec, tiny_tokenizer, page_size=4, n_tokens=256)
     expected = engine.generate("abc", max_tokens=5, **GREEDY)
@@ -340,8 +374,12 @@ def test_a_dying_loop_fails_every_waiter_and_reports_unhealthy(tiny_engine, monk
     engine = tiny_engine()
     sched = engine.scheduler
     started = threading.Event()
-    results = [engine.submit(prompt(5 + i), SamplingParams(max_tokens=400, **GREEDY), on_piece=lambda _: started.set())
-               for i in range(3)]
+    results = [
+        engine.submit(
+            prompt(5 + i), SamplingParams(max_tokens=400, **GREEDY), on_piece=lambda _: started.set()
+        )
+        for i in range(3)
+    ]
     assert started.wait(timeout=20)  # the requests are running, holding KV
     refill = sched.policy._refill
 
@@ -361,7 +399,9 @@ def test_a_dying_loop_fails_every_waiter_and_reports_unhealthy(tiny_engine, monk
 def test_shutdown_fails_waiters_and_is_idempotent(tiny_engine):
     engine = tiny_engine(max_batch_size=1)
     started = threading.Event()
-    running = engine.submit(prompt(5), SamplingParams(max_tokens=400, **GREEDY), on_piece=lambda _: started.set())
+    running = engine.submit(
+        prompt(5), SamplingParams(max_tokens=400, **GREEDY), on_piece=lambda _: started.set()
+    )
     queued = engine.submit(prompt(6), SamplingParams(max_tokens=4, **GREEDY))
     errors: list[BaseException] = []
 

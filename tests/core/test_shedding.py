@@ -30,22 +30,25 @@ def submit(sched, tokenizer, prompt_ids, **params):
     return result, request_of(result)
 
 
-def make_scheduler(model, pool_guard, max_batch_size=1, n_tokens=512, max_queued=None, queue_timeout=None, priority=False):
+def make_scheduler(
+    model, pool_guard, max_batch_size=1, n_tokens=512, max_queued=None, queue_timeout=None, priority=False
+):
     cfg = model.config
     kv = KVConfig(max_batch_size=max_batch_size, max_seq_len=128, page_size=4, n_tokens=n_tokens)
     pool = PagePool(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, kv)
     pool_guard(pool)
     config = EngineConfig(
-        max_prefill_tokens=512, max_queued_requests=max_queued, queue_timeout=queue_timeout,
+        max_prefill_tokens=512,
+        max_queued_requests=max_queued,
+        queue_timeout=queue_timeout,
         scheduling_policy="priority" if priority else "fcfs",
     )
     return InferenceScheduler(model, pool, config, eos_token_ids=[EOS])
 
 
-
-
-
-def test_a_full_queue_refuses_at_once_and_takes_requests_again_as_it_drains(tiny_model, tiny_tokenizer, pool_guard):
+def test_a_full_queue_refuses_at_once_and_takes_requests_again_as_it_drains(
+    tiny_model, tiny_tokenizer, pool_guard
+):
     sched = make_scheduler(tiny_model, pool_guard, max_queued=2)
     first = [submit(sched, tiny_tokenizer, prompt(5))[0] for _ in range(2)]
     with pytest.raises(Overloaded, match="2 requests are waiting"):
@@ -130,7 +133,9 @@ def test_preemption_takes_the_lowest_priority_first_under_priority_and_the_newes
     assert newer.output_ids == reference(tiny_model, prompt(10, start=3), 30)
 
 
-def test_a_request_id_in_flight_is_refused_and_free_again_once_it_ends(tiny_model, tiny_tokenizer, pool_guard):
+def test_a_request_id_in_flight_is_refused_and_free_again_once_it_ends(
+    tiny_model, tiny_tokenizer, pool_guard
+):
     sched = make_scheduler(tiny_model, pool_guard)
     first, _ = submit(sched, tiny_tokenizer, prompt(4), rid="same")
     with pytest.raises(RequestRejected, match="in flight already"):

@@ -23,8 +23,10 @@ from astrai.sampling import SamplingParams
 from astrai.speculative import NgramProposer, NgramState
 from astrai.step import StepResult
 
-TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
-        "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.")  # fmt: skip
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow."
+)
 REWRITE = f"Rewrite the following text exactly, fixing the typos: {TEXT.replace('quick', 'quikc').replace('box', 'bx')}\nRewritten text:"
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n# The same two functions, add renamed to plus:\n"
 PROMPTS = [REWRITE, CODE, "Roses are red,", "1, 2, 3, 4,"]
@@ -84,15 +86,22 @@ def test_a_step_is_verified_only_when_the_drafts_pay_for_it() -> None:
     assert not NgramProposer.worth(8, [(half, 4), (unsure, 8)])
 
 
-@pytest.mark.parametrize("bad", [{"num_speculative_tokens": 0}, {"num_speculative_tokens": 16}, {"ngram_min": 0},
-                                 {"ngram_min": 5, "ngram_max": 4}, {"speculative": "eagle"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"num_speculative_tokens": 0},
+        {"num_speculative_tokens": 16},
+        {"ngram_min": 0},
+        {"ngram_min": 5, "ngram_max": 4},
+        {"speculative": "eagle"},
+    ],
+)
 def test_engine_config_refuses_bad_speculative_settings(bad: dict) -> None:
     with pytest.raises(ValueError):
         EngineConfig(**{"speculative": "ngram", **bad})
 
 
 # ------------------------------------------------------------------ rollback, without a model
-
 
 
 class Always(NgramProposer):
@@ -114,8 +123,13 @@ def test_rejected_drafts_give_their_pages_back_and_never_reach_the_radix(pool_gu
     pool = PagePool(1, 1, 1, 2, KVConfig(4, 128, 4, 64))
     pool_guard(pool)
     policy = BatchPolicy(pool, eos_token_ids={1}, proposer=Always([20, 21, 22, 23, 24, 25, 26]))
-    req = Request("r", list(range(10, 17)), SamplingParams(max_tokens=20, temperature=0.0), GenerateResult("r", 7),
-                  Stopper())  # fmt: skip
+    req = Request(
+        "r",
+        list(range(10, 17)),
+        SamplingParams(max_tokens=20, temperature=0.0),
+        GenerateResult("r", 7),
+        Stopper(),
+    )
     req.arrival = 0
     policy.add(req)
     plan = policy.schedule()  # the prompt: no drafts on a prefill row
@@ -150,7 +164,9 @@ def test_a_stop_token_inside_the_confirmed_drafts_ends_the_request_there(pool_gu
     policy.update(policy.schedule(), StepResult([5]))
     plan = policy.schedule()
     assert plan.drafts == (3,)
-    policy.update(plan, StepResult([[5, 1, 6, 7]]))  # EOS (1) confirmed as the second token: 6 and 7 never count
+    policy.update(
+        plan, StepResult([[5, 1, 6, 7]])
+    )  # EOS (1) confirmed as the second token: 6 and 7 never count
     assert req.output_ids == [5, 5, 1] and req.finish_reason is FinishReason.STOP
     assert pool.req_len(req.req_idx) == req.num_computed == 5
     policy.schedule()
@@ -250,8 +266,14 @@ def test_a_verify_row_beside_decode_rows_gives_decoding_logits_bit_for_bit(
     load_backends()
     model, tokenizer = real_model if dtype == torch.float32 else bf16_model
     c = model.config
-    pool = PagePool(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                    KVConfig(8, 256, 16, 2048), dtype)  # fmt: skip
+    pool = PagePool(
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        KVConfig(8, 256, 16, 2048),
+        dtype,
+    )
     runner = ModelRunner(model, pool)
     prompts = [
         tokenizer.encode(p, add_special_tokens=True)
@@ -272,13 +294,32 @@ def test_a_verify_row_beside_decode_rows_gives_decoding_logits_bit_for_bit(
     try:
         with torch.inference_mode():
             rows, ids = prefilled(), "abcd"
-            decoded = [runner.forward(StepPlan(tuple(ids), tuple(rows), tuple(s + i for s in starts), (1,) * 4, (True,) * 4,
-                                               tuple(p[s + i] for p, s in zip(prompts, starts, strict=True))))
-                       for i in range(5)]  # fmt: skip
+            decoded = [
+                runner.forward(
+                    StepPlan(
+                        tuple(ids),
+                        tuple(rows),
+                        tuple(s + i for s in starts),
+                        (1,) * 4,
+                        (True,) * 4,
+                        tuple(p[s + i] for p, s in zip(prompts, starts, strict=True)),
+                    )
+                )
+                for i in range(5)
+            ]
             first = tuple(prompts[0][starts[0] : starts[0] + 5])
             rest = tuple(p[s] for p, s in zip(prompts[1:], starts[1:], strict=True))
-            verified = runner.forward(StepPlan(tuple(ids), tuple(prefilled()), tuple(starts), (5, 1, 1, 1), (True,) * 4,
-                                               first + rest, drafts=(4, 0, 0, 0)))  # fmt: skip
+            verified = runner.forward(
+                StepPlan(
+                    tuple(ids),
+                    tuple(prefilled()),
+                    tuple(starts),
+                    (5, 1, 1, 1),
+                    (True,) * 4,
+                    first + rest,
+                    drafts=(4, 0, 0, 0),
+                )
+            )
     finally:
         torch.set_num_threads(before)
         for row in pool.req_to_token_pool.live_rows():

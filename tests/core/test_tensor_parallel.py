@@ -45,13 +45,22 @@ def reference(tiny_model, dtype):
 def test_valid_sizes_and_the_refusal_that_names_them(tiny_model) -> None:
     config = tiny_model.config  # 4 query heads, 2 KV heads, 128 intermediate rows
     assert valid_tp_sizes(config) == [1, 2, 4]
-    with pytest.raises(TPConfigError, match=r"3 ranks cannot share 2 KV heads|4 query heads do not divide into 3") as e:
+    with pytest.raises(
+        TPConfigError, match=r"3 ranks cannot share 2 KV heads|4 query heads do not divide into 3"
+    ) as e:
         check_tp_size(config, 3)
     assert str(e.value).endswith("valid sizes: 1, 2, 4")
     smol = ModelConfig(  # the shape of SmolLM2-135M
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-    )  # fmt: skip
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+    )
     assert valid_tp_sizes(smol) == [1, 3]
     with pytest.raises(TPConfigError, match="valid sizes: 1, 3"):
         check_tp_size(smol, 2)
@@ -67,7 +76,9 @@ def test_the_shards_put_back_together_are_the_model(tiny_model, n) -> None:
     assert torch.equal(torch.cat([s[down] for s in shards], dim=1), weights[down])
     k = "model.layers.0.self_attn.k_proj.weight"
     if n == 4:  # 2 KV heads over 4 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1
-        assert torch.equal(shards[0][k], shards[1][k]) and torch.equal(torch.cat([shards[0][k], shards[2][k]]), weights[k])
+        assert torch.equal(shards[0][k], shards[1][k]) and torch.equal(
+            torch.cat([shards[0][k], shards[2][k]]), weights[k]
+        )
     else:
         assert torch.equal(torch.cat([s[k] for s in shards]), weights[k])
     lm = torch.cat([s["lm_head.weight"] for s in shards])
@@ -78,8 +89,14 @@ def _steps(model, config, dtype, decoded=None):
     """Logits of a prefill of every prompt (one ragged step), then of 3 decode steps, on a pool of
     ``config``'s KV heads. The decode tokens are ``decoded`` (per step), else the argmax of each
     step; returns (the logits of each step, the decode tokens)."""
-    pool = PagePool(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                    KVConfig(max_batch_size=4, max_seq_len=128, page_size=4, n_tokens=512), dtype)  # fmt: skip
+    pool = PagePool(
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        KVConfig(max_batch_size=4, max_seq_len=128, page_size=4, n_tokens=512),
+        dtype,
+    )
     rows = [pool.task_alloc() for _ in PROMPTS]
     for r, p in zip(rows, PROMPTS, strict=True):
         pool.extend(r, len(p) + 3)
@@ -102,12 +119,18 @@ def _ids(result):
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_tensor_parallel_model_gives_the_references_logits_and_greedy_tokens(tiny_model, tiny_tokenizer, checkpoint, n, dtype):
+def test_a_tensor_parallel_model_gives_the_references_logits_and_greedy_tokens(
+    tiny_model, tiny_tokenizer, checkpoint, n, dtype
+):
     ref = reference(tiny_model, dtype)
     model, _ = load_tensor_parallel(None, dtype, "cpu", n, timeout=60, state_file=checkpoint)
     try:
         local = model.config
-        assert (local.num_attention_heads, local.num_key_value_heads, local.vocab_size) == (4 // n, max(1, 2 // n), 300)
+        assert (local.num_attention_heads, local.num_key_value_heads, local.vocab_size) == (
+            4 // n,
+            max(1, 2 // n),
+            300,
+        )
         exact, decoded = _steps(reference(tiny_model, torch.float32), ref.config, torch.float32)
         expected, _ = _steps(ref, ref.config, dtype, decoded)
         got, _ = _steps(model, local, dtype, decoded)
@@ -136,7 +159,9 @@ def test_a_tensor_parallel_model_gives_the_references_logits_and_greedy_tokens(t
     assert all(p.returncode == 0 for p in model.procs)  # every worker stopped on STOP
 
 
-def test_a_dead_worker_makes_the_engine_unhealthy_and_fails_requests_without_a_hang(tiny_model, tiny_tokenizer, checkpoint):
+def test_a_dead_worker_makes_the_engine_unhealthy_and_fails_requests_without_a_hang(
+    tiny_model, tiny_tokenizer, checkpoint
+):
     model, _ = load_tensor_parallel(None, torch.float32, "cpu", 2, timeout=30, state_file=checkpoint)
     engine = InferenceEngine(model, tiny_tokenizer, EngineConfig(max_seq_len=128))
     try:

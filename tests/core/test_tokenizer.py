@@ -80,7 +80,9 @@ def test_ids_spell_the_text_in_the_gguf_vocabulary(tok, gguf_path):
     assert tok.bos_token_id == 1 and tok.vocab_size == len(vocab) == 49152
 
 
-@pytest.mark.parametrize("text", ["Hello, wörld", "日本語 and emoji 🎉", "  spaces\n\ttabs", "<|im_end|> after"])
+@pytest.mark.parametrize(
+    "text", ["Hello, wörld", "日本語 and emoji 🎉", "  spaces\n\ttabs", "<|im_end|> after"]
+)
 def test_token_bytes_spell_the_text_exactly(tok, text):
     """Log-prob ``bytes``: each token's own bytes, a split character's part included, join to the text."""
     ids = tok.encode(text)

@@ -32,18 +32,27 @@ WEATHER = ToolCall(id="call_9d3b2f0c4e8a4a1fb6c2d7e5", name="get_weather", argum
 def _openai(stream: bool = True) -> tuple[OpenAIResponseBuilder, Prepared]:
     request = ChatCompletionRequest(messages=QUESTION, stream=stream)
     prepared = Prepared(
-        request=request, prompt_ids=[0] * 14, params=SamplingParams(), stream=stream,
-        response_id="chatcmpl-5f0c2a9e8b7d4c3a1e6f9b2d", created=CREATED, state={"include_usage": True},
-    )  # fmt: skip
+        request=request,
+        prompt_ids=[0] * 14,
+        params=SamplingParams(),
+        stream=stream,
+        response_id="chatcmpl-5f0c2a9e8b7d4c3a1e6f9b2d",
+        created=CREATED,
+        state={"include_usage": True},
+    )
     return OpenAIResponseBuilder(), prepared
 
 
 def _anthropic(stream: bool = True) -> tuple[AnthropicResponseBuilder, Prepared]:
     request = MessagesRequest(messages=QUESTION, stream=stream, stop_sequences=["."])
     prepared = Prepared(
-        request=request, prompt_ids=[0] * 14, params=SamplingParams(stop=["."]), stream=stream,
-        response_id="msg_0b8e4c2d9f1a4e7b8c3d5a6f", created=CREATED,
-    )  # fmt: skip
+        request=request,
+        prompt_ids=[0] * 14,
+        params=SamplingParams(stop=["."]),
+        stream=stream,
+        response_id="msg_0b8e4c2d9f1a4e7b8c3d5a6f",
+        created=CREATED,
+    )
     return AnthropicResponseBuilder(), prepared
 
 

@@ -42,9 +42,21 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     )
     site = tmp_path / "site"
     run = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(site)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     nav = re.findall(r":\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
     assert sorted(nav) == sorted(p.name for p in DOCS.glob("*.md")), (
@@ -68,9 +80,7 @@ def _registered() -> dict[str, set[tuple[str, str]]]:
 def test_entry_point_groups_table_matches_the_pyprojects() -> None:
     (block,) = all_blocks("entry-point-groups")
     registered = _registered()
-    assert set(registered) <= set(groups.GROUPS), (
-        "a distribution registers in a group astrai does not define"
-    )
+    assert set(registered) <= set(groups.GROUPS), "a distribution registers in a group astrai does not define"
     rows = {r["Group"]: r for r in block.records()}
     assert sorted(rows) == sorted(groups.GROUPS)
     for group, row in rows.items():

@@ -51,10 +51,19 @@ def make_tiny_engine() -> Any:
     from astrai.model import ModelConfig, build_model
 
     config = ModelConfig(
-        architecture="llama", vocab_size=ByteTokenizer.vocab_size, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=64, bos_token_id=BOS, eos_token_ids=[EOS], name="tiny",
-    )  # fmt: skip
+        architecture="llama",
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        bos_token_id=BOS,
+        eos_token_ids=[EOS],
+        name="tiny",
+    )
     model = build_model(config, torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

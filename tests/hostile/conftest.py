@@ -19,7 +19,9 @@ _shared: list[SharedServers] = []  # the session's, for the hook below
 
 
 @pytest.fixture(scope="session")
-def shared_server(tmp_path_factory: pytest.TempPathFactory, default_model_path: object) -> Iterator[Callable[..., Served]]:
+def shared_server(
+    tmp_path_factory: pytest.TempPathFactory, default_model_path: object
+) -> Iterator[Callable[..., Served]]:
     """``get(*flags) -> Served``: one healthy ``astrai serve`` per distinct flags, shared by the
     modules of this directory (tests/serving.py: SharedServers); stopped as soon as the next test
     is outside this directory (``pytest_runtest_teardown``), so that no idle model outlives it."""

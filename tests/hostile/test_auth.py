@@ -34,7 +34,9 @@ def keyed(start_server: Any) -> Any:
 
 def test_an_empty_or_blank_key_stops_the_command(start_server: Any) -> None:
     keys = ["", "   ", "\t"]
-    started = [start_server("--api-key", key, healthy=False) for key in keys]  # side by side: each stops at once
+    started = [
+        start_server("--api-key", key, healthy=False) for key in keys
+    ]  # side by side: each stops at once
     for key, served in zip(keys, started, strict=True):
         assert served.proc.wait(120) == 2, served.log()
         assert (
@@ -59,7 +61,11 @@ def test_openapi_needs_the_key_and_health_does_not(keyed: Any) -> None:
 
 def test_a_non_ascii_key_works_from_a_utf8_client(keyed: Any) -> None:
     utf8 = KEY.encode("utf-8")
-    for header in ({"authorization": b"Bearer " + utf8}, {"authorization": b"bearer  " + utf8}, {"x-api-key": utf8}):
+    for header in (
+        {"authorization": b"Bearer " + utf8},
+        {"authorization": b"bearer  " + utf8},
+        {"x-api-key": utf8},
+    ):
         assert httpx.get(keyed.url + "/v1/models", headers=header, timeout=10).status_code == 200, header
         r = httpx.post(keyed.url + "/v1/chat/completions", json=HI, headers=header, timeout=60)
         assert r.status_code == 200, r.text
@@ -73,7 +79,9 @@ def test_a_non_ascii_key_works_from_a_utf8_client(keyed: Any) -> None:
     ids=["latin-1", "one-byte-short", "one-byte-long", "empty", "ascii-lookalike"],
 )
 def test_anything_but_the_keys_utf8_is_refused(keyed: Any, sent: bytes) -> None:
-    headers = [{"x-api-key": sent}] + ([{"authorization": b"Bearer " + sent}] if sent else [{"authorization": b"Bearer"}])
+    headers = [{"x-api-key": sent}] + (
+        [{"authorization": b"Bearer " + sent}] if sent else [{"authorization": b"Bearer"}]
+    )
     for header in headers:
         r = httpx.get(keyed.url + "/v1/models", headers=header, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["message"] == UNAUTHORIZED, header
@@ -87,7 +95,10 @@ def test_each_key_opens_every_guarded_route(keyed: Any) -> None:
     for key in (KEY.encode("utf-8"), SECOND.encode()):
         for header in ({"authorization": b"Bearer " + key}, {"x-api-key": key}):
             for path in ("/v1/models", "/openapi.json"):
-                assert httpx.get(keyed.url + path, headers=header, timeout=10).status_code == 200, (path, header)
+                assert httpx.get(keyed.url + path, headers=header, timeout=10).status_code == 200, (
+                    path,
+                    header,
+                )
             for path in ("/stats", "/metrics"):
                 r = httpx.get(keyed.url + path, headers=header, timeout=10)
                 assert r.status_code == 403 and "--admin-api-key" in r.json()["detail"], (path, header)

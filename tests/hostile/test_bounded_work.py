@@ -35,15 +35,19 @@ def _ask(content: str, **extra: Any) -> dict[str, Any]:
 def bounded(start_servers: Any) -> tuple[Any, Any]:
     """A small batch (so that a fan-out takes several waves) with a short compile time-out; and one compile
     worker with no queue (so that a busy worker shows as a 429)."""
-    return tuple(start_servers(
-        ("--max-batch-size", "8", "--grammar-compile-timeout", "1", "--log-level", "info"),
-        ("--grammar-workers", "1", "--grammar-queue", "0", "--log-level", "info"),
-    ))  # fmt: skip
+    return tuple(
+        start_servers(
+            ("--max-batch-size", "8", "--grammar-compile-timeout", "1", "--log-level", "info"),
+            ("--grammar-workers", "1", "--grammar-queue", "0", "--log-level", "info"),
+        )
+    )
 
 
 def test_a_fan_out_over_the_cap_is_a_400_naming_the_field(server: Any) -> None:
-    cases = [({"prompt": ["a"] * 129}, "prompt", "prompt 129 and n 1 make 129 choices"),
-             ({"prompt": ["a"] * 9, "n": 16}, "n", "prompt 9 and n 16 make 144 choices")]  # fmt: skip
+    cases = [
+        ({"prompt": ["a"] * 129}, "prompt", "prompt 129 and n 1 make 129 choices"),
+        ({"prompt": ["a"] * 9, "n": 16}, "n", "prompt 9 and n 16 make 144 choices"),
+    ]
     for body, param, words in cases:
         r = httpx.post(server.url + COMPLETIONS, json={**body, "max_tokens": 1}, timeout=30)
         error = r.json()["error"]
@@ -61,8 +65,12 @@ def test_a_fan_out_under_the_cap_does_not_hold_back_a_later_chat(bounded: tuple[
     done: dict[str, float] = {}
 
     def fan_out() -> None:
-        body = {"prompt": [f"Count to ten, number {i}:" for i in range(128)], "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "prompt": [f"Count to ten, number {i}:" for i in range(128)],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         r = httpx.post(served.url + COMPLETIONS, json=body, timeout=600)
         assert r.status_code == 200 and len(r.json()["choices"]) == 128, r.text
         done["fan_out"] = time.monotonic()
@@ -195,8 +203,11 @@ def test_stop_strings_and_logit_bias_are_bounded(server: Any) -> None:
                 route,
                 r.text,
             )
-    r = httpx.post(server.url + "/v1/messages", json={**_ask("hi"), "stop_sequences": [f"s{i}" for i in range(65)]},
-                   timeout=30)  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/messages",
+        json={**_ask("hi"), "stop_sequences": [f"s{i}" for i in range(65)]},
+        timeout=30,
+    )
     assert r.status_code == 400 and "at most 64" in r.text
     # at the bounds: served
     ok = _ask("hi", stop=[f"stop-{i}" for i in range(64)], logit_bias={str(i): 0.5 for i in range(300)})

@@ -28,15 +28,22 @@ CHAT = "/v1/chat/completions"
 KV_TOKENS = 256
 N, MAX_TOKENS = 8, 24
 BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, float32 (SmolLM2-135M)
-WORDS = "river stone quiet market lantern orbit velvet harbor signal meadow copper thunder garden pixel".split()
+WORDS = (
+    "river stone quiet market lantern orbit velvet harbor signal meadow copper thunder garden pixel".split()
+)
 
 
 def body(i: int) -> dict:
     rng = random.Random(i)
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(20, 50)))
     content = f"Note {i}: {words}. Write a short story about the words of note {i}."
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 async def stream(client: httpx.AsyncClient, payload: dict) -> tuple[str, str | None, bool]:
@@ -76,7 +83,9 @@ def test_a_flood_on_a_tight_pool_completes_as_alone_without_thrash_or_leak(start
         assert done and reason == "length", f"stream {i} did not complete: {reason}"
         assert text == alone_text, f"stream {i} differs from the same request alone"
     stats = served.wait_idle()
-    assert stats["kv_tokens_in_use"] == 0 and stats["kv_tokens_in_use"] + stats["kv_tokens_cached"] <= KV_TOKENS
+    assert (
+        stats["kv_tokens_in_use"] == 0 and stats["kv_tokens_in_use"] + stats["kv_tokens_cached"] <= KV_TOKENS
+    )
     assert stats["total_tasks"] == 2 * n and stats["total_tokens"] == 2 * n * MAX_TOKENS
     preempted = Counter(re.findall(r"preempting request (\S+) at", served.log()))
     assert stats["preemptions"] == sum(preempted.values()) <= n // 2, preempted  # the old admission: 8 here

@@ -19,7 +19,12 @@ import pytest
 
 pytestmark = pytest.mark.slow  # the real default model, in a subprocess
 
-CHAT, COMPLETIONS, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"
+CHAT, COMPLETIONS, RESPONSES, MESSAGES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+)
 USER = [{"role": "user", "content": "Say hi."}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 RESPONSES_TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
@@ -35,63 +40,167 @@ ONE_OF = 'Input should be "none", "auto", "required" or {"type": "function", "fu
 #: (route, fields over the route's valid body, status, the exact error message)
 CASES = [
     # the issue's two 500s
-    (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}}, 422,
-     "tool_choice.function: Input should be a valid dictionary or instance of FunctionName"),
+    (
+        CHAT,
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}},
+        422,
+        "tool_choice.function: Input should be a valid dictionary or instance of FunctionName",
+    ),
     (CHAT, {"tools": TOOLS, "tool_choice": ["f"]}, 422, f"tool_choice: {ONE_OF}"),
     # the other wrong tool_choice shapes
-    (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function"}}, 422,
-     'tool_choice: Value error, a function tool_choice needs "function": {"name": ...}'),
-    (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": 5}}}, 422,
-     "tool_choice.function.name: Input should be a valid string"),
-    (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f", "strict": True}}}, 400,
-     "unsupported parameter tool_choice.function.strict: astrai does not implement it"),
-    (CHAT, {"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}, 400,
-     "tool_choice of type 'allowed_tools' is not supported"),
-    (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
-     "tool_choice names function 'g', which is not in tools"),
+    (
+        CHAT,
+        {"tools": TOOLS, "tool_choice": {"type": "function"}},
+        422,
+        'tool_choice: Value error, a function tool_choice needs "function": {"name": ...}',
+    ),
+    (
+        CHAT,
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": 5}}},
+        422,
+        "tool_choice.function.name: Input should be a valid string",
+    ),
+    (
+        CHAT,
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f", "strict": True}}},
+        400,
+        "unsupported parameter tool_choice.function.strict: astrai does not implement it",
+    ),
+    (
+        CHAT,
+        {
+            "tools": TOOLS,
+            "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+        },
+        400,
+        "tool_choice of type 'allowed_tools' is not supported",
+    ),
+    (
+        CHAT,
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400,
+        "tool_choice names function 'g', which is not in tools",
+    ),
     (CHAT, {"tools": TOOLS, "tool_choice": 5}, 422, f"tool_choice: {ONE_OF}"),
-    (RESPONSES, {"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "function": "f"}}, 400,
-     "unsupported value for tool_choice (refused for an object other than {\"type\": \"function\", \"name\": ...}: "
-     "only function tools are served)"),
-    (RESPONSES, {"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": 5}}, 400,
-     "unsupported value for tool_choice (refused for an object other than {\"type\": \"function\", \"name\": ...}: "
-     "only function tools are served)"),
-    (RESPONSES, {"tools": RESPONSES_TOOLS, "tool_choice": ["f"]}, 422,
-     'tool_choice: Input should be "none", "auto", "required" or {"type": "function", "name": ...}'),
-    (MESSAGES, {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "function", "function": "f"}}, 400,
-     "unsupported parameter tool_choice.function: astrai does not implement it"),
-    (MESSAGES, {"tools": ANTHROPIC_TOOLS, "tool_choice": ["f"]}, 422,
-     "tool_choice: Input should be a valid dictionary or instance of ToolChoice"),
+    (
+        RESPONSES,
+        {"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "function": "f"}},
+        400,
+        'unsupported value for tool_choice (refused for an object other than {"type": "function", "name": ...}: '
+        "only function tools are served)",
+    ),
+    (
+        RESPONSES,
+        {"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": 5}},
+        400,
+        'unsupported value for tool_choice (refused for an object other than {"type": "function", "name": ...}: '
+        "only function tools are served)",
+    ),
+    (
+        RESPONSES,
+        {"tools": RESPONSES_TOOLS, "tool_choice": ["f"]},
+        422,
+        'tool_choice: Input should be "none", "auto", "required" or {"type": "function", "name": ...}',
+    ),
+    (
+        MESSAGES,
+        {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "function", "function": "f"}},
+        400,
+        "unsupported parameter tool_choice.function: astrai does not implement it",
+    ),
+    (
+        MESSAGES,
+        {"tools": ANTHROPIC_TOOLS, "tool_choice": ["f"]},
+        422,
+        "tool_choice: Input should be a valid dictionary or instance of ToolChoice",
+    ),
     # tools
-    (CHAT, {"tools": [{"type": "function", "function": "f"}]}, 422,
-     "tools.0.function: Input should be a valid dictionary or instance of FunctionDef"),
+    (
+        CHAT,
+        {"tools": [{"type": "function", "function": "f"}]},
+        422,
+        "tools.0.function: Input should be a valid dictionary or instance of FunctionDef",
+    ),
     (CHAT, {"tools": "f"}, 422, "tools: Input should be a valid list"),
-    (MESSAGES, {"tools": [{"name": "f", "input_schema": 5}]}, 422, "tools.0.input_schema: Input should be a valid dictionary"),
+    (
+        MESSAGES,
+        {"tools": [{"name": "f", "input_schema": 5}]},
+        422,
+        "tools.0.input_schema: Input should be a valid dictionary",
+    ),
     # content parts and messages
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 422,
-     "messages.0.content: Value error, content part of type 'image_url' is not supported (text only)"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 422, "messages.0.content.0.text: Field required"),
-    (CHAT, {"messages": [{"role": "user", "content": [None]}]}, 422,
-     "messages.0.content.0: Input should be a valid dictionary or instance of TextPart"),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 422, "messages.0.content: Input should be a string or a list of content parts"),
-    (RESPONSES, {"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 422, "input.0.content.0.text: Field required"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+        422,
+        "messages.0.content: Value error, content part of type 'image_url' is not supported (text only)",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        422,
+        "messages.0.content.0.text: Field required",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [None]}]},
+        422,
+        "messages.0.content.0: Input should be a valid dictionary or instance of TextPart",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": 5}]},
+        422,
+        "messages.0.content: Input should be a string or a list of content parts",
+    ),
+    (
+        RESPONSES,
+        {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        422,
+        "input.0.content.0.text: Field required",
+    ),
     (CHAT, {"messages": []}, 422, "messages: List should have at least 1 item after validation, not 0"),
     (CHAT, {"messages": "hi"}, 422, "messages: Input should be a valid list"),
-    (CHAT, {"messages": [{"role": "bot", "content": "hi"}]}, 422,
-     "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"),
-    (RESPONSES, {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, 422,
-     "input.0.content: Value error, content part of type 'input_image' is not supported (text only)"),
-    (MESSAGES, {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
-     "unsupported parameter messages.0.content.0.image: astrai does not implement it"),
-    (MESSAGES, {"messages": [{"role": "user", "content": [None]}]}, 422,
-     "messages.0.content.0: Input should be a valid dictionary or object to extract fields from"),
+    (
+        CHAT,
+        {"messages": [{"role": "bot", "content": "hi"}]},
+        422,
+        "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'",
+    ),
+    (
+        RESPONSES,
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+        422,
+        "input.0.content: Value error, content part of type 'input_image' is not supported (text only)",
+    ),
+    (
+        MESSAGES,
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        400,
+        "unsupported parameter messages.0.content.0.image: astrai does not implement it",
+    ),
+    (
+        MESSAGES,
+        {"messages": [{"role": "user", "content": [None]}]},
+        422,
+        "messages.0.content.0: Input should be a valid dictionary or object to extract fields from",
+    ),
     (COMPLETIONS, {"prompt": []}, 400, "prompt must hold at least one prompt"),
     # stop and response_format
     (CHAT, {"stop": 5}, 422, "stop: Input should be a valid string (and 1 more errors)"),
     (MESSAGES, {"stop_sequences": [None]}, 422, "stop_sequences.0: Input should be a valid string"),
-    (CHAT, {"response_format": {"type": "json_schema"}}, 400, "response_format.json_schema must be an object with a schema"),
-    (COMPLETIONS, {"response_format": {"type": "regex"}}, 400,
-     "response_format.type must be text, json_object or json_schema, got 'regex'"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema must be an object with a schema",
+    ),
+    (
+        COMPLETIONS,
+        {"response_format": {"type": "regex"}},
+        400,
+        "response_format.type must be text, json_object or json_schema, got 'regex'",
+    ),
 ]
 
 
@@ -111,8 +220,12 @@ def _failures(log: str) -> list[str]:
     return [line for line in log.splitlines() if "ERROR" in line or "Traceback" in line]
 
 
-@pytest.mark.parametrize(("route", "fields", "status", "message"), CASES, ids=[f"{r}:{json.dumps(f)[:60]}" for r, f, *_ in CASES])
-def test_malformed_input_is_a_4xx_in_the_protocols_shape(server: Any, route: str, fields: dict, status: int, message: str) -> None:
+@pytest.mark.parametrize(
+    ("route", "fields", "status", "message"), CASES, ids=[f"{r}:{json.dumps(f)[:60]}" for r, f, *_ in CASES]
+)
+def test_malformed_input_is_a_4xx_in_the_protocols_shape(
+    server: Any, route: str, fields: dict, status: int, message: str
+) -> None:
     logged = len(server.log())
     for stream in (False, True):
         body = {**BASE[route], **fields, "stream": stream}
@@ -127,10 +240,16 @@ def _deep_call(route: str) -> dict[str, Any]:
     arguments = "[" * 1200  # deeper than Python's recursion limit, short enough for the context
     if route == CHAT:
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
-        messages = [*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+        messages = [
+            *USER,
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
         return {**BASE[CHAT], "messages": messages}
-    items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
-             {"type": "function_call_output", "call_id": "c1", "output": "ok"}]  # fmt: skip
+    items = [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ]
     return {**BASE[RESPONSES], "input": [{"role": "user", "content": "Say hi."}, *items]}
 
 
@@ -139,7 +258,11 @@ def test_deeply_nested_call_arguments_reach_the_template_as_text(server: Any, ro
     body, logged = _deep_call(route), len(server.log())
     r = httpx.post(server.url + route, json=body, timeout=60)
     assert r.status_code == 200, r.text
-    counted = httpx.post(server.url + "/tokenize", json={"messages": body["messages"]}, timeout=60) if route == CHAT else None
+    counted = (
+        httpx.post(server.url + "/tokenize", json={"messages": body["messages"]}, timeout=60)
+        if route == CHAT
+        else None
+    )
     if counted is not None:  # the arguments are in the prompt, as the text they were sent as
         assert counted.status_code == 200 and r.json()["usage"]["prompt_tokens"] == counted.json()["count"]
     assert server.wait_idle()["kv_tokens_in_use"] == 0

@@ -31,14 +31,20 @@ def body(i: int, **fields: Any) -> dict[str, Any]:
     return {"messages": messages, "max_tokens": 32, "temperature": 0, **fields}
 
 
-async def stream(client: httpx.AsyncClient, route: str, payload: dict, started: asyncio.Event | None = None) -> dict:
+async def stream(
+    client: httpx.AsyncClient, route: str, payload: dict, started: asyncio.Event | None = None
+) -> dict:
     """POST a streamed request; the status, content type and every ``data:`` payload (``[DONE]`` kept).
     ``started`` is set once the first generated text arrives."""
     events: list[Any] = []
     try:
         async with client.stream("POST", route, json={**payload, "stream": True}) as r:
             if r.status_code != 200:
-                return {"status": r.status_code, "type": r.headers["content-type"], "body": json.loads(await r.aread())}
+                return {
+                    "status": r.status_code,
+                    "type": r.headers["content-type"],
+                    "body": json.loads(await r.aread()),
+                }
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     data = line.removeprefix("data: ")
@@ -79,7 +85,12 @@ async def storm(url: str) -> tuple[list, list, list]:
         healthy = [asyncio.create_task(stream(client, r, body(i), started[i])) for i, r in enumerate(routes)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)  # all six are decoding now
         # the issue's requests, sent while the six stream: they join the six's steps
-        huge = [(CHAT, HUGE[0], True), (CHAT, HUGE[1], False), (MESSAGES, HUGE[0], False), (MESSAGES, HUGE[1], True)]
+        huge = [
+            (CHAT, HUGE[0], True),
+            (CHAT, HUGE[1], False),
+            (MESSAGES, HUGE[0], False),
+            (MESSAGES, HUGE[1], True),
+        ]
         tasks = []
         for route, k, streamed in huge:  # sampled (a greedy row never builds the sampling tensors)
             payload = body(0, top_k=k, temperature=1.0, max_tokens=12)
@@ -114,7 +125,11 @@ def test_huge_top_k_and_unservable_values_never_fail_the_streams_they_meet(serve
             assert answer["status"] == 200 and completed(route, answer), (route, k, answer)
         else:
             assert answer.status_code == 200, (route, k, answer.text)
-            reason = answer.json()["choices"][0]["finish_reason"] if route == CHAT else answer.json()["stop_reason"]
+            reason = (
+                answer.json()["choices"][0]["finish_reason"]
+                if route == CHAT
+                else answer.json()["stop_reason"]
+            )
             assert reason in ("stop", "length", "end_turn", "max_tokens")
     for (route, _fields, param), answer in refused:
         # a stream too: the 400 is the status line itself, with the route's JSON error body

@@ -23,8 +23,12 @@ SYSTEM = " ".join(f"Rule {i}: answer briefly and politely, in plain English." fo
 
 
 def _chat(url: str, key: str | None, question: str, **extra: Any) -> dict[str, Any]:
-    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-            "max_tokens": 1, "temperature": 0, **extra}  # fmt: skip
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 1,
+        "temperature": 0,
+        **extra,
+    }
     headers = {"authorization": f"Bearer {key}"} if key else {}
     r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
@@ -88,8 +92,11 @@ def test_a_cache_salt_splits_the_cache_on_every_protocol(servers: tuple[Any, Any
     messages = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "cache_salt": "anthropic"}
     assert httpx.post(base + "/v1/messages", json=messages, timeout=120).status_code == 200
     for bad in ("", "x" * 1025, 7):
-        r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                           "max_tokens": 1, "cache_salt": bad}, timeout=30)  # fmt: skip
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "cache_salt": bad},
+            timeout=30,
+        )
         assert r.status_code == 422 and r.json()["error"]["param"] == "cache_salt", r.text
 
 

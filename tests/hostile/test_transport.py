@@ -61,7 +61,9 @@ def _connect(url: str) -> socket.socket:
 
 def _head(route: str, length: int | None = None) -> bytes:
     framing = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
-    return f"POST {route} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode()
+    return (
+        f"POST {route} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode()
+    )
 
 
 def _response(sock: socket.socket) -> tuple[int, Any]:
@@ -141,8 +143,18 @@ CONTEXT = "the prompt is at least "  # the context-length 400, before tokenizing
 VALUES = "request body holds more than 1048576 JSON values"  # before parsing
 MAX_BODIES = {  # (route, a body of about LIMIT bytes, how its 400 begins)
     "one 32 MiB text": (CHAT, _one_long_text, CONTEXT),
-    "100,000 messages": (MESSAGES, lambda: _fill({"max_tokens": 2, "messages": []}, {"role": "user", "content": PROSE * 7}, ("messages",)), CONTEXT),
-    "11 million token ids": (COMPLETIONS, lambda: _fill({"max_tokens": 2, "prompt": []}, 7, ("prompt",)), VALUES),
+    "100,000 messages": (
+        MESSAGES,
+        lambda: _fill(
+            {"max_tokens": 2, "messages": []}, {"role": "user", "content": PROSE * 7}, ("messages",)
+        ),
+        CONTEXT,
+    ),
+    "11 million token ids": (
+        COMPLETIONS,
+        lambda: _fill({"max_tokens": 2, "prompt": []}, 7, ("prompt",)),
+        VALUES,
+    ),
     "8 million empty strings": (CHAT, lambda: _fill({"messages": USER, "stop": []}, "", ("stop",)), VALUES),
 }
 
@@ -152,7 +164,9 @@ def _rss_kib(server: Any) -> int:
     return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
 
 
-def _probe_while_posting(server: Any, probe: httpx.Client, route: str, body: bytes) -> tuple[list[float], tuple[int, Any]]:
+def _probe_while_posting(
+    server: Any, probe: httpx.Client, route: str, body: bytes
+) -> tuple[list[float], tuple[int, Any]]:
     """/health latencies (every 10 ms) while ``body`` is posted to ``route``, and the post's answer."""
     answer: list[tuple[int, Any]] = []
     poster = threading.Thread(target=lambda: answer.append(_post_raw(server.url, route, body)))
@@ -175,13 +189,20 @@ def test_health_answers_within_100ms_while_max_size_bodies_are_processed(server:
         for name, (route, make, refusal) in MAX_BODIES.items():
             body = make()
             latencies, (status, error) = _probe_while_posting(server, probe, route, body)
-            if max(latencies) >= 0.1:  # once more: one slow probe can be the shared machine's, not the server's
+            if (
+                max(latencies) >= 0.1
+            ):  # once more: one slow probe can be the shared machine's, not the server's
                 latencies, (status, error) = _probe_while_posting(server, probe, route, body)
             assert status == 400, (name, error)
             assert _shape(route, error).startswith(refusal), (name, error)
-            assert refusal == VALUES or "but the context limit is 1024 tokens" in _shape(route, error), (name, error)
+            assert refusal == VALUES or "but the context limit is 1024 tokens" in _shape(route, error), (
+                name,
+                error,
+            )
             assert len(latencies) >= 5, f"{name}: the body was processed before /health could be probed"
-            assert max(latencies) < 0.1, f"{name}: /health took {max(latencies) * 1000:.0f} ms (of {len(latencies)} probes)"
+            assert max(latencies) < 0.1, (
+                f"{name}: /health took {max(latencies) * 1000:.0f} ms (of {len(latencies)} probes)"
+            )
         time.sleep(0.5)  # the memory release runs on a worker thread after the answer
         grown = (_rss_kib(server) - rss_before) / 1024
     assert grown < 200, f"resident memory grew by {grown:.0f} MiB after {len(MAX_BODIES)} bodies of 32 MiB"
@@ -193,7 +214,11 @@ def test_a_long_text_is_refused_before_it_is_tokenized(server: Any) -> None:
     """1.5 MB of prose: refused in well under the seconds tokenizing it would take, as the context-length 400."""
     text = PROSE * 36_000
     start = time.perf_counter()
-    r = httpx.post(server.url + MESSAGES, json={"messages": [{"role": "user", "content": text}], "max_tokens": 2}, timeout=60)
+    r = httpx.post(
+        server.url + MESSAGES,
+        json={"messages": [{"role": "user", "content": text}], "max_tokens": 2},
+        timeout=60,
+    )
     elapsed = time.perf_counter() - start
     assert r.status_code == 400
     assert _shape(MESSAGES, r.json()) == (  # the longest token of the default model is 81 bytes
@@ -216,7 +241,10 @@ def test_a_declared_size_over_the_limit_is_413_before_the_body_is_sent(server: A
         sock.close()
     assert status == 413
     message = _shape(route, body, kind="request_too_large")
-    assert message == f"request body is {LIMIT + 1} bytes, more than the limit of {LIMIT} bytes (--max-request-bytes)"
+    assert (
+        message
+        == f"request body is {LIMIT + 1} bytes, more than the limit of {LIMIT} bytes (--max-request-bytes)"
+    )
 
 
 @pytest.mark.parametrize("route", [CHAT, MESSAGES])
@@ -241,35 +269,71 @@ def test_deep_nesting_is_a_400(server: Any, route: str, kind: str) -> None:
         head = json.dumps({**BASE[route], "stream": stream})[:-1]
         for depth in (64, 5000):  # the top-level object is one level, "x" the rest
             raw = f'{head}, "x": {_nested(depth, kind)}}}'.encode()
-            r = httpx.post(server.url + route, content=raw, headers={"content-type": "application/json"}, timeout=60)
+            r = httpx.post(
+                server.url + route, content=raw, headers={"content-type": "application/json"}, timeout=60
+            )
             assert (r.status_code, r.headers["content-type"]) == (400, "application/json"), r.text
             assert _shape(route, r.json()) == "request body nests arrays and objects more than 64 levels deep"
-        shallow = f'{head}, "x": {_nested(63, kind)}}}'.encode()  # 64 levels: decoded, then refused as an unknown field
-        r = httpx.post(server.url + route, content=shallow, headers={"content-type": "application/json"}, timeout=60)
-        assert r.status_code == 400 and "'x'" in _shape(route, r.json()) and "unsupported parameter" in _shape(route, r.json())
+        shallow = (
+            f'{head}, "x": {_nested(63, kind)}}}'.encode()
+        )  # 64 levels: decoded, then refused as an unknown field
+        r = httpx.post(
+            server.url + route, content=shallow, headers={"content-type": "application/json"}, timeout=60
+        )
+        assert (
+            r.status_code == 400
+            and "'x'" in _shape(route, r.json())
+            and "unsupported parameter" in _shape(route, r.json())
+        )
 
 
 SURROGATES = [  # (route, body with a "\ud800" escape, the message)
-    (CHAT, {"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2},
-     "messages.0.content: a lone surrogate (\\ud800) is not text"),
-    (CHAT, {"messages": USER, "model": "\udc00", "max_tokens": 2}, "model: a lone surrogate (\\udc00) is not text"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}], "max_tokens": 2},
-     "messages.0.content.0.text: a lone surrogate (\\ud83d) is not text"),
-    (MESSAGES, {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
-     "messages.0.content: a lone surrogate (\\ud800) is not text"),
-    (MESSAGES, {"messages": USER, "model": "claude\udfff", "max_tokens": 2}, "model: a lone surrogate (\\udfff) is not text"),
-    (MESSAGES, {"messages": USER, "metadata": {"\ud800": 1}, "max_tokens": 2},
-     "invalid key metadata.\\ud800: a lone surrogate (\\ud800) is not text"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2},
+        "messages.0.content: a lone surrogate (\\ud800) is not text",
+    ),
+    (
+        CHAT,
+        {"messages": USER, "model": "\udc00", "max_tokens": 2},
+        "model: a lone surrogate (\\udc00) is not text",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}], "max_tokens": 2},
+        "messages.0.content.0.text: a lone surrogate (\\ud83d) is not text",
+    ),
+    (
+        MESSAGES,
+        {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
+        "messages.0.content: a lone surrogate (\\ud800) is not text",
+    ),
+    (
+        MESSAGES,
+        {"messages": USER, "model": "claude\udfff", "max_tokens": 2},
+        "model: a lone surrogate (\\udfff) is not text",
+    ),
+    (
+        MESSAGES,
+        {"messages": USER, "metadata": {"\ud800": 1}, "max_tokens": 2},
+        "invalid key metadata.\\ud800: a lone surrogate (\\ud800) is not text",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("route", "body", "message"), SURROGATES, ids=[m for *_, m in SURROGATES])
-def test_a_lone_surrogate_is_a_400_before_any_stream_starts(server: Any, route: str, body: dict, message: str) -> None:
+def test_a_lone_surrogate_is_a_400_before_any_stream_starts(
+    server: Any, route: str, body: dict, message: str
+) -> None:
     since = len(server.log())
     for stream in (False, True):
-        raw = json.dumps({**body, "stream": stream}).encode()  # ensure_ascii: the surrogate travels as an escape
+        raw = json.dumps(
+            {**body, "stream": stream}
+        ).encode()  # ensure_ascii: the surrogate travels as an escape
         assert b"\\ud" in raw
-        r = httpx.post(server.url + route, content=raw, headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            server.url + route, content=raw, headers={"content-type": "application/json"}, timeout=60
+        )
         assert (r.status_code, r.headers["content-type"]) == (400, "application/json"), r.text
         assert _shape(route, r.json()) == message
     assert "Traceback" not in _new_log(server, since)
@@ -286,10 +350,15 @@ def test_a_surrogate_pair_is_text(server: Any) -> None:
 def test_invalid_utf8_is_a_400(server: Any, route: str) -> None:
     for stream in (False, True):
         raw = json.dumps({**BASE[route], "stream": stream}).encode().replace(b"Say hi.", b"Say \xff hi.")
-        r = httpx.post(server.url + route, content=raw, headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            server.url + route, content=raw, headers={"content-type": "application/json"}, timeout=60
+        )
         assert r.status_code == 400, r.text
         at = raw.index(b"\xff")
-        assert _shape(route, r.json()) == f"request body is not valid JSON: not UTF-8 at byte {at} (0xff: invalid start byte)"
+        assert (
+            _shape(route, r.json())
+            == f"request body is not valid JSON: not UTF-8 at byte {at} (0xff: invalid start byte)"
+        )
 
 
 # --- finding 5: a client that hangs up mid-body ----------------------------------------------------
@@ -315,6 +384,8 @@ def test_a_client_that_hangs_up_mid_body_is_one_info_line(server: Any) -> None:
     assert all(line.startswith("INFO astrai_server.app: request req-") for line in lines), lines
     declared = [re.search(r"\((\d+) of 100000 bytes received\); nothing was queued$", line) for line in lines]
     chunked = [re.search(r"\((\d+) bytes received\); nothing was queued$", line) for line in lines]
-    assert sum(m is not None and int(m[1]) <= 1000 for m in declared) == 10, lines  # 1000, unless it hung up first
+    assert sum(m is not None and int(m[1]) <= 1000 for m in declared) == 10, (
+        lines
+    )  # 1000, unless it hung up first
     assert sum(m is not None and int(m[1]) <= 1000 for m in chunked) == 10, lines
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200

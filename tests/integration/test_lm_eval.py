@@ -53,10 +53,14 @@ def _evaluate(
         mp.chdir(TASK_DIR)  # the YAML's data_files path is relative; datasets resolves it from here
         t0 = time.perf_counter()
         out = lm_eval.simple_evaluate(
-            model=model, model_args=model_args, tasks=[TASK], batch_size=batch_size,
+            model=model,
+            model_args=model_args,
+            tasks=[TASK],
+            batch_size=batch_size,
             task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
-            log_samples=True, bootstrap_iters=0,
-        )  # fmt: skip
+            log_samples=True,
+            bootstrap_iters=0,
+        )
         seconds = time.perf_counter() - t0
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
     items = [[(float(ll), bool(greedy)) for ll, greedy in s["filtered_resps"]] for s in samples]
@@ -84,10 +88,15 @@ def test_local_completions_matches_hf(base_url, hf_model_dir, hf_run, offline):
     """Every choice's log-likelihood, its is_greedy flag and the accuracy, through the server, as hf has them."""
     ref, ref_acc, _ = hf_run
     args = {
-        "base_url": base_url + "/v1/completions", "model": "astrai", "tokenizer": str(hf_model_dir),
-        "tokenizer_backend": "huggingface", "tokenized_requests": True, "add_bos_token": False,
-        "num_concurrent": 2, "max_retries": 1,  # a 4xx fails at once instead of after back-off
-    }  # fmt: skip
+        "base_url": base_url + "/v1/completions",
+        "model": "astrai",
+        "tokenizer": str(hf_model_dir),
+        "tokenizer_backend": "huggingface",
+        "tokenized_requests": True,
+        "add_bos_token": False,
+        "num_concurrent": 2,
+        "max_retries": 1,  # a 4xx fails at once instead of after back-off
+    }
     got, acc, seconds = _evaluate("local-completions", args, batch_size=4)  # 4 prompts per request
     assert offline == [], f"lm-eval tried the network: {offline}"
     assert len(got) == N_ITEMS

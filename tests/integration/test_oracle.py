@@ -31,9 +31,13 @@ def _greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tens
     """
     cfg = model.config
     pool = PagePool(
-        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
         KVConfig(max_batch_size=1, max_seq_len=256, page_size=16, n_tokens=512),
-        dtype=torch.float32, device="cpu",
+        dtype=torch.float32,
+        device="cpu",
     )
     row = pool.task_alloc()
     out: list[int] = []

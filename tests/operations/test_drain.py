@@ -22,13 +22,23 @@ CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
 
 
 def chat(max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    return {
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 def message(max_tokens: int) -> dict:
-    return {"model": "astrai", "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "messages": [{"role": "user", "content": "Tell me a long story."}]}  # fmt: skip
+    return {
+        "model": "astrai",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
 
 
 class Stream(threading.Thread):
@@ -57,7 +67,11 @@ class Stream(threading.Thread):
             self.error = exc
 
     def events(self) -> list[dict]:
-        return [json.loads(x.removeprefix("data: ")) for x in self.lines if x.startswith("data: ") and x != "data: [DONE]"]
+        return [
+            json.loads(x.removeprefix("data: "))
+            for x in self.lines
+            if x.startswith("data: ") and x != "data: [DONE]"
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +116,10 @@ def test_sigterm_drains_new_requests_get_503_the_stream_completes_and_the_proces
 
 def test_past_the_shutdown_timeout_streams_end_aborted_but_complete_and_the_process_exits_0(private) -> None:
     served = private["times_out"]
-    openai_stream, anthropic_stream = Stream(served.url, CHAT, chat(900)), Stream(served.url, MESSAGES, message(900))
+    openai_stream, anthropic_stream = (
+        Stream(served.url, CHAT, chat(900)),
+        Stream(served.url, MESSAGES, message(900)),
+    )
     _started(served, openai_stream, anthropic_stream)
     t0 = time.monotonic()
     served.proc.send_signal(signal.SIGTERM)
@@ -131,4 +148,6 @@ def test_a_second_signal_exits_at_once(private) -> None:
     assert time.monotonic() - t0 < 5
     assert "second SIGTERM: exiting now" in served.log()
     stream.join(30)
-    assert stream.error is not None and stream.lines[-1] != "data: [DONE]"  # cut: that is what a second signal means
+    assert (
+        stream.error is not None and stream.lines[-1] != "data: [DONE]"
+    )  # cut: that is what a second signal means

@@ -27,29 +27,47 @@ OVERLOADED_OPENAI = {"type": "requests", "param": None, "code": "rate_limit_exce
 
 
 def chat(max_tokens: int = 8, **extra) -> dict:
-    return {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, **extra}  # fmt: skip
+    return {
+        "messages": [{"role": "user", "content": "Count to ten."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def message(max_tokens: int = 8) -> dict:
-    return {"model": "astrai", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Count to ten."}],
-            "temperature": 0}  # fmt: skip
+    return {
+        "model": "astrai",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "Count to ten."}],
+        "temperature": 0,
+    }
 
 
 async def flood(url: str, n: int) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        calls = [client.post(CHAT, json=chat()) if i % 2 else client.post(MESSAGES, json=message()) for i in range(n)]
+        calls = [
+            client.post(CHAT, json=chat()) if i % 2 else client.post(MESSAGES, json=message())
+            for i in range(n)
+        ]
         return await asyncio.wait_for(asyncio.gather(*calls), 300)
 
 
 @pytest.fixture(scope="module")
 def servers(start_servers) -> dict[str, object]:
     """The module's three servers, started side by side up front; each serves only its own tests."""
-    return dict(zip(("bounded", "queue_timeout", "priority"), start_servers(
-        ("--max-batch-size", "1", "--max-queued-requests", "2"),
-        ("--max-batch-size", "1", "--queue-timeout", "0.5"),
-        ("--max-batch-size", "1", "--scheduling-policy", "priority"),
-    ), strict=True))  # fmt: skip
+    return dict(
+        zip(
+            ("bounded", "queue_timeout", "priority"),
+            start_servers(
+                ("--max-batch-size", "1", "--max-queued-requests", "2"),
+                ("--max-batch-size", "1", "--queue-timeout", "0.5"),
+                ("--max-batch-size", "1", "--scheduling-policy", "priority"),
+            ),
+            strict=True,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +75,15 @@ def bounded(servers):
     return servers["bounded"]
 
 
-def test_a_bounded_flood_gets_only_answers_and_protocol_shaped_refusals_and_leaves_nothing_held(bounded) -> None:
+def test_a_bounded_flood_gets_only_answers_and_protocol_shaped_refusals_and_leaves_nothing_held(
+    bounded,
+) -> None:
     responses = asyncio.run(flood(bounded.url, 12))
     statuses = sorted(r.status_code for r in responses)
     assert set(statuses) <= {200, 429, 529}, statuses
-    assert statuses.count(200) >= 2 and statuses.count(200) < 12, statuses  # the queue took some, refused some
+    assert statuses.count(200) >= 2 and statuses.count(200) < 12, (
+        statuses
+    )  # the queue took some, refused some
     for r in responses:
         path = r.request.url.path
         if r.status_code == 200:
@@ -105,7 +127,9 @@ def test_the_sdks_see_a_rate_limit_and_an_overloaded_error(bounded) -> None:
         ant = anthropic.Anthropic(base_url=bounded.url, api_key="none", max_retries=0)
         for _ in range(20):  # a worker between two requests leaves a place free for a moment: try again
             try:
-                oai.chat.completions.create(model="astrai", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+                oai.chat.completions.create(
+                    model="astrai", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+                )
             except openai.RateLimitError as exc:
                 assert exc.status_code == 429 and exc.response.headers["retry-after"] == "1"
                 assert exc.code == "rate_limit_exceeded"
@@ -114,7 +138,9 @@ def test_the_sdks_see_a_rate_limit_and_an_overloaded_error(bounded) -> None:
             pytest.fail("no 429 while the queue was full")
         for _ in range(20):
             try:
-                ant.messages.create(model="astrai", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+                ant.messages.create(
+                    model="astrai", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+                )
             except anthropic.OverloadedError as exc:
                 assert exc.status_code == 529 and exc.body["error"]["type"] == "overloaded_error"
                 break

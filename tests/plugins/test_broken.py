@@ -37,7 +37,9 @@ def test_selecting_a_broken_architecture_raises_its_error() -> None:
     assert get_architecture("qwen2").attention_bias
     with pytest.raises(PluginError, match=f"{DIST}.*not an astrai.model.architecture.Architecture"):
         get_architecture("broken_arch")
-    with pytest.raises(ModelNotFound, match="'gpt2' is not supported; misspelled or not installed\\? Installed: llama, qwen2"):
+    with pytest.raises(
+        ModelNotFound, match="'gpt2' is not supported; misspelled or not installed\\? Installed: llama, qwen2"
+    ):
         get_architecture("gpt2")
 
 

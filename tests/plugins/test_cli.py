@@ -12,7 +12,9 @@ import pytest
 
 
 def astrai(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "astrai.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "astrai.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_plugins_lists_every_group_with_distribution_version_and_status() -> None:
@@ -31,17 +33,24 @@ def test_plugins_lists_every_group_with_distribution_version_and_status() -> Non
         ("astrai.plugins", "astrai_server"): "astrai-server",  # its hook adds `astrai serve`
     }
     for key, dist in expected.items():
-        assert rows[key]["distribution"] == dist and rows[key]["version"] == "0.1.0" and rows[key]["loaded"], key
+        assert (
+            rows[key]["distribution"] == dist and rows[key]["version"] == "0.1.0" and rows[key]["loaded"]
+        ), key
     assert rows["astrai.attention_backends", "torch_native"]["can_run"] is True
     assert rows["astrai.protocols", "ollama"]["can_run"] is None  # only backends say whether they can run
     broken = {key: r for key, r in rows.items() if r["distribution"] == "astrai-broken-plugin"}
     assert set(broken) == {
-        ("astrai.protocols", "broken"), ("astrai.sampling", "not_a_strategy"),
-        ("astrai.models", "broken_arch"), ("astrai.plugins", "broken_hooks"),
-    }  # fmt: skip
+        ("astrai.protocols", "broken"),
+        ("astrai.sampling", "not_a_strategy"),
+        ("astrai.models", "broken_arch"),
+        ("astrai.plugins", "broken_hooks"),
+    }
     assert not any(r["loaded"] for r in broken.values())
     assert "needs libbroken" in broken["astrai.protocols", "broken"]["error"]
-    assert "not a subclass of astrai.sampling.base.SamplingStrategy" in broken["astrai.sampling", "not_a_strategy"]["error"]
+    assert (
+        "not a subclass of astrai.sampling.base.SamplingStrategy"
+        in broken["astrai.sampling", "not_a_strategy"]["error"]
+    )
     assert "unknown hook 'astrai_request_finsihed'" in broken["astrai.plugins", "broken_hooks"]["error"]
 
 
@@ -50,11 +59,17 @@ def test_plugins_table() -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["GROUP", "NAME", "DISTRIBUTION", "VERSION", "LOADED", "CAN", "RUN"]
-    assert any(line.split()[:6] == ["astrai.attention_backends", "torch_native", "astrai-core", "0.1.0", "yes", "yes"] for line in lines)
+    assert any(
+        line.split()[:6]
+        == ["astrai.attention_backends", "torch_native", "astrai-core", "0.1.0", "yes", "yes"]
+        for line in lines
+    )
     broken = lines.index(next(line for line in lines if line.split()[1:2] == ["broken"]))
     assert lines[broken].split()[2:5] == ["astrai-broken-plugin", "0.1.0", "no"]
     assert "error: ImportError: astrai-broken-plugin needs libbroken" in lines[broken + 1]
-    assert "hook plugin skipped" in done.stderr and "astrai-broken-plugin 0.1.0" in done.stderr  # reported, not fatal
+    assert (
+        "hook plugin skipped" in done.stderr and "astrai-broken-plugin 0.1.0" in done.stderr
+    )  # reported, not fatal
 
 
 def test_hook_plugins_add_options_to_the_engine_commands() -> None:
@@ -84,11 +99,29 @@ def test_explicitly_selected_broken_protocol_stops_serve() -> None:
 def test_chat_takes_sampling_defaults_and_plugin_options(plugin_engine: Any, tmp_path: Path) -> None:
     """``astrai chat --sampling typical_p=1e-9 --request-log PATH``: the same for any seed, one line logged."""
     question = "What is the capital of France?"
-    sampled = {"temperature": 1.0, "max_tokens": 12, "typical_p": 1e-9}  # one token per step: the most typical
+    sampled = {
+        "temperature": 1.0,
+        "max_tokens": 12,
+        "typical_p": 1e-9,
+    }  # one token per step: the most typical
     expected = plugin_engine.chat([{"role": "user", "content": question}], seed=0, **sampled)
     log = tmp_path / "requests.jsonl"
-    done = astrai("chat", question, "--dtype", "float32", "--max-tokens", "12", "--temperature", "1.0",
-                  "--seed", "5", "--sampling", "typical_p=1e-9", "--request-log", str(log))  # fmt: skip
+    done = astrai(
+        "chat",
+        question,
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "5",
+        "--sampling",
+        "typical_p=1e-9",
+        "--request-log",
+        str(log),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
     (line,) = log.read_text().splitlines()
@@ -103,7 +136,9 @@ def test_chat_takes_sampling_defaults_and_plugin_options(plugin_engine: Any, tmp
 def test_chat_keeps_a_gguf_files_blocks_quantized_in_bfloat16_by_default(flags: tuple[str, ...]) -> None:
     """``astrai chat`` takes ``--weights`` as ``astrai serve`` does, ``auto`` by default (the load line names
     the quantized linears)."""
-    done = astrai("-v", "chat", "What is the capital of France?", "--dtype", "bfloat16", "--max-tokens", "8", *flags)
+    done = astrai(
+        "-v", "chat", "What is the capital of France?", "--dtype", "bfloat16", "--max-tokens", "8", *flags
+    )
     assert done.returncode == 0, done.stderr
     assert ("quantized linears" in done.stderr) == (flags == ())
     assert "Paris" in done.stdout

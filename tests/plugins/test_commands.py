@@ -55,7 +55,9 @@ def test_a_hook_plugin_adds_a_subcommand_that_main_runs() -> None:
     assert build_parser(pm).parse_args(["plugins"]).run.__name__ == "_print_plugins"  # core's, as before
 
 
-def test_a_raising_registration_is_logged_and_the_parser_still_works(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_raising_registration_is_logged_and_the_parser_still_works(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     greeter = Greeter()
     with caplog.at_level(logging.ERROR, logger="astrai.plugins"):
         parser = build_parser(PluginManager([Raising(), greeter, HalfRegistered()]))

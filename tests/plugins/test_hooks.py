@@ -49,7 +49,9 @@ def test_validation_when_a_plugin_loads() -> None:
     assert pm.has_impls("astrai_request_finished") and not pm.has_impls("astrai_engine_started")
 
 
-def test_a_failing_implementation_is_logged_and_the_others_still_run(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_implementation_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     recorder = Recorder()
     pm = PluginManager([recorder, Raiser()])
     with caplog.at_level(logging.ERROR, logger="astrai.plugins"):
@@ -65,7 +67,9 @@ def test_engine_hooks_order_thread_and_isolation(real_model: tuple, caplog: pyte
     recorder = Recorder()
     model, tokenizer = real_model
     with caplog.at_level(logging.ERROR, logger="astrai.plugins"):
-        engine = InferenceEngine(model, tokenizer, EngineConfig(max_seq_len=256), plugins=PluginManager([recorder, Raiser()]))
+        engine = InferenceEngine(
+            model, tokenizer, EngineConfig(max_seq_len=256), plugins=PluginManager([recorder, Raiser()])
+        )
         assert [c[0] for c in recorder.calls] == ["started"] and recorder.calls[0][1] is engine
         texts = engine.generate(["The sky is", "Two plus two is"], max_tokens=4, temperature=0)
         engine.shutdown()
@@ -75,7 +79,9 @@ def test_engine_hooks_order_thread_and_isolation(real_model: tuple, caplog: pyte
     assert names == ["started", "finished", "finished", "stopped"]
     finished = [c for c in recorder.calls if c[0] == "finished"]
     assert {c[2] for c in finished} == {"astrai-hooks"}  # never the scheduler's thread
-    assert sorted(c[1].prompt_tokens for c in finished) == sorted(len(tokenizer.encode(p, add_special_tokens=True)) for p in ["The sky is", "Two plus two is"])
+    assert sorted(c[1].prompt_tokens for c in finished) == sorted(
+        len(tokenizer.encode(p, add_special_tokens=True)) for p in ["The sky is", "Two plus two is"]
+    )
     assert all(c[1].completion_tokens == 4 and c[1].finish_reason == "length" for c in finished)
     assert caplog.text.count("RuntimeError: plugin bug") == 2  # logged per call, never raised into the engine
     assert "hook astrai_request_finished of plugin 'Raiser-" in caplog.text

@@ -46,7 +46,9 @@ def test_chat_streaming_matches_non_streaming(client: ollama.Client) -> None:
     [("/api/chat", {"messages": FRANCE}, "message"), ("/api/generate", {"prompt": QUESTION}, "response")],
     ids=["chat", "generate"],
 )
-def test_stream_is_the_default_and_is_ndjson(served: Any, route: str, body: dict[str, Any], piece: str) -> None:
+def test_stream_is_the_default_and_is_ndjson(
+    served: Any, route: str, body: dict[str, Any], piece: str
+) -> None:
     r = httpx.post(served.url + route, json={"model": "astrai", **body, "options": GREEDY}, timeout=120)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
     lines = [json.loads(line) for line in r.text.splitlines()]
@@ -54,9 +56,18 @@ def test_stream_is_the_default_and_is_ndjson(served: Any, route: str, body: dict
     assert r.text.endswith("\n")
     assert all(set(x) == {"model", "created_at", piece, "done"} for x in lines[:-1])
     assert set(lines[-1]) == {
-        "model", "created_at", piece, "done", "done_reason", "total_duration", "load_duration",
-        "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration",
-    }  # fmt: skip
+        "model",
+        "created_at",
+        piece,
+        "done",
+        "done_reason",
+        "total_duration",
+        "load_duration",
+        "prompt_eval_count",
+        "prompt_eval_duration",
+        "eval_count",
+        "eval_duration",
+    }
 
 
 def test_list_models(client: ollama.Client) -> None:
@@ -78,10 +89,15 @@ def test_options_reach_sampling_and_plugins(client: ollama.Client) -> None:
     """The server runs with --sampling typical_p=1e-9: sampled requests take one token per step
     whatever their seed, unless they set typical_p (an Ollama option, too)."""
     seeded = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "num_predict": 12}
-    filtered = {client.chat(model="astrai", messages=FRANCE, options={**seeded, "seed": s}).message.content for s in range(3)}
+    filtered = {
+        client.chat(model="astrai", messages=FRANCE, options={**seeded, "seed": s}).message.content
+        for s in range(3)
+    }
     assert len(filtered) == 1
     free = {
-        client.chat(model="astrai", messages=FRANCE, options={**seeded, "seed": s, "typical_p": 1.0}).message.content
+        client.chat(
+            model="astrai", messages=FRANCE, options={**seeded, "seed": s, "typical_p": 1.0}
+        ).message.content
         for s in range(4)
     }
     assert len(free) > 1
@@ -92,9 +108,15 @@ def test_generate_non_streaming_is_the_chat_of_one_user_message(client: ollama.C
     assert r.model == "astrai" and r.done and "Paris" in r.response
     assert r.done_reason in ("stop", "length") and 0 < r.eval_count <= 12
     assert r.total_duration > 0 and r.load_duration == 0
-    assert r.prompt_eval_duration is None and r.eval_duration is None  # a whole response never sees its first piece
+    assert (
+        r.prompt_eval_duration is None and r.eval_duration is None
+    )  # a whole response never sees its first piece
     chat = client.chat(model="astrai", messages=FRANCE, options=GREEDY)
-    assert (r.response, r.prompt_eval_count, r.eval_count) == (chat.message.content, chat.prompt_eval_count, chat.eval_count)
+    assert (r.response, r.prompt_eval_count, r.eval_count) == (
+        chat.message.content,
+        chat.prompt_eval_count,
+        chat.eval_count,
+    )
 
 
 def test_generate_streaming_matches_non_streaming(client: ollama.Client) -> None:
@@ -103,7 +125,10 @@ def test_generate_streaming_matches_non_streaming(client: ollama.Client) -> None
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
     assert "".join(p.response for p in parts) == whole.response
     last = parts[-1]
-    assert last.response == "" and (last.eval_count, last.done_reason) == (whole.eval_count, whole.done_reason)
+    assert last.response == "" and (last.eval_count, last.done_reason) == (
+        whole.eval_count,
+        whole.done_reason,
+    )
     assert last.prompt_eval_count == whole.prompt_eval_count
     assert 0 < last.prompt_eval_duration and 0 < last.eval_duration
     assert last.prompt_eval_duration + last.eval_duration <= last.total_duration
@@ -140,7 +165,9 @@ def test_generate_raw_encodes_the_prompt_as_written(client: ollama.Client, real_
     ],
     ids=["suffix", "format", "template", "context", "think", "system-with-raw"],
 )
-def test_generate_refuses_fields_it_cannot_honour(client: ollama.Client, field: str, kw: dict[str, Any]) -> None:
+def test_generate_refuses_fields_it_cannot_honour(
+    client: ollama.Client, field: str, kw: dict[str, Any]
+) -> None:
     with pytest.raises(ollama.ResponseError) as refused:
         client.generate(model="astrai", prompt=QUESTION, options=GREEDY, **kw)
     assert refused.value.status_code == 400 and field in refused.value.error
@@ -148,7 +175,9 @@ def test_generate_refuses_fields_it_cannot_honour(client: ollama.Client, field: 
 
 def test_generate_refusals_are_ollama_shaped(served: Any) -> None:
     def post(**body: Any) -> httpx.Response:
-        return httpx.post(served.url + "/api/generate", json={"model": "astrai", "stream": False, **body}, timeout=120)
+        return httpx.post(
+            served.url + "/api/generate", json={"model": "astrai", "stream": False, **body}, timeout=120
+        )
 
     for body in ({"prompt": QUESTION, "images": ["aGVsbG8="]}, {"prompt": ""}, {}):
         r = post(**body)
@@ -157,7 +186,6 @@ def test_generate_refusals_are_ollama_shaped(served: Any) -> None:
     assert "prompt must not be empty" in post().json()["error"]
     r = httpx.post(served.url + "/api/generate", json={"prompt": QUESTION}, timeout=30)
     assert r.status_code == 422 and "model" in r.json()["error"]
-
 
 
 def test_generate_request_checks_its_fields_without_http(real_model: tuple) -> None:
@@ -169,9 +197,16 @@ def test_generate_request_checks_its_fields_without_http(real_model: tuple) -> N
     def prompt_ids(**body: Any) -> list[int]:
         return request_model.model_validate({"model": "astrai", **body}).prompt_ids(tokenizer)
 
-    assert prompt_ids(prompt=QUESTION, images=[], format="", context=None) == chat_prompt_ids(tokenizer, FRANCE)
+    assert prompt_ids(prompt=QUESTION, images=[], format="", context=None) == chat_prompt_ids(
+        tokenizer, FRANCE
+    )
     assert prompt_ids(prompt=QUESTION, raw=True) == tokenizer.encode(QUESTION, add_special_tokens=False)
-    for name, value in (("images", ["aGk="]), ("format", {"type": "object"}), ("think", False), ("logprobs", True)):
+    for name, value in (
+        ("images", ["aGk="]),
+        ("format", {"type": "object"}),
+        ("think", False),
+        ("logprobs", True),
+    ):
         with pytest.raises(RequestRejected, match=f"^{name} is not supported"):
             prompt_ids(prompt=QUESTION, **{name: value})
     with pytest.raises(RequestRejected, match="prompt must not be empty"):
@@ -183,9 +218,13 @@ def test_generate_request_checks_its_fields_without_http(real_model: tuple) -> N
 def test_core_options_map_onto_sampling(client: ollama.Client) -> None:
     """min_p and repeat_penalty are core parameters now: they change greedy/sampled answers as asked."""
     plain = client.chat(model="astrai", messages=FRANCE, options=GREEDY).message.content
-    same = client.chat(model="astrai", messages=FRANCE, options={**GREEDY, "min_p": 0.5, "num_ctx": 4096}).message.content
+    same = client.chat(
+        model="astrai", messages=FRANCE, options={**GREEDY, "min_p": 0.5, "num_ctx": 4096}
+    ).message.content
     assert same == plain  # min_p never changes a greedy answer; num_ctx is a resource hint
-    penalised = client.chat(model="astrai", messages=FRANCE, options={**GREEDY, "num_predict": 24, "repeat_penalty": 2.0})
+    penalised = client.chat(
+        model="astrai", messages=FRANCE, options={**GREEDY, "num_predict": 24, "repeat_penalty": 2.0}
+    )
     longer = client.chat(model="astrai", messages=FRANCE, options={**GREEDY, "num_predict": 24})
     assert penalised.message.content != longer.message.content
 
@@ -197,7 +236,10 @@ def test_core_options_map_onto_sampling(client: ollama.Client) -> None:
         ({"options": {**GREEDY, "repeat_last_n": 64}}, "options.repeat_last_n"),
         ({"format": "json"}, "format"),
         ({"think": True}, "think"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+            "tools",
+        ),
         ({"messages": [{"role": "user", "content": QUESTION, "images": ["aGVsbG8="]}]}, "messages[0].images"),
     ],
     ids=["unknown-option", "repeat_last_n", "format", "think", "tools", "images"],

@@ -13,9 +13,19 @@ import pytest
 pytestmark = pytest.mark.slow  # the real default model
 
 KEYS = {
-    "event", "model", "request_id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
-    "error", "submitted_at", "queue_time", "time_to_first_token", "total_time",
-}  # fmt: skip
+    "event",
+    "model",
+    "request_id",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "finish_reason",
+    "error",
+    "submitted_at",
+    "queue_time",
+    "time_to_first_token",
+    "total_time",
+}
 
 
 def _records(served: Any, since: float, n: int) -> list[dict[str, Any]]:
@@ -51,10 +61,17 @@ def test_one_json_line_per_finished_request_with_timings(served: Any) -> None:
 
 def test_rejected_requests_are_not_logged_and_aborted_ones_are(served: Any) -> None:
     started = time.time()
-    r = httpx.post(served.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "typical_p": 5})
+    r = httpx.post(
+        served.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "typical_p": 5},
+    )
     assert r.status_code == 400  # refused before the engine saw it: nothing finished
-    body = {"messages": [{"role": "user", "content": "Count to one hundred."}], "max_tokens": 400, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "Count to one hundred."}],
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as s:
         next(line for line in s.iter_lines() if '"content"' in line)  # a token has come; leave mid-way
     (record,) = _records(served, started, 1)
@@ -64,4 +81,4 @@ def test_rejected_requests_are_not_logged_and_aborted_ones_are(served: Any) -> N
 def test_server_route_lists_recent_records(served: Any) -> None:
     lines = _records(served, 0, 1)
     recent = httpx.get(served.url + "/request-log", timeout=10).json()["requests"]
-    assert recent and recent == lines[-len(recent):]
+    assert recent and recent == lines[-len(recent) :]

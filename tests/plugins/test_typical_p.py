@@ -41,7 +41,9 @@ def test_the_most_likely_token_goes_when_others_are_more_typical() -> None:
     # H = 1.33 nats; -log 0.2 = 1.61 lies closer to it than -log 0.4 = 0.92
     logits = torch.tensor([[0.4, 0.2, 0.2, 0.2, 0.0]]).log()
     for typical_p, kept in ((0.5, [False, True, True, True, False]), (0.7, [True, True, True, True, False])):
-        out = pipe.apply(logits.clone(), SamplingBatch.from_params([SamplingParams(extra={"typical_p": typical_p})], [0]))
+        out = pipe.apply(
+            logits.clone(), SamplingBatch.from_params([SamplingParams(extra={"typical_p": typical_p})], [0])
+        )
         assert torch.isfinite(out[0]).tolist() == kept, typical_p  # ties with the last kept token stay
         assert torch.equal(out[0][out[0].isfinite()], logits[0][out[0].isfinite()])  # kept logits untouched
 
@@ -58,7 +60,9 @@ def test_installed_strategy_filters_each_row_with_its_own_typical_p() -> None:
         SamplingParams(extra={"typical_p": ONLY_THE_MOST_TYPICAL}),
     ]
     got = pipe.apply(logits.clone(), SamplingBatch.from_params(params, range(6)))
-    plain = [dataclasses.replace(p, extra={}, strategy=None) for p in params]  # the same rows without typical-p
+    plain = [
+        dataclasses.replace(p, extra={}, strategy=None) for p in params
+    ]  # the same rows without typical-p
     base = SamplingPipeline.default().apply(logits.clone(), SamplingBatch.from_params(plain, range(6)))
     assert torch.equal(got[1], base[1]) and torch.equal(got[3], base[3])
     for i, typical_p in ((0, 0.9), (2, 0.5), (4, 0.2), (5, ONLY_THE_MOST_TYPICAL)):
@@ -76,7 +80,9 @@ def test_same_kept_sets_as_transformers_on_random_rows(seed: int) -> None:
     rows, vocab = 48, 2000
     logits = _random_logits(rows, vocab, seed)
     g = torch.Generator().manual_seed(seed)
-    values = [1.0 if i % 6 == 0 else round(float(torch.rand((), generator=g)) * 0.98 + 0.01, 3) for i in range(rows)]
+    values = [
+        1.0 if i % 6 == 0 else round(float(torch.rand((), generator=g)) * 0.98 + 0.01, 3) for i in range(rows)
+    ]
     params = [SamplingParams(extra={"typical_p": v}) for v in values]
     got = pipe.apply(logits.clone(), SamplingBatch.from_params(params, range(rows)))
     assert not got.isnan().any()
@@ -110,11 +116,15 @@ def test_parameters_are_checked_at_admission() -> None:
 def test_configured_default_applies_to_requests_that_do_not_set_it() -> None:
     pipe = SamplingPipeline.discover(defaults={"typical_p": 0.9})
     assert pipe.prepare(SamplingParams()).extra == {"typical_p": 0.9}
-    assert pipe.prepare(SamplingParams(extra={"typical_p": 1.0})).extra == {"typical_p": 1.0}  # the request wins
+    assert pipe.prepare(SamplingParams(extra={"typical_p": 1.0})).extra == {
+        "typical_p": 1.0
+    }  # the request wins
     for bad in (2, 0):
         with pytest.raises(PluginError, match="typical_p must be in"):
             SamplingPipeline.discover(defaults={"typical_p": bad})
-    with pytest.raises(PluginError, match="'typical_pp' not found; misspelled or not installed\\? Installed: .*typical_p"):
+    with pytest.raises(
+        PluginError, match="'typical_pp' not found; misspelled or not installed\\? Installed: .*typical_p"
+    ):
         SamplingPipeline.discover(defaults={"typical_pp": 0.1})
 
 
@@ -124,7 +134,9 @@ def test_engine_one_typical_token_is_the_same_for_any_seed(plugin_engine: Any) -
     one = {plugin_engine.chat(FRANCE, seed=s, typical_p=ONLY_THE_MOST_TYPICAL, **sampled) for s in range(4)}
     assert len(one) == 1 and next(iter(one))
     assert len({plugin_engine.chat(FRANCE, seed=s, **sampled) for s in range(4)}) > 1  # without it: random
-    assert len({plugin_engine.chat(FRANCE, seed=s, typical_p=1.0, **sampled) for s in range(4)}) > 1  # 1 is off
+    assert (
+        len({plugin_engine.chat(FRANCE, seed=s, typical_p=1.0, **sampled) for s in range(4)}) > 1
+    )  # 1 is off
     with pytest.raises(RequestRejected, match="typical_p must be in"):
         plugin_engine.chat(FRANCE, typical_p=0.0)
     with pytest.raises(TypeError):
@@ -145,6 +157,11 @@ def test_http_typical_p_per_request_and_by_config(served: Any) -> None:
     assert len(free) > 1
     with pytest.raises(openai.BadRequestError, match="typical_p must be in"):
         ask(extra_body={"typical_p": 7})
-    body = {"model": "astrai", "max_tokens": 4, "messages": FRANCE, "typical_p": 0}  # Anthropic's request, too
+    body = {
+        "model": "astrai",
+        "max_tokens": 4,
+        "messages": FRANCE,
+        "typical_p": 0,
+    }  # Anthropic's request, too
     r = httpx.post(served.url + "/v1/messages", json=body, timeout=60)
     assert r.status_code == 400 and "typical_p must be in (0, 1]" in r.json()["error"]["message"]

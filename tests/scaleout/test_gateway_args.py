@@ -21,15 +21,31 @@ def _parsed(settings: ServerSettings, keys: list[str]):
 
 
 def test_the_gateway_serves_the_requested_address_cache_aware_with_the_keys() -> None:
-    settings = ServerSettings(host="0.0.0.0", data_parallel_size=2, log_level="warning", max_request_bytes=1000,
-                              shutdown_timeout=5, allowed_origins=["https://a.example"])  # fmt: skip
+    settings = ServerSettings(
+        host="0.0.0.0",
+        data_parallel_size=2,
+        log_level="warning",
+        max_request_bytes=1000,
+        shutdown_timeout=5,
+        allowed_origins=["https://a.example"],
+    )
     args = _parsed(settings, ["k1", "k2", "k3"])
-    assert (args.host, args.port, args.worker_urls, args.policy, args.backend) == ("0.0.0.0", 8000, URLS, "cache_aware", "sglang")
+    assert (args.host, args.port, args.worker_urls, args.policy, args.backend) == (
+        "0.0.0.0",
+        8000,
+        URLS,
+        "cache_aware",
+        "sglang",
+    )
     assert (args.prometheus_host, args.prometheus_port) == ("127.0.0.1", 29001)
     assert args.api_key == "k1" and [key for _, key in args.tenant_api_keys] == ["k2", "k3"]
     assert (args.max_payload_size, args.shutdown_grace_period_secs, args.log_level) == (1000, 15, "warn")
     assert args.cors_allowed_origins == ["https://a.example"]
-    assert (args.health_check_interval_secs, args.health_failure_threshold, args.health_success_threshold) == (2, 2, 1)
+    assert (
+        args.health_check_interval_secs,
+        args.health_failure_threshold,
+        args.health_success_threshold,
+    ) == (2, 2, 1)
 
 
 def test_no_key_no_auth_and_json_logs() -> None:
@@ -39,16 +55,30 @@ def test_no_key_no_auth_and_json_logs() -> None:
 
 def test_tls_is_the_gateway_s_and_the_replicas_serve_plain_http_on_loopback(tmp_path) -> None:
     cert = tmp_path / "both.pem"
-    settings = ServerSettings(data_parallel_size=2, ssl_certfile=str(cert), port=8443, allowed_origins=["*"], api_key_file=None)
+    settings = ServerSettings(
+        data_parallel_size=2, ssl_certfile=str(cert), port=8443, allowed_origins=["*"], api_key_file=None
+    )
     args = _parsed(settings, [])
-    assert (args.server_cert_path, args.server_key_path) == (str(cert), str(cert))  # the key in the certificate file
+    assert (args.server_cert_path, args.server_key_path) == (
+        str(cert),
+        str(cert),
+    )  # the key in the certificate file
     replica = replica_settings(settings, 9001, ["k1"])
-    assert (replica.host, replica.port, replica.data_parallel_size, replica.api_key) == ("127.0.0.1", 9001, 1, ["k1"])
+    assert (replica.host, replica.port, replica.data_parallel_size, replica.api_key) == (
+        "127.0.0.1",
+        9001,
+        1,
+        ["k1"],
+    )
     assert (replica.ssl_certfile, replica.allowed_origins, replica.api_key_file) == (None, [], None)
 
 
 def test_replica_ports_from_the_base_or_free() -> None:
-    assert replica_ports(ServerSettings(data_parallel_size=3, data_parallel_base_port=9100)) == [9100, 9101, 9102]
+    assert replica_ports(ServerSettings(data_parallel_size=3, data_parallel_base_port=9100)) == [
+        9100,
+        9101,
+        9102,
+    ]
     free = replica_ports(ServerSettings(data_parallel_size=2))
     assert len(set(free)) == 2 and all(p > 0 for p in free)
     with pytest.raises(ConfigError, match="past 65535"):
@@ -63,7 +93,10 @@ def test_replica_ports_from_the_base_or_free() -> None:
         ({"allowed_methods": ["GET"]}, "--allowed-methods with --data-parallel-size"),
         ({"allowed_headers": ["x-a"]}, "--allowed-headers with --data-parallel-size"),
         ({"ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem"}, "--ssl-ca-certs with --data-parallel-size"),
-        ({"ssl_certfile": "c.pem", "ssl_keyfile_password": "pw"}, "--ssl-keyfile-password with --data-parallel-size"),
+        (
+            {"ssl_certfile": "c.pem", "ssl_keyfile_password": "pw"},
+            "--ssl-keyfile-password with --data-parallel-size",
+        ),
         ({"ssl_certfile": "missing.pem"}, "--ssl-certfile missing.pem: no such file"),
     ],
 )

@@ -60,7 +60,9 @@ class Replicas:
 @pytest.fixture(scope="module")
 def dp(start_server) -> Replicas:
     # KEY is an operator's (/stats and /metrics of a replica answer it), OTHER_KEY a tenant's
-    served = start_server("--data-parallel-size", "2", "--admin-api-key", KEY, "--api-key", OTHER_KEY, "--shutdown-timeout", "5")
+    served = start_server(
+        "--data-parallel-size", "2", "--admin-api-key", KEY, "--api-key", OTHER_KEY, "--shutdown-timeout", "5"
+    )
     replicas = Replicas(served.url, served)
     replicas.wait(lambda: "ready: the gateway" in served.log(), "the gateway's registration of both replicas")
     assert replicas.readiness()["healthy_workers"] == 2
@@ -81,12 +83,18 @@ def _stats(url: str) -> dict:
 
 def test_the_key_is_enforced_at_the_gateway_and_again_at_every_replica(dp: Replicas) -> None:
     body = {"model": "astrai", "messages": FRANCE, "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": KEY}):  # the gateway reads Bearer only
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"x-api-key": KEY},
+    ):  # the gateway reads Bearer only
         for path in ("/v1/chat/completions", "/v1/messages"):
             r = httpx.post(dp.url + path, json=body, headers=headers, timeout=30)
             assert r.status_code == 401, (path, headers, r.text)
     for key in (KEY, OTHER_KEY):  # smg's --api-key and a --tenant-api-key
-        r = httpx.post(dp.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        r = httpx.post(
+            dp.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        )
         assert r.status_code == 200, r.text
     for url in dp.replica_urls():  # behind the gateway, on loopback, each replica asks for the key too
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 401
@@ -98,7 +106,12 @@ def test_the_key_is_enforced_at_the_gateway_and_again_at_every_replica(dp: Repli
         _anthropic(dp.url, api_key="wrong").messages.create(model="astrai", max_tokens=1, messages=FRANCE)
     assert info.value.body["error"]["type"] == "authentication_error"  # in Anthropic's shape
     # this SDK sends its api_key as Authorization: Bearer (a bare x-api-key header is refused above)
-    assert _anthropic(dp.url, api_key=KEY).messages.create(model="astrai", max_tokens=1, messages=FRANCE).usage.output_tokens == 1
+    assert (
+        _anthropic(dp.url, api_key=KEY)
+        .messages.create(model="astrai", max_tokens=1, messages=FRANCE)
+        .usage.output_tokens
+        == 1
+    )
 
 
 def test_the_openai_sdk_gets_through_the_gateway_what_a_replica_answers(dp: Replicas) -> None:
@@ -110,21 +123,37 @@ def test_the_openai_sdk_gets_through_the_gateway_what_a_replica_answers(dp: Repl
     assert counts(r.usage) == counts(direct.usage) and r.id.startswith("chatcmpl-") and r.model == "astrai"
     chunks = list(gateway.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ANSWER
-    assert counts(chunks[-1].usage) == counts(r.usage) and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert (
+        counts(chunks[-1].usage) == counts(r.usage)
+        and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    )
     ckw = {"model": "astrai", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
     c, cdirect = gateway.completions.create(**ckw), replica.completions.create(**ckw)
-    assert (c.choices[0].text, counts(c.usage)) == (cdirect.choices[0].text, counts(cdirect.usage)) and c.choices[0].text
+    assert (c.choices[0].text, counts(c.usage)) == (
+        cdirect.choices[0].text,
+        counts(cdirect.usage),
+    ) and c.choices[0].text
     streamed = list(gateway.completions.create(**ckw, stream=True))
     assert "".join(s.choices[0].text for s in streamed if s.choices) == c.choices[0].text
     assert [m.id for m in gateway.models.list()] == ["astrai"]
     with pytest.raises(openai.BadRequestError, match="1024"):  # the replica's error, passed on
-        gateway.chat.completions.create(model="astrai", messages=[{"role": "user", "content": "hello " * 1100}], max_tokens=4)
+        gateway.chat.completions.create(
+            model="astrai", messages=[{"role": "user", "content": "hello " * 1100}], max_tokens=4
+        )
     # what the gateway does not pass on (docs/scale-out.md): smg rewrites a Responses request with
     # vLLM's sampling fields (top_k: -1, ...) and store: true, which astrai refuses
     with pytest.raises(openai.BadRequestError, match="top_k"):
         gateway.responses.create(model="astrai", input="Hi", max_output_tokens=4, store=False)
-    for method, path in [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/openapi.json")]:
-        assert httpx.request(method, dp.url + path, headers=AUTH, json={}, timeout=10).status_code == 404, path
+    for method, path in [
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/stats"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+    ]:
+        assert httpx.request(method, dp.url + path, headers=AUTH, json={}, timeout=10).status_code == 404, (
+            path
+        )
 
 
 def test_the_anthropic_sdk_gets_through_the_gateway_what_a_replica_answers(dp: Replicas) -> None:
@@ -132,7 +161,10 @@ def test_the_anthropic_sdk_gets_through_the_gateway_what_a_replica_answers(dp: R
     kw = {"model": "astrai", "max_tokens": 32, "messages": FRANCE, "extra_body": {"temperature": 0}}
     m, direct = gateway.messages.create(**kw), replica.messages.create(**kw)
     assert [(b.type, b.text) for b in m.content] == [("text", ANSWER)] and m.stop_reason == "end_turn"
-    assert m.usage.input_tokens == direct.usage.input_tokens and m.usage.output_tokens == direct.usage.output_tokens
+    assert (
+        m.usage.input_tokens == direct.usage.input_tokens
+        and m.usage.output_tokens == direct.usage.output_tokens
+    )
     with gateway.messages.stream(**kw) as stream:
         events = list(stream)
         final = stream.get_final_message()
@@ -143,7 +175,9 @@ def test_the_anthropic_sdk_gets_through_the_gateway_what_a_replica_answers(dp: R
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "Paris")
     counted = gateway.messages.count_tokens(model="astrai", messages=FRANCE)
     assert counted.input_tokens == m.usage.input_tokens
-    with pytest.raises(anthropic.BadRequestError, match="temperature"):  # smg validates it first (a replica: 422)
+    with pytest.raises(
+        anthropic.BadRequestError, match="temperature"
+    ):  # smg validates it first (a replica: 422)
         gateway.messages.create(model="astrai", max_tokens=4, messages=FRANCE, extra_body={"temperature": 5})
 
 
@@ -153,9 +187,16 @@ def test_requests_that_share_a_long_prefix_land_on_one_replica(dp: Replicas) -> 
     before = [_stats(u)["prefix_hit_tokens"] for u in urls]
     routed = set()
     for i in range(4):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Is book number {i} on the shelf?"}]
-        r = httpx.post(dp.url + "/v1/chat/completions", headers=AUTH, timeout=60,
-                       json={"model": "astrai", "messages": messages, "max_tokens": 2, "temperature": 0})  # fmt: skip
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Is book number {i} on the shelf?"},
+        ]
+        r = httpx.post(
+            dp.url + "/v1/chat/completions",
+            headers=AUTH,
+            timeout=60,
+            json={"model": "astrai", "messages": messages, "max_tokens": 2, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         routed.add(r.headers.get("x-smg-routed-worker-id"))
     after = [_stats(u)["prefix_hit_tokens"] for u in urls]
@@ -170,17 +211,31 @@ def test_a_killed_replica_is_restarted_and_the_other_serves_meanwhile(dp: Replic
     os.kill(pid, signal.SIGKILL)
     client = _openai(dp.url)
     for i in range(4):  # at once: the gateway retries what reached the dead one on the other
-        r = client.chat.completions.create(model="astrai", messages=[{"role": "user", "content": f"Say {i}."}], max_tokens=2,
-                                           temperature=0)  # greedy: two sampled tokens can be a held-back partial character
+        r = client.chat.completions.create(
+            model="astrai", messages=[{"role": "user", "content": f"Say {i}."}], max_tokens=2, temperature=0
+        )  # greedy: two sampled tokens can be a held-back partial character
         assert r.choices[0].message.content and r.usage.completion_tokens == 2
-    stream = client.chat.completions.create(model="astrai", messages=FRANCE, max_tokens=32, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="astrai", messages=FRANCE, max_tokens=32, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ANSWER
     assert f"replica 0 (pid {pid}) exited with status -9: restarting it" in dp.served.log()
-    dp.wait(lambda: dp.readiness()["healthy_workers"] == 1, "the gateway's readiness counting one replica", 30)
-    dp.wait(lambda: dp.children()["replica 0"][0] != pid and "replica 0 is ready again" in dp.served.log(), "the restart")
+    dp.wait(
+        lambda: dp.readiness()["healthy_workers"] == 1, "the gateway's readiness counting one replica", 30
+    )
+    dp.wait(
+        lambda: dp.children()["replica 0"][0] != pid and "replica 0 is ready again" in dp.served.log(),
+        "the restart",
+    )
     assert dp.children()["replica 0"][1] == url  # on the same port: the gateway's worker URL holds
-    dp.wait(lambda: dp.readiness()["healthy_workers"] == 2, "the gateway's readiness counting both replicas", 30)
-    assert client.chat.completions.create(model="astrai", messages=FRANCE, max_tokens=3, temperature=0).choices[0].message.content
+    dp.wait(
+        lambda: dp.readiness()["healthy_workers"] == 2, "the gateway's readiness counting both replicas", 30
+    )
+    assert (
+        client.chat.completions.create(model="astrai", messages=FRANCE, max_tokens=3, temperature=0)
+        .choices[0]
+        .message.content
+    )
 
 
 def test_sigterm_stops_the_gateway_and_every_replica_and_exits_0(dp: Replicas) -> None:

@@ -30,18 +30,23 @@ def _answers(url: str) -> list[tuple[str, int]]:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     out = []
     for prompt in PROMPTS:
-        r = client.chat.completions.create(model="astrai", messages=[{"role": "user", "content": prompt}],
-                                           max_tokens=24, temperature=0)  # fmt: skip
+        r = client.chat.completions.create(
+            model="astrai", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0
+        )
         out.append((r.choices[0].message.content, r.usage.completion_tokens))
     return out
 
 
 def _workers(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid), "-f", "astrai.distributed.worker"], capture_output=True, text=True)
+    found = subprocess.run(
+        ["pgrep", "-P", str(pid), "-f", "astrai.distributed.worker"], capture_output=True, text=True
+    )
     return [int(x) for x in found.stdout.split()]
 
 
-def test_tensor_parallel_3_gives_the_greedy_tokens_of_one_process_and_a_lost_worker_gives_503(start_server) -> None:
+def test_tensor_parallel_3_gives_the_greedy_tokens_of_one_process_and_a_lost_worker_gives_503(
+    start_server,
+) -> None:
     alone = start_server()
     expected = _answers(alone.url)
     alone.proc.send_signal(signal.SIGTERM)
@@ -58,8 +63,11 @@ def test_tensor_parallel_3_gives_the_greedy_tokens_of_one_process_and_a_lost_wor
     while httpx.get(split.url + "/health", timeout=10).status_code == 200:
         assert time.monotonic() < deadline, "/health stayed 200 with a worker gone"
         time.sleep(0.1)
-    r = httpx.post(split.url + "/v1/chat/completions", timeout=30,
-                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})  # fmt: skip
+    r = httpx.post(
+        split.url + "/v1/chat/completions",
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    )
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
     split.proc.send_signal(signal.SIGTERM)
     assert split.proc.wait(60) == 0
@@ -68,8 +76,12 @@ def test_tensor_parallel_3_gives_the_greedy_tokens_of_one_process_and_a_lost_wor
 
 
 def test_a_size_the_model_cannot_take_stops_the_command_naming_the_valid_sizes() -> None:
-    done = subprocess.run([sys.executable, "-m", "astrai.cli", "serve", "--tensor-parallel-size", "2"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "astrai.cli", "serve", "--tensor-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "tensor parallel size 2 cannot split" in done.stderr and "valid sizes: 1, 3" in done.stderr
 
@@ -94,9 +106,29 @@ def test_under_torchrun_every_process_is_a_rank_and_rank_0_serves(tmp_path) -> N
 
     port = free_port()
     log = (tmp_path / "torchrun.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                             "-m", "astrai.cli", "serve", "--tensor-parallel-size", "3", "--dtype", "float32",
-                             "--max-seq-len", "1024", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "-m",
+            "astrai.cli",
+            "serve",
+            "--tensor-parallel-size",
+            "3",
+            "--dtype",
+            "float32",
+            "--max-seq-len",
+            "1024",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -106,12 +138,16 @@ def test_under_torchrun_every_process_is_a_rank_and_rank_0_serves(tmp_path) -> N
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "torchrun.log"
+            ).read_text()
             time.sleep(0.5)
         assert _answers(url)[0][1] > 0
         ranks = _rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1, 2]
-        listening = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
+        listening = subprocess.run(
+            ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True
+        ).stdout
         assert f"pid={ranks[0]}," in listening  # rank 0 serves HTTP; the others only their shard
         assert not any(f"pid={ranks[r]}," in listening for r in (1, 2))
         os.kill(ranks[0], signal.SIGTERM)  # rank 0 drains and stops the others: torchrun ends cleanly

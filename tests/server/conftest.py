@@ -138,7 +138,9 @@ class FakeTokenizer:
     def render(self, messages: list[dict]) -> str:
         return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
-    def apply_chat_template(self, messages: list[dict], tools: Any = None, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: Any = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         self.calls.append((messages, tools))
         return self.encode(self.render(messages) + "\nassistant:")
 
@@ -165,10 +167,17 @@ class FakeEngine:
         return spec
 
     def submit(
-        self, prompt_ids: list[int], params: Any, on_piece: Any = None, on_done: Any = None,
-        request_id: str | None = None, priority: int = 0, cache_namespace: str | None = None, sibling: int = 0,
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        on_piece: Any = None,
+        on_done: Any = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_namespace: str | None = None,
+        sibling: int = 0,
         grammar: Any = None,
-    ) -> FakeResult:  # fmt: skip
+    ) -> FakeResult:
         vocab = self.model.config.vocab_size  # the model-dependent check the engine makes at submit
         if any(t >= vocab for t in params.logit_bias):
             raise RequestRejected(f"logit_bias token ids must be < vocab size {vocab}")

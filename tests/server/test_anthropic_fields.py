@@ -72,7 +72,11 @@ def _members(alias: Any) -> tuple[Any, ...]:
 
 def _tags(member: Any) -> tuple[str, ...]:
     """The ``type`` values of an SDK block or tool (a TypedDict or a response model)."""
-    hint = member.model_fields["type"].annotation if hasattr(member, "model_fields") else typing.get_type_hints(member)["type"]
+    hint = (
+        member.model_fields["type"].annotation
+        if hasattr(member, "model_fields")
+        else typing.get_type_hints(member)["type"]
+    )
     return typing.get_args(hint)  # Literal["image"] -> ("image",)
 
 
@@ -88,11 +92,17 @@ def test_every_top_level_field_of_the_sdk_is_declared_or_refused() -> None:
 
 
 NESTED = [
-    (UserMessageParam, AnthropicMessage), (TextBlockParam, TextBlock), (ToolUseBlockParam, ToolUseBlock),
-    (ToolResultBlockParam, ToolResultBlock), (ToolParam, ToolDef), (CacheControlEphemeralParam, CacheControl),
-    (MetadataParam, Metadata), (OutputConfigParam, OutputConfig),
-    *((m, ToolChoice) for m in _members(ToolChoiceParam)), *((m, Thinking) for m in _members(ThinkingConfigParam)),
-]  # fmt: skip
+    (UserMessageParam, AnthropicMessage),
+    (TextBlockParam, TextBlock),
+    (ToolUseBlockParam, ToolUseBlock),
+    (ToolResultBlockParam, ToolResultBlock),
+    (ToolParam, ToolDef),
+    (CacheControlEphemeralParam, CacheControl),
+    (MetadataParam, Metadata),
+    (OutputConfigParam, OutputConfig),
+    *((m, ToolChoice) for m in _members(ToolChoiceParam)),
+    *((m, Thinking) for m in _members(ThinkingConfigParam)),
+]
 
 
 @pytest.mark.parametrize(("param", "model"), NESTED, ids=[p.__name__ for p, _ in NESTED])
@@ -107,7 +117,12 @@ def test_response_blocks_sent_back_as_history_are_declared_key_by_key() -> None:
 
 
 def test_every_block_type_the_sdk_can_send_is_implemented_or_refused() -> None:
-    kinds = {t for alias in (ContentBlockParam, ContentBlock, tool_result_block_param.Content) for m in _members(alias) for t in _tags(m)}
+    kinds = {
+        t
+        for alias in (ContentBlockParam, ContentBlock, tool_result_block_param.Content)
+        for m in _members(alias)
+        for t in _tags(m)
+    }
     assert kinds - {"text", "tool_use", "tool_result"} == set(UNSUPPORTED_BLOCKS)
 
 
@@ -118,9 +133,13 @@ def test_every_server_tool_of_the_sdk_is_refused_naming_its_type() -> None:
     assert len(SERVER_TOOLS) > 10
     for kind in SERVER_TOOLS:
         with pytest.raises(ValidationError) as info:
-            MessagesRequest.model_validate({"messages": HI, "tools": [{"type": kind, "name": "x", "max_uses": 1}]})
+            MessagesRequest.model_validate(
+                {"messages": HI, "tools": [{"type": kind, "name": "x", "max_uses": 1}]}
+            )
         unknown = [e for e in info.value.errors() if e["type"] == "extra_forbidden"]
-        assert unknown[0]["loc"] == ("tools", 0, "type"), kind  # the app answers the first: 400 naming tools.0.type
+        assert unknown[0]["loc"] == ("tools", 0, "type"), (
+            kind
+        )  # the app answers the first: 400 naming tools.0.type
 
 
 # ---------------------------------------------------------------- over HTTP
@@ -139,37 +158,125 @@ def _content(*blocks: dict, role: str = "user") -> list[dict]:
     return [{"role": role, "content": list(blocks)}]
 
 
-CALLED = [*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}]
-CITATION = {"type": "char_location", "cited_text": "x", "document_index": 0, "start_char_index": 0, "end_char_index": 1}
+CALLED = [
+    *HI,
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+]
+CITATION = {
+    "type": "char_location",
+    "cited_text": "x",
+    "document_index": 0,
+    "start_char_index": 0,
+    "end_char_index": 1,
+}
 REFUSALS = {
     "thinking": ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
     "thinking-adaptive": ({"thinking": {"type": "adaptive"}}, "thinking"),
-    "output_config-format-type": ({"output_config": {"format": {"type": "regex", "schema": {}}}}, "output_config.format.type"),
+    "output_config-format-type": (
+        {"output_config": {"format": {"type": "regex", "schema": {}}}},
+        "output_config.format.type",
+    ),
     "output_config-effort": ({"output_config": {"effort": "low"}}, "output_config.effort"),
     "container": ({"container": "cntr_1"}, "container"),
-    "mcp_servers": ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "m"}]}, "mcp_servers"),
+    "mcp_servers": (
+        {"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "m"}]},
+        "mcp_servers",
+    ),
     "context_management": ({"context_management": {"edits": []}}, "context_management"),
     "diagnostics": ({"diagnostics": {"previous_message_id": "msg_1"}}, "diagnostics"),
-    "image": ({"messages": _content({"type": "image", "source": {"type": "url", "url": "https://x/a.png"}})}, "messages.0.content.0.image"),
-    "document": ({"messages": _content({"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "d"}})}, "messages.0.content.0.document"),
-    "search_result": ({"messages": _content({"type": "search_result", "source": "s", "title": "t", "content": []})}, "messages.0.content.0.search_result"),
-    "thinking-block": ({"messages": [*HI, *_content({"type": "thinking", "thinking": "hm", "signature": "s"}, role="assistant")]}, "messages.1.content.0.thinking"),
-    "tool_result-image": ({"messages": [*CALLED, *_content({"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image", "source": {}}]})]}, "messages.2.content.0.tool_result.content.0.image"),
+    "image": (
+        {"messages": _content({"type": "image", "source": {"type": "url", "url": "https://x/a.png"}})},
+        "messages.0.content.0.image",
+    ),
+    "document": (
+        {
+            "messages": _content(
+                {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "d"}}
+            )
+        },
+        "messages.0.content.0.document",
+    ),
+    "search_result": (
+        {"messages": _content({"type": "search_result", "source": "s", "title": "t", "content": []})},
+        "messages.0.content.0.search_result",
+    ),
+    "thinking-block": (
+        {
+            "messages": [
+                *HI,
+                *_content({"type": "thinking", "thinking": "hm", "signature": "s"}, role="assistant"),
+            ]
+        },
+        "messages.1.content.0.thinking",
+    ),
+    "tool_result-image": (
+        {
+            "messages": [
+                *CALLED,
+                *_content(
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image", "source": {}}]}
+                ),
+            ]
+        },
+        "messages.2.content.0.tool_result.content.0.image",
+    ),
     "system-role": ({"messages": [{"role": "system", "content": "Be brief."}, *HI]}, "messages.0.role"),
-    "citations": ({"messages": _content({"type": "text", "text": "x", "citations": [CITATION]})}, "messages.0.content.0.text.citations"),
-    "system-citations": ({"system": [{"type": "text", "text": "s", "citations": [CITATION]}]}, "system.0.citations"),
-    "server-tool": ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]}, "tools.0.type"),
+    "citations": (
+        {"messages": _content({"type": "text", "text": "x", "citations": [CITATION]})},
+        "messages.0.content.0.text.citations",
+    ),
+    "system-citations": (
+        {"system": [{"type": "text", "text": "s", "citations": [CITATION]}]},
+        "system.0.citations",
+    ),
+    "server-tool": (
+        {"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]},
+        "tools.0.type",
+    ),
     "strict": ({"tools": [{**TOOL, "strict": True}]}, "tools.0.strict"),
     "defer_loading": ({"tools": [{**TOOL, "defer_loading": True}]}, "tools.0.defer_loading"),
-    "allowed_callers": ({"tools": [{**TOOL, "allowed_callers": ["code_execution_20250825"]}]}, "tools.0.allowed_callers"),
+    "allowed_callers": (
+        {"tools": [{**TOOL, "allowed_callers": ["code_execution_20250825"]}]},
+        "tools.0.allowed_callers",
+    ),
     "input_examples": ({"tools": [{**TOOL, "input_examples": [{"city": "Rome"}]}]}, "tools.0.input_examples"),
-    "caller": ({"messages": [*HI, *_content({"type": "tool_use", "id": "t1", "name": "f", "input": {}, "caller": {"type": "code_execution_20250825", "tool_id": "x"}}, role="assistant")]}, "messages.1.content.0.tool_use.caller"),
-    "toolset_name": ({"messages": [*CALLED, *_content({"type": "tool_result", "tool_use_id": "t1", "content": "ok", "toolset_name": "mcp"})]}, "messages.2.content.0.tool_result.toolset_name"),
-    "nested-unknown": ({"messages": _content({"type": "text", "text": "x", "foo": 1})}, "messages.0.content.0.text.foo"),
+    "caller": (
+        {
+            "messages": [
+                *HI,
+                *_content(
+                    {
+                        "type": "tool_use",
+                        "id": "t1",
+                        "name": "f",
+                        "input": {},
+                        "caller": {"type": "code_execution_20250825", "tool_id": "x"},
+                    },
+                    role="assistant",
+                ),
+            ]
+        },
+        "messages.1.content.0.tool_use.caller",
+    ),
+    "toolset_name": (
+        {
+            "messages": [
+                *CALLED,
+                *_content(
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "ok", "toolset_name": "mcp"}
+                ),
+            ]
+        },
+        "messages.2.content.0.tool_result.toolset_name",
+    ),
+    "nested-unknown": (
+        {"messages": _content({"type": "text", "text": "x", "foo": 1})},
+        "messages.0.content.0.text.foo",
+    ),
     "metadata-key": ({"metadata": {"user_id": "u", "tags": ["a"]}}, "metadata.tags"),
     "unknown": ({"foo": 1}, "foo"),
     "openai-seed": ({"seed": 1}, "seed"),
-}  # fmt: skip
+}
 
 
 class Untouchable:
@@ -180,7 +287,9 @@ class Untouchable:
     def is_healthy(self) -> bool:
         return True
 
-    def __getattr__(self, name: str) -> Any:  # AttributeError: the app's optional probes (getattr with a default) see nothing
+    def __getattr__(
+        self, name: str
+    ) -> Any:  # AttributeError: the app's optional probes (getattr with a default) see nothing
         raise AttributeError(f"a refused request used engine.{name}")
 
 
@@ -194,7 +303,9 @@ def refusing() -> Iterator[TestClient]:
 
 @pytest.mark.parametrize("path", [MESSAGES, COUNT])
 @pytest.mark.parametrize(("fields", "name"), REFUSALS.values(), ids=REFUSALS)
-def test_refused_fields_are_a_400_naming_them(refusing: TestClient, path: str, fields: dict, name: str) -> None:
+def test_refused_fields_are_a_400_naming_them(
+    refusing: TestClient, path: str, fields: dict, name: str
+) -> None:
     body = {"model": "astrai", "messages": HI, **({"max_tokens": 4} if path == MESSAGES else {}), **fields}
     top = next(iter(fields))
     if path == COUNT and top in MessagesRequest.model_fields and top not in MessagesInput.model_fields:
@@ -212,7 +323,9 @@ def test_count_tokens_refuses_what_only_generation_takes(served: tuple[str, Any]
 
 def test_the_sdk_raises_bad_request_naming_the_field(served: tuple[str, Any]) -> None:
     client, kw = _client(served[0]), {"model": "astrai", "max_tokens": 4, "messages": HI}
-    with pytest.raises(anthropic.BadRequestError, match="thinking: extended thinking is not supported") as info:
+    with pytest.raises(
+        anthropic.BadRequestError, match="thinking: extended thinking is not supported"
+    ) as info:
         client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 2048})
     assert info.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError, match=r"tools\.0\.type"):
@@ -225,22 +338,74 @@ def test_the_sdk_raises_bad_request_naming_the_field(served: tuple[str, Any]) ->
 
 HISTORY = [
     {"role": "user", "content": "What is the weather in Rome?"},
-    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Rome"}}]},
+    {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Rome"}}],
+    },
     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
 ]
 DECORATED = [
-    {"role": "user", "content": [{"type": "text", "text": "What is the weather in Rome?", "citations": None, "cache_control": {"type": "ephemeral", "ttl": "5m"}}]},
-    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Rome"}, "caller": {"type": "direct"}, "toolset_name": None, "cache_control": {"type": "ephemeral"}}]},
-    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}], "is_error": True, "cache_control": {"type": "ephemeral"}}]},
-]  # fmt: skip
+    {
+        "role": "user",
+        "content": [
+            {
+                "type": "text",
+                "text": "What is the weather in Rome?",
+                "citations": None,
+                "cache_control": {"type": "ephemeral", "ttl": "5m"},
+            }
+        ],
+    },
+    {
+        "role": "assistant",
+        "content": [
+            {
+                "type": "tool_use",
+                "id": "t1",
+                "name": "get_weather",
+                "input": {"city": "Rome"},
+                "caller": {"type": "direct"},
+                "toolset_name": None,
+                "cache_control": {"type": "ephemeral"},
+            }
+        ],
+    },
+    {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "t1",
+                "content": [{"type": "text", "text": "sunny"}],
+                "is_error": True,
+                "cache_control": {"type": "ephemeral"},
+            }
+        ],
+    },
+]
 METADATA = {
-    "metadata": {"user_id": "u-1"}, "service_tier": "standard_only", "inference_geo": "us", "speed": "fast",
-    "user_profile_id": "p-1", "workspace_id": "w-1", "cache_control": {"type": "ephemeral", "ttl": "1h"},
-    "thinking": {"type": "disabled"}, "output_config": {}, "container": None,
+    "metadata": {"user_id": "u-1"},
+    "service_tier": "standard_only",
+    "inference_geo": "us",
+    "speed": "fast",
+    "user_profile_id": "p-1",
+    "workspace_id": "w-1",
+    "cache_control": {"type": "ephemeral", "ttl": "1h"},
+    "thinking": {"type": "disabled"},
+    "output_config": {},
+    "container": None,
     "tool_choice": {"type": "auto", "disable_parallel_tool_use": False},
-}  # fmt: skip
-DECORATED_TOOL = {**TOOL, "type": "custom", "cache_control": {"type": "ephemeral"}, "strict": False, "defer_loading": False,
-                  "allowed_callers": ["direct"], "eager_input_streaming": True, "input_examples": []}  # fmt: skip
+}
+DECORATED_TOOL = {
+    **TOOL,
+    "type": "custom",
+    "cache_control": {"type": "ephemeral"},
+    "strict": False,
+    "defer_loading": False,
+    "allowed_callers": ["direct"],
+    "eager_input_streaming": True,
+    "input_examples": [],
+}
 
 
 def test_ignored_fields_change_neither_the_prompt_nor_the_sampling(served: tuple[str, Any]) -> None:
@@ -248,15 +413,25 @@ def test_ignored_fields_change_neither_the_prompt_nor_the_sampling(served: tuple
     plain = {"model": "astrai", "max_tokens": 8, "system": "Be brief.", "tools": [TOOL]}
     a = client.messages.create(**plain, messages=HISTORY)
     system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}, "citations": []}]
-    b = client.messages.create(**{**plain, "system": system, "tools": [DECORATED_TOOL]}, messages=DECORATED, **METADATA)
+    b = client.messages.create(
+        **{**plain, "system": system, "tools": [DECORATED_TOOL]}, messages=DECORATED, **METADATA
+    )
     (prompt_a, params_a), (prompt_b, params_b) = served[1].submitted
     assert prompt_a == prompt_b and params_a == params_b
     assert a.model_dump(exclude={"id"}) == b.model_dump(exclude={"id"})
-    assert client.messages.count_tokens(model="astrai", messages=DECORATED, system=system, tools=[DECORATED_TOOL]).input_tokens == len(prompt_a)
+    assert client.messages.count_tokens(
+        model="astrai", messages=DECORATED, system=system, tools=[DECORATED_TOOL]
+    ).input_tokens == len(prompt_a)
 
 
 def test_vllm_extensions_reach_the_sampling_parameters(served: tuple[str, Any]) -> None:
-    extra = {"min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "stop_token_ids": [7, 9], "ignore_eos": True}
+    extra = {
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "min_tokens": 2,
+        "stop_token_ids": [7, 9],
+        "ignore_eos": True,
+    }
     _client(served[0]).messages.create(model="astrai", max_tokens=8, messages=HI, extra_body=extra)
     params = served[1].submitted[0][1]
     assert {k: getattr(params, k) for k in extra} == extra
@@ -292,12 +467,18 @@ def test_count_tokens_is_the_input_tokens_of_the_same_messages(served: tuple[str
         {"messages": HI},
         {"messages": HI, "system": "Be brief.", "tools": [TOOL]},
         {"messages": HI, "tools": [TOOL], "tool_choice": {"type": "any"}},  # the forced call's opening counts
-        {"messages": HI, "tools": [TOOL, {**TOOL, "name": "other"}], "tool_choice": {"type": "tool", "name": "other"}},
+        {
+            "messages": HI,
+            "tools": [TOOL, {**TOOL, "name": "other"}],
+            "tool_choice": {"type": "tool", "name": "other"},
+        },
         {"messages": prefilled, "system": [{"type": "text", "text": "Be brief."}]},
     ]
     for case in cases:
         counted = client.messages.count_tokens(model="astrai", **case).input_tokens
-        assert counted == client.messages.create(model="astrai", max_tokens=4, **case).usage.input_tokens, case
+        assert counted == client.messages.create(model="astrai", max_tokens=4, **case).usage.input_tokens, (
+            case
+        )
     opened = [len(p) for p, _ in served[1].submitted]
     assert opened[2] > opened[0] + 10  # tools described, a call opened
 
@@ -308,5 +489,7 @@ def test_count_tokens_counts_a_prompt_too_long_to_serve(fakes: Any) -> None:
         long = [{"role": "user", "content": "word " * 20}]
         assert httpx.post(url + MESSAGES, json={"messages": long}, timeout=10).status_code == 400
         r = httpx.post(url + COUNT, json={"model": "astrai", "messages": long}, timeout=10)
-    assert r.status_code == 200 and r.json() == {"input_tokens": len(engine.tokenizer.encode("user: " + "word " * 20 + "\nassistant:"))}
+    assert r.status_code == 200 and r.json() == {
+        "input_tokens": len(engine.tokenizer.encode("user: " + "word " * 20 + "\nassistant:"))
+    }
     assert engine.submitted == []

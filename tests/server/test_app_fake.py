@@ -38,34 +38,78 @@ def _post(url: str, path: str, body: dict, **kw: Any) -> httpx.Response:
 def test_n_choices_with_consecutive_seeds_stream_interleaved(fakes: Any) -> None:
     engine = fakes.FakeEngine([fakes.Script(["a", "b"]), fakes.Script(["c"], finish="length")])
     with fakes.serve_app(create_app(ServerSettings(), engine)) as url:
-        body = {"messages": [{"role": "user", "content": "x"}], "n": 2, "seed": 10, "stream": True, "max_tokens": 3}
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "n": 2,
+            "seed": 10,
+            "stream": True,
+            "max_tokens": 3,
+        }
         events = _events(_post(url, CHAT, body).text)
     assert [p.seed for _, p in engine.submitted] == [10, 11]
     chunks = [e["choices"] for e in events[:-2]]
-    assert chunks[:2] == [[{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}] for i in (0, 1)]
-    text = {i: "".join(c[0]["delta"].get("content", "") for c in chunks if c[0]["index"] == i) for i in (0, 1)}
+    assert chunks[:2] == [
+        [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}] for i in (0, 1)
+    ]
+    text = {
+        i: "".join(c[0]["delta"].get("content", "") for c in chunks if c[0]["index"] == i) for i in (0, 1)
+    }
     assert text == {0: "ab", 1: "c"}
-    assert chunks[-2:] == [[{"index": 0, "delta": {}, "finish_reason": "stop"}], [{"index": 1, "delta": {}, "finish_reason": "length"}]]
-    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}} and events[-1] == "[DONE]"
+    assert chunks[-2:] == [
+        [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        [{"index": 1, "delta": {}, "finish_reason": "length"}],
+    ]
+    assert (
+        events[-2]["usage"]
+        == {
+            "prompt_tokens": 3,
+            "completion_tokens": 3,
+            "total_tokens": 6,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        and events[-1] == "[DONE]"
+    )
 
 
 def test_streamed_tool_call_is_never_sent_as_text(fakes: Any) -> None:
-    pieces = ["Checking", " <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Rome"}}\n</tool_call>']
+    pieces = [
+        "Checking",
+        " <tool",
+        '_call>\n{"name": "get_weather", ',
+        '"arguments": {"city": "Rome"}}\n</tool_call>',
+    ]
     engine = fakes.FakeEngine([fakes.Script(pieces), fakes.Script(pieces)], ctx=512)
     with fakes.serve_app(create_app(ServerSettings(), engine)) as url:
         body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "stream": True}
         events = _events(_post(url, CHAT, body).text)
-        body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "get_weather"}], "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"name": "get_weather"}],
+            "stream": True,
+        }
         anthropic = _events(_post(url, "/v1/messages", body).text)
     sent = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2] if e["choices"])
     assert sent == "Checking "
     call = events[-4]["choices"][0]["delta"]["tool_calls"][0]
-    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather", {"city": "Rome"})
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (
+        "get_weather",
+        {"city": "Rome"},
+    )
     assert events[-3]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]
     types = [e["type"] if isinstance(e, dict) else e for e in anthropic]
-    assert types == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
-                     "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop", "[DONE]"]  # fmt: skip
+    assert types == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+        "[DONE]",
+    ]
     assert anthropic[8]["delta"]["stop_reason"] == "tool_use"
 
 
@@ -73,8 +117,11 @@ def test_required_tool_call_is_opened_in_the_prompt_and_ends_at_the_closing_tag(
     """The prompt ends with the opening, the rest is constrained to a call of an offered tool (a grammar the
     server compiles before submitting), and the closing tag stops it."""
     opening = "<tool_call>\n"
-    call = fakes.Script(['{"name": "get_weather", ', '"arguments": {"city": "Rome"}}'], finish="stop_sequence",
-                        stop_sequence="</tool_call>")  # fmt: skip
+    call = fakes.Script(
+        ['{"name": "get_weather", ', '"arguments": {"city": "Rome"}}'],
+        finish="stop_sequence",
+        stop_sequence="</tool_call>",
+    )
     junk = fakes.Script(["I think", " not"], finish="stop_sequence", stop_sequence="</tool_call>")
     engine = fakes.FakeEngine([call, junk, call, junk], ctx=512)
     msg = [{"role": "user", "content": "x"}]
@@ -82,16 +129,27 @@ def test_required_tool_call_is_opened_in_the_prompt_and_ends_at_the_closing_tag(
     with fakes.serve_app(create_app(ServerSettings(), engine)) as url:
         ok = _post(url, CHAT, {"messages": msg, "tools": TOOLS, "tool_choice": named}).json()
         bad = _post(url, CHAT, {"messages": msg, "tools": TOOLS, "tool_choice": "required"}).json()
-        body = {"messages": msg, "tools": [{"name": "get_weather"}], "tool_choice": {"type": "any"}, "stream": True}
+        body = {
+            "messages": msg,
+            "tools": [{"name": "get_weather"}],
+            "tool_choice": {"type": "any"},
+            "stream": True,
+        }
         streamed = _events(_post(url, "/v1/messages", body).text)
         body["tool_choice"] = {"type": "tool", "name": "get_weather"}
         streamed_bad = _events(_post(url, "/v1/messages", body).text)
-    plain = engine.tokenizer.encode(engine.tokenizer.render(msg) + "\nassistant:")  # without the tools' description
+    plain = engine.tokenizer.encode(
+        engine.tokenizer.render(msg) + "\nassistant:"
+    )  # without the tools' description
     for prompt, params in engine.submitted:
-        assert prompt[-len(engine.tokenizer.encode(opening)):] == engine.tokenizer.encode(opening) and len(prompt) > len(plain)
+        assert prompt[-len(engine.tokenizer.encode(opening)) :] == engine.tokenizer.encode(opening) and len(
+            prompt
+        ) > len(plain)
         assert params.stop == ["</tool_call>"]
         schema = json.loads(params.grammar.value)
-        assert params.grammar.kind == "json_schema" and schema["properties"]["name"] == {"const": "get_weather"}
+        assert params.grammar.kind == "json_schema" and schema["properties"]["name"] == {
+            "const": "get_weather"
+        }
         assert schema["required"] == ["name", "arguments"]
     assert engine.compiled == [params.grammar for _, params in engine.submitted]
     (choice,) = ok["choices"]
@@ -102,10 +160,14 @@ def test_required_tool_call_is_opened_in_the_prompt_and_ends_at_the_closing_tag(
     # not a call after all: the answer is text, opening included, and the closing tag is no client stop string
     assert bad["choices"][0]["finish_reason"] == "stop"
     assert bad["choices"][0]["message"] == {"role": "assistant", "content": opening + "I think not"}
-    blocks = [e["content_block"] for e in streamed if isinstance(e, dict) and e["type"] == "content_block_start"]
+    blocks = [
+        e["content_block"] for e in streamed if isinstance(e, dict) and e["type"] == "content_block_start"
+    ]
     assert blocks[1]["type"] == "tool_use" and blocks[1]["name"] == "get_weather"
     assert streamed[-3]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    text = "".join(e["delta"]["text"] for e in streamed_bad if isinstance(e, dict) and e["type"] == "content_block_delta")
+    text = "".join(
+        e["delta"]["text"] for e in streamed_bad if isinstance(e, dict) and e["type"] == "content_block_delta"
+    )
     assert text == opening + "I think not"
     assert streamed_bad[-3]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
 
@@ -116,7 +178,9 @@ def test_engine_failure_is_reported_in_the_protocol_shape(fakes: Any, path: str)
     engine = fakes.FakeEngine([fakes.Script(["ok"], error=fail), fakes.Script(["ok"], error=fail)])
     with fakes.serve_app(create_app(ServerSettings(), engine)) as url:
         r = _post(url, path, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
-        stream = _post(url, path, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True})
+        stream = _post(
+            url, path, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
+        )
     assert r.status_code == 500 and "secret" not in r.text and "Traceback" not in r.text
     last = stream.text.split("\n\n")[-2]
     if path == CHAT:
@@ -124,7 +188,9 @@ def test_engine_failure_is_reported_in_the_protocol_shape(fakes: Any, path: str)
         assert json.loads(last.removeprefix("data: "))["error"]["type"] == "server_error"
     else:
         assert r.json()["error"]["type"] == "api_error"
-        assert last.startswith("event: error\ndata: ") and json.loads(last.split("data: ")[1])["type"] == "error"
+        assert (
+            last.startswith("event: error\ndata: ") and json.loads(last.split("data: ")[1])["type"] == "error"
+        )
     assert "secret" not in stream.text
 
 
@@ -163,7 +229,9 @@ def test_client_disconnect_aborts_the_engine_request(fakes: Any) -> None:
     with fakes.serve_app(create_app(ServerSettings(), engine)) as url:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + CHAT, json={"messages": [{"role": "user", "content": "x"}]}, timeout=0.3)
-        with httpx.stream("POST", url + CHAT, json={"messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+        with httpx.stream(
+            "POST", url + CHAT, json={"messages": [{"role": "user", "content": "x"}], "stream": True}
+        ) as r:
             next(r.iter_lines())
         deadline = time.monotonic() + 3
         while not all(res.done for res in engine.results) and time.monotonic() < deadline:
@@ -201,7 +269,12 @@ class EchoResponseBuilder(ResponseBuilder):
         raise AssertionError("always streams")
 
     def get_routes(self) -> dict[str, Any]:
-        return {"/v1/echo/info": lambda engine: {"model": self.model_name, "vocab": engine.model.config.vocab_size}}
+        return {
+            "/v1/echo/info": lambda engine: {
+                "model": self.model_name,
+                "vocab": engine.model.config.vocab_size,
+            }
+        }
 
 
 def test_an_unknown_protocol_is_one_builder(fakes: Any) -> None:
@@ -215,17 +288,26 @@ def test_an_unknown_protocol_is_one_builder(fakes: Any) -> None:
         assert httpx.get(url + "/v1/echo/info", headers=key).json() == {"model": "echo-model", "vocab": 100}
         r = httpx.post(url + "/v1/echo", json={"text": "a b"}, headers=key)
         bad = httpx.post(url + "/v1/echo", json={}, headers=key)
-        assert httpx.post(url + CHAT, json={}, headers=key).status_code == 404  # only what was given is mounted
+        assert (
+            httpx.post(url + CHAT, json={}, headers=key).status_code == 404
+        )  # only what was given is mounted
         assert httpx.get(url + "/v1/models", headers=key).status_code == 404
     assert r.headers["content-type"].startswith("application/x-ndjson")
     assert r.text == '{"t": "hi"}\n{"t": "!"}\n{"done": "stop", "prompt": 2}\n'
-    assert bad.status_code == 422 and bad.json() == {"error": {"type": "invalid_request_error", "message": "text: Field required", "param": "text"}}
+    assert bad.status_code == 422 and bad.json() == {
+        "error": {"type": "invalid_request_error", "message": "text: Field required", "param": "text"}
+    }
 
 
 def test_registry_validates_plugins_and_selects_strictly() -> None:
     loaded = load_protocols()
-    assert loaded.classes["openai"] is OpenAIResponseBuilder and loaded.classes["anthropic"] is AnthropicResponseBuilder
-    with pytest.raises(PluginError, match="not found; misspelled or not installed\\? Installed: anthropic, .*openai"):
+    assert (
+        loaded.classes["openai"] is OpenAIResponseBuilder
+        and loaded.classes["anthropic"] is AnthropicResponseBuilder
+    )
+    with pytest.raises(
+        PluginError, match="not found; misspelled or not installed\\? Installed: anthropic, .*openai"
+    ):
         select_builders(loaded, ["grpc"], "astrai")
     assert [b.route for b in select_builders(loaded, ["openai"], "m")] == [CHAT]
     with pytest.raises(PluginError, match="name is 'echo' but its entry point is 'other'"):

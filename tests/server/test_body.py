@@ -45,7 +45,9 @@ def _values(value: Any) -> int:
 
 @settings(max_examples=300, deadline=None)
 @given(_JSON, st.booleans())
-def test_the_structure_scan_counts_brackets_and_commas_outside_strings_only(value: Any, ascii_only: bool) -> None:
+def test_the_structure_scan_counts_brackets_and_commas_outside_strings_only(
+    value: Any, ascii_only: bool
+) -> None:
     raw = json.dumps(value, ensure_ascii=ascii_only).encode()
     assert structure(raw) == (_depth(value), _values(value))
 
@@ -60,14 +62,26 @@ def test_the_structure_scan_spans_its_chunks() -> None:
     ("raw", "message"),
     [
         (b'{"a": "\xff"}', "request body is not valid JSON: not UTF-8 at byte 7 (0xff: invalid start byte)"),
-        (b'{"a": "\xed\xa0\x80"}', "request body is not valid JSON: not UTF-8 at byte 7 (0xed: invalid continuation byte)"),
-        (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), "request body nests arrays and objects more than 64 levels deep"),
-        (b'{"a":' * 5000 + b"1" + b"}" * 5000, "request body nests arrays and objects more than 64 levels deep"),
+        (
+            b'{"a": "\xed\xa0\x80"}',
+            "request body is not valid JSON: not UTF-8 at byte 7 (0xed: invalid continuation byte)",
+        ),
+        (
+            b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1),
+            "request body nests arrays and objects more than 64 levels deep",
+        ),
+        (
+            b'{"a":' * 5000 + b"1" + b"}" * 5000,
+            "request body nests arrays and objects more than 64 levels deep",
+        ),
         (b"[" + b"0," * MAX_VALUES + b"0]", "request body holds more than 1048576 JSON values"),
         (b'{"stop": [' + b'"",' * MAX_VALUES + b'""]}', "request body holds more than 1048576 JSON values"),
         (b'{"messages": [', "request body is not valid JSON: Expecting value: line 1 column 15 (char 14)"),
         (b'{"model": "\\ud800"}', "model: a lone surrogate (\\ud800) is not text"),
-        (b'{"m": [{"content": "ok \\udc00 \\\\ud800"}]}', "m.0.content: a lone surrogate (\\udc00) is not text"),
+        (
+            b'{"m": [{"content": "ok \\udc00 \\\\ud800"}]}',
+            "m.0.content: a lone surrogate (\\udc00) is not text",
+        ),
         (b'{"m": {"\\udbff": 1}}', "invalid key m.\\udbff: a lone surrogate (\\udbff) is not text"),
     ],
 )
@@ -81,16 +95,26 @@ def test_accepted_bodies() -> None:
     assert decode_json(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) == json.loads(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH)
     assert len(decode_json(b"[" + b"0," * (MAX_VALUES - 2) + b"0]")) == MAX_VALUES - 1  # commas + 1 array
     assert decode_json(b'["' + b"[,]" * MAX_VALUES + b'"]') == ["[,]" * MAX_VALUES]  # inside a string: text
-    assert decode_json(b'\xef\xbb\xbf{"a": "\\ud83d\\ude00 \\\\ud800 \xc3\xa9"}') == {"a": "\U0001f600 \\ud800 \u00e9"}
-    big = {"a": [1, 2.5, {"b": "c" * (2 << 20)}], "d": None}  # past LARGE_BODY: the yielding hooks decode it the same
+    assert decode_json(b'\xef\xbb\xbf{"a": "\\ud83d\\ude00 \\\\ud800 \xc3\xa9"}') == {
+        "a": "\U0001f600 \\ud800 \u00e9"
+    }
+    big = {
+        "a": [1, 2.5, {"b": "c" * (2 << 20)}],
+        "d": None,
+    }  # past LARGE_BODY: the yielding hooks decode it the same
     assert decode_json(json.dumps(big).encode()) == big
 
 
 def test_text_weight_sums_one_prompt_and_takes_the_longest_alternative() -> None:
-    chat = {"model": "m", "messages": [{"role": "user", "content": "  abc  "}, {"role": "assistant", "content": "de"}]}
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "  abc  "}, {"role": "assistant", "content": "de"}],
+    }
     assert text_weight(chat) == 1 + 4 + 7 + 9 + 2
     assert text_weight({"prompt": ["abcd", "ef"], "stop": ["x", "yz"]}) == 4 + 2  # alternatives: the longest
-    assert text_weight({"prompt": [[1, 2, 3], [4]], "temperature": 0.5}) == 3  # prompts of token ids: the longest
+    assert (
+        text_weight({"prompt": [[1, 2, 3], [4]], "temperature": 0.5}) == 3
+    )  # prompts of token ids: the longest
     assert text_weight({"prompt": [5, 6, 7, 8], "logit_bias": {"50": 1, "51": -1}}) == 4  # one token per id
 
 
@@ -110,7 +134,9 @@ def test_a_text_that_cannot_fit_is_refused_and_one_that_may_is_not() -> None:
         "but the context limit is 10 tokens (prompt plus at least one generated token)"
     )
     refuse_oversized({"prompt": ["x" * 39, "y" * 39]}, bound, size=1000)  # two prompts, each may fit
-    assert text_bound(SimpleNamespace(tokenizer=object(), context_limit=10)) is None  # a tokenizer that cannot say
+    assert (
+        text_bound(SimpleNamespace(tokenizer=object(), context_limit=10)) is None
+    )  # a tokenizer that cannot say
 
 
 @pytest.mark.parametrize(
@@ -123,7 +149,9 @@ def test_a_text_that_cannot_fit_is_refused_and_one_that_may_is_not() -> None:
     ids=["ascii", "escapes", "utf-8"],
 )
 def test_one_long_string_is_refused_before_it_is_parsed(text: str, at_least: int) -> None:
-    raw = ('{"messages": [{"role": "user", "content": "' + text + '"}]').encode()  # not even JSON: never parsed
+    raw = (
+        '{"messages": [{"role": "user", "content": "' + text + '"}]'
+    ).encode()  # not even JSON: never parsed
     bound = TextBound(limit=1000, per_token=1)
     if not at_least:  # what the steps prove is under the bound: parsed (and then found not to be JSON)
         with pytest.raises(HTTPProblem, match="request body is not valid JSON"):
@@ -170,17 +198,32 @@ def test_the_limit_is_the_settings(fakes: Any) -> None:
 
     builders = [OpenAIResponseBuilder(), AnthropicResponseBuilder()]
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
-    app = create_app(ServerSettings(max_request_bytes=len(body)), fakes.FakeEngine(), builders, plugins=PluginManager())
+    app = create_app(
+        ServerSettings(max_request_bytes=len(body)), fakes.FakeEngine(), builders, plugins=PluginManager()
+    )
     with fakes.serve_app(app) as url:
         headers = {"content-type": "application/json"}
-        assert httpx.post(url + "/v1/chat/completions", content=body, headers=headers, timeout=10).status_code == 200
+        assert (
+            httpx.post(url + "/v1/chat/completions", content=body, headers=headers, timeout=10).status_code
+            == 200
+        )
         r = httpx.post(url + "/v1/chat/completions", content=body + b" ", headers=headers, timeout=10)
         assert (r.status_code, r.json()["error"]["message"]) == (
-            413, f"request body is {len(body) + 1} bytes, more than the limit of {len(body)} bytes (--max-request-bytes)"
+            413,
+            f"request body is {len(body) + 1} bytes, more than the limit of {len(body)} bytes (--max-request-bytes)",
         )
-        r = httpx.post(url + "/v1/messages", content=iter([body, b" "]), headers=headers, timeout=10)  # chunked
-        assert r.status_code == 413 and r.json() == {"type": "error", "error": {"type": "request_too_large", "message": (
-            f"request body is larger than the limit of {len(body)} bytes (--max-request-bytes)")}}
+        r = httpx.post(
+            url + "/v1/messages", content=iter([body, b" "]), headers=headers, timeout=10
+        )  # chunked
+        assert r.status_code == 413 and r.json() == {
+            "type": "error",
+            "error": {
+                "type": "request_too_large",
+                "message": (
+                    f"request body is larger than the limit of {len(body)} bytes (--max-request-bytes)"
+                ),
+            },
+        }
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])

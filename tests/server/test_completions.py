@@ -47,7 +47,11 @@ def test_list_of_prompts_with_n_gives_prompt_major_choices(openai_client: Any, e
     a, b = _greedy(engine, PROMPT, 4), _greedy(engine, OTHER, 4)
     assert a != b
     assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [
-        (0, a, "length"), (1, a, "length"), (2, b, "length"), (3, b, "length")]  # fmt: skip
+        (0, a, "length"),
+        (1, a, "length"),
+        (2, b, "length"),
+        (3, b, "length"),
+    ]
     n_prompt = len(_ids(engine, PROMPT)) + len(_ids(engine, OTHER))  # each prompt counted once whatever n is
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 16)
 
@@ -101,8 +105,11 @@ def test_echo_with_logprobs(openai_client: Any, engine: Any) -> None:
     assert len(c.logprobs.tokens) == n + 4
     assert c.logprobs.tokens[:n] == [engine.tokenizer.token_text(t) for t in _ids(engine, PROMPT)]
     _check_logprobs(c.logprobs, c.text, 3, generated=4)
-    streamed = list(openai_client.completions.create(
-        model="astrai", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=3, stream=True))  # fmt: skip
+    streamed = list(
+        openai_client.completions.create(
+            model="astrai", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=3, stream=True
+        )
+    )
     pieces = [ch.choices[0] for ch in streamed if ch.choices]
     assert pieces[0].text.startswith(PROMPT)  # the echo leads the first chunk
     assert "".join(p.text for p in pieces) == c.text

@@ -31,14 +31,30 @@ def _yaml(tmp_path: Path, text: str) -> str:
 
 def test_defaults_are_loopback_default_model_and_paged_prefix_cached_kv() -> None:
     s = settings_from_args(_parse([]))
-    assert (s.host, s.port, s.model, s.paged, s.prefix_caching, s.api_key) == ("127.0.0.1", 8000, None, True, True, None)
+    assert (s.host, s.port, s.model, s.paged, s.prefix_caching, s.api_key) == (
+        "127.0.0.1",
+        8000,
+        None,
+        True,
+        True,
+        None,
+    )
     cfg = s.engine_config()
-    assert isinstance(cfg, EngineConfig) and (cfg.paged, cfg.prefix_caching, cfg.page_size) == (True, True, 16)
+    assert isinstance(cfg, EngineConfig) and (cfg.paged, cfg.prefix_caching, cfg.page_size) == (
+        True,
+        True,
+        16,
+    )
 
 
 def test_cli_flags_override_the_yaml_section(tmp_path: Path) -> None:
-    path = _yaml(tmp_path, "server:\n  host: 0.0.0.0\n  port: 8001\n  max_batch_size: 4\n  kv_memory: 64MiB\n  dtype: bfloat16\nruntime:\n  gpus: all\n")
-    args = _parse(["--config", path, "--port", "9000", "--no-prefix-caching", "--protocols", "openai", "--api-key", "k"])
+    path = _yaml(
+        tmp_path,
+        "server:\n  host: 0.0.0.0\n  port: 8001\n  max_batch_size: 4\n  kv_memory: 64MiB\n  dtype: bfloat16\nruntime:\n  gpus: all\n",
+    )
+    args = _parse(
+        ["--config", path, "--port", "9000", "--no-prefix-caching", "--protocols", "openai", "--api-key", "k"]
+    )
     assert args.run.__name__ == "run_serve"
     s = settings_from_args(args)
     assert (s.host, s.port, s.max_batch_size, s.dtype) == ("0.0.0.0", 9000, 4, "bfloat16")  # port: CLI wins
@@ -66,7 +82,9 @@ def test_bad_yaml_is_an_error_that_names_the_key(tmp_path: Path, text: str, mess
     assert path in str(info.value)
 
 
-def test_bad_flag_value_names_the_flag_and_serve_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_flag_value_names_the_flag_and_serve_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(ConfigError, match="--max-batch-size"):
         load_settings({"max_batch_size": 0})
     assert serve_main(["--config", _yaml(tmp_path, "server:\n  nope: 1\n")]) == 2
@@ -79,7 +97,11 @@ def test_help_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     # plugin_options has no flag of its own: each hook plugin's option is a flag (and a YAML key)
-    missing = [k for k in ServerSettings.model_fields if "--" + k.replace("_", "-") not in out and k != "plugin_options"]
+    missing = [
+        k
+        for k in ServerSettings.model_fields
+        if "--" + k.replace("_", "-") not in out and k != "plugin_options"
+    ]
     assert missing == []
 
 
@@ -94,20 +116,28 @@ def test_sampling_defaults_and_plugin_options_from_yaml_and_flags(tmp_path: Path
         load_settings({}, path)  # without the plugin installed its key is unknown
     path = _yaml(tmp_path, "server:\n  sampling: {min_p: 0.2, top_a: 1}\n")
     args = _parse(["--config", path, "--sampling", "min_p=0.05", "--sampling", "mode=fast"])
-    assert settings_from_args(args).sampling == {"min_p": 0.05, "mode": "fast"}  # the flags replace the YAML's
+    assert settings_from_args(args).sampling == {
+        "min_p": 0.05,
+        "mode": "fast",
+    }  # the flags replace the YAML's
     with pytest.raises(SystemExit):
         _parse(["--sampling", "min_p"])  # not KEY=VALUE
 
 
-def test_attention_backend_goes_to_the_engine_config_never_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_backend_goes_to_the_engine_config_never_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from astrai_server import cli, drain, loader
 
     assert ServerSettings().engine_config().attention_backend is None
     s = settings_from_args(_parse(["--attention-backend", "torch_native"]))
-    assert s.engine_config().attention_backend == "torch_native"  # strict for every request, over ASTR_BACKEND
+    assert (
+        s.engine_config().attention_backend == "torch_native"
+    )  # strict for every request, over ASTR_BACKEND
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
     built: list[Any] = []
     monkeypatch.setattr(drain.DrainingServer, "run", lambda self, sockets=None: None)
+
     def start(self: loader.EngineLoader, server: Any) -> None:
         built.append(self.settings.engine_config())
 
@@ -129,6 +159,11 @@ def test_on_load_failure_is_exit_unless_asked_to_stay_up_unhealthy() -> None:
 
 
 def test_parse_bytes() -> None:
-    assert [parse_bytes(v) for v in (1024, "512MiB", "2 GB", "1.5KiB")] == [1024, 512 * 2**20, 2 * 10**9, 1536]
+    assert [parse_bytes(v) for v in (1024, "512MiB", "2 GB", "1.5KiB")] == [
+        1024,
+        512 * 2**20,
+        2 * 10**9,
+        1536,
+    ]
     with pytest.raises(ValueError):
         parse_bytes("12 parsecs")

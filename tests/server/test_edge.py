@@ -95,46 +95,71 @@ def _pki(folder: Path) -> dict[str, Path]:
 
     def usage(sign_certs: bool) -> x509.KeyUsage:
         return x509.KeyUsage(
-            digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-            key_agreement=False, key_cert_sign=sign_certs, crl_sign=sign_certs, encipher_only=False, decipher_only=False,
-        )  # fmt: skip
+            digital_signature=True,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            key_cert_sign=sign_certs,
+            crl_sign=sign_certs,
+            encipher_only=False,
+            decipher_only=False,
+        )
 
     def builder(subject: str, key: Any) -> x509.CertificateBuilder:
         return (
-            x509.CertificateBuilder().subject_name(name(subject)).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(minutes=5))
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5))
             .not_valid_after(now + timedelta(days=1))
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        )  # fmt: skip
+        )
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
-        builder("astrai test CA", ca_key).issuer_name(name("astrai test CA"))
+        builder("astrai test CA", ca_key)
+        .issuer_name(name("astrai test CA"))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(usage(True), critical=True).sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+        .add_extension(usage(True), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     files = {"ca": folder / "ca.pem"}
     files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     for who, purpose, san in (
-        ("server", ExtendedKeyUsageOID.SERVER_AUTH, [x509.DNSName("localhost"), x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))]),
+        (
+            "server",
+            ExtendedKeyUsageOID.SERVER_AUTH,
+            [x509.DNSName("localhost"), x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))],
+        ),
         ("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("client.example")]),
     ):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
-            builder(who, key).issuer_name(ca.subject)
+            builder(who, key)
+            .issuer_name(ca.subject)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(usage(False), critical=True).add_extension(x509.ExtendedKeyUsage([purpose]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .add_extension(x509.SubjectAlternativeName(san), critical=False).sign(ca_key, hashes.SHA256())
-        )  # fmt: skip
+            .add_extension(usage(False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([purpose]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
+            .add_extension(x509.SubjectAlternativeName(san), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         files[f"{who}_cert"], files[f"{who}_key"] = folder / f"{who}.pem", folder / f"{who}.key"
         files[f"{who}_cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         plain = serialization.NoEncryption()
-        files[f"{who}_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, plain))
+        files[f"{who}_key"].write_bytes(
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, plain)
+        )
         if who == "server":
             files["encrypted_key"] = folder / "server-encrypted.key"
             locked = serialization.BestAvailableEncryption(b"pw")
-            files["encrypted_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, locked))
+            files["encrypted_key"].write_bytes(
+                key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, locked)
+            )
     return files
 
 
@@ -193,7 +218,13 @@ def _call(app: Any, scope: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _scope(method: str, path: str, headers: list[tuple[bytes, bytes]] = ()) -> dict[str, Any]:
-    return {"type": "http", "method": method, "path": path, "headers": list(headers), "client": ("10.0.0.1", 5000)}
+    return {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": list(headers),
+        "client": ("10.0.0.1", 5000),
+    }
 
 
 def test_the_middleware_counts_names_echoes_and_logs(kept: Keep) -> None:
@@ -205,29 +236,57 @@ def test_the_middleware_counts_names_echoes_and_logs(kept: Keep) -> None:
         if scope["path"] == "/boom":
             raise RuntimeError("boom")
         scope["state"]["usage"] = {"prompt_tokens": 7, "completion_tokens": 3}
-        await send({"type": "http.response.start", "status": 201, "headers": [(b"x-request-id", b"stale"), (b"a", b"b")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 201,
+                "headers": [(b"x-request-id", b"stale"), (b"a", b"b")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"ok"})
 
     app = edge.EdgeMiddleware(inner, state)
     answers = {}
-    for method, path in [("GET", "/health"), ("GET", "/metrics"), ("HEAD", "/health"), ("POST", CHAT), ("GET", "/stats"), ("GET", "/boom")]:
-        answers[method, path] = _call(app, _scope(method, path, [(b"x-request-id", f"{method}{path}".replace("/", ".").encode())]))
+    for method, path in [
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+        ("HEAD", "/health"),
+        ("POST", CHAT),
+        ("GET", "/stats"),
+        ("GET", "/boom"),
+    ]:
+        answers[method, path] = _call(
+            app, _scope(method, path, [(b"x-request-id", f"{method}{path}".replace("/", ".").encode())])
+        )
     assert [count for count, *_ in seen] == [0, 0, 0, 1, 1, 1]  # /health and /metrics are not in flight
     assert all(context == given for _, context, given in seen)
     assert (state.in_flight, state.request_ids) == (0, set())
     start = answers["POST", CHAT][0]
-    assert start["status"] == 201 and start["headers"] == [(b"a", b"b"), (b"x-request-id", b"POST.v1.chat.completions")]
+    assert start["status"] == 201 and start["headers"] == [
+        (b"a", b"b"),
+        (b"x-request-id", b"POST.v1.chat.completions"),
+    ]
     boom = answers["GET", "/boom"]  # an exception before the response: Starlette's 500, with the id
     assert boom[0]["status"] == 500 and (b"x-request-id", b"GET.boom") in boom[0]["headers"]
     assert boom[1]["body"] == b"Internal Server Error"
     access = [r for r in kept.records if r.name == "astrai_server.access"]
     assert [(r.method, r.path, r.status, r.request_id) for r in access][3:] == [
-        ("POST", CHAT, 201, "POST.v1.chat.completions"), ("GET", "/stats", 201, "GET.stats"), ("GET", "/boom", 500, "GET.boom"),
-    ]  # fmt: skip
+        ("POST", CHAT, 201, "POST.v1.chat.completions"),
+        ("GET", "/stats", 201, "GET.stats"),
+        ("GET", "/boom", 500, "GET.boom"),
+    ]
     post = access[3]
-    assert (post.prompt_tokens, post.completion_tokens, post.client, post.route) == (7, 3, "10.0.0.1:5000", None)
+    assert (post.prompt_tokens, post.completion_tokens, post.client, post.route) == (
+        7,
+        3,
+        "10.0.0.1:5000",
+        None,
+    )
     assert post.duration >= 0 and not hasattr(access[5], "prompt_tokens")
-    assert post.getMessage().startswith("POST /v1/chat/completions 201 ") and "request_id=POST.v1.chat.completions" in post.getMessage()
+    assert (
+        post.getMessage().startswith("POST /v1/chat/completions 201 ")
+        and "request_id=POST.v1.chat.completions" in post.getMessage()
+    )
 
 
 def test_a_control_character_in_a_path_is_escaped_in_the_log(kept: Keep) -> None:
@@ -266,10 +325,16 @@ def test_request_ids_are_echoed_sanitised_and_unique_in_flight(fakes: Any, kept:
         assert c.get("/health", headers={"x-request-id": given}).headers["x-request-id"] == given
         bad = [b"", b"a b", b"z" * 129, "é".encode(), b"a/b", b"x\ty"]
         for value in bad:
-            assert GENERATED.fullmatch(c.get("/health", headers={"x-request-id": value}).headers["x-request-id"]), value
+            assert GENERATED.fullmatch(
+                c.get("/health", headers={"x-request-id": value}).headers["x-request-id"]
+            ), value
         r = c.get("/probe/abc", headers={"x-request-id": "probe-1"})
-        assert r.json() == {"state": "probe-1", "context": "probe-1"} and r.headers["x-request-id"] == "probe-1"
-        with c.stream("POST", CHAT, json={**HI, "max_tokens": 40, "stream": True}, headers={"x-request-id": "dup"}) as stream:
+        assert (
+            r.json() == {"state": "probe-1", "context": "probe-1"} and r.headers["x-request-id"] == "probe-1"
+        )
+        with c.stream(
+            "POST", CHAT, json={**HI, "max_tokens": 40, "stream": True}, headers={"x-request-id": "dup"}
+        ) as stream:
             assert stream.headers["x-request-id"] == "dup"
             lines = stream.iter_lines()
             next(lines)
@@ -283,21 +348,43 @@ def test_request_ids_are_echoed_sanitised_and_unique_in_flight(fakes: Any, kept:
         while app.state.in_flight and time.monotonic() < deadline:
             time.sleep(0.02)
         assert (app.state.in_flight, app.state.request_ids) == (0, set())
-        assert c.get("/v1/models", headers={"x-request-id": "dup"}).headers["x-request-id"] == "dup"  # free again
-    replaced = [r for r in kept.records if r.name == "astrai_server.edge" and "is not 1 to 128 characters" in r.getMessage()]
+        assert (
+            c.get("/v1/models", headers={"x-request-id": "dup"}).headers["x-request-id"] == "dup"
+        )  # free again
+    replaced = [
+        r
+        for r in kept.records
+        if r.name == "astrai_server.edge" and "is not 1 to 128 characters" in r.getMessage()
+    ]
     assert len(replaced) == len(bad) and all(GENERATED.fullmatch(r.request_id) for r in replaced)
     assert any(r.name == "astrai_server.edge" and "in flight already" in r.getMessage() for r in kept.records)
     (inside,) = [r for r in kept.records if r.name == "edge_test"]
     assert inside.request_id == "probe-1"
     (access,) = [r for r in kept.records if r.name == "astrai_server.access" and r.request_id == "probe-1"]
-    assert (access.method, access.path, access.route, access.status) == ("GET", "/probe/abc", "/probe/{name}", 200)
-    assert (access.prompt_tokens, access.completion_tokens) == (3, 4) and access.client.startswith("127.0.0.1:")
-    (streamed,) = [r for r in kept.records if r.name == "astrai_server.access" and r.request_id == "dup" and r.method == "POST"]
-    assert streamed.route == CHAT and streamed.completion_tokens == 40  # the handler's usage, after the last byte
+    assert (access.method, access.path, access.route, access.status) == (
+        "GET",
+        "/probe/abc",
+        "/probe/{name}",
+        200,
+    )
+    assert (access.prompt_tokens, access.completion_tokens) == (3, 4) and access.client.startswith(
+        "127.0.0.1:"
+    )
+    (streamed,) = [
+        r
+        for r in kept.records
+        if r.name == "astrai_server.access" and r.request_id == "dup" and r.method == "POST"
+    ]
+    assert (
+        streamed.route == CHAT and streamed.completion_tokens == 40
+    )  # the handler's usage, after the last byte
 
 
 def test_401s_errors_and_preflights_carry_the_id_and_cors_is_off_by_default(fakes: Any) -> None:
-    with fakes.serve_app(_probe_app(fakes, api_key=["k"])) as url, httpx.Client(base_url=url, timeout=30) as c:
+    with (
+        fakes.serve_app(_probe_app(fakes, api_key=["k"])) as url,
+        httpx.Client(base_url=url, timeout=30) as c,
+    ):
         r = c.post(CHAT, json=HI, headers={"x-request-id": "no-key"})
         assert (r.status_code, r.headers["x-request-id"]) == (401, "no-key")
         r = c.get("/stats", headers={"x-request-id": "no-key-2"})
@@ -315,7 +402,9 @@ def test_401s_errors_and_preflights_carry_the_id_and_cors_is_off_by_default(fake
 # ---------------------------------------------------------------- API keys
 
 
-def test_any_of_several_keys_opens_and_every_key_is_compared(fakes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_any_of_several_keys_opens_and_every_key_is_compared(
+    fakes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text("# keys of the test\n\n  file-key-1  \r\nfile-key-2\n#file-key-3\n", encoding="utf-8")
     app = create_app(ServerSettings(api_key=["flag-a", "clé-b"], api_key_file=str(keys)), fakes.FakeEngine())
@@ -329,7 +418,14 @@ def test_any_of_several_keys_opens_and_every_key_is_compared(fakes: Any, tmp_pat
                 compared.clear()
                 assert c.get("/openapi.json", headers=header).status_code == 200, header
                 assert compared == list(app.state.keys.keys)  # all four, the first one matching or not
-        for wrong in (b"#file-key-3", b"file-key-3", b"# keys of the test", "flag-a,clé-b".encode(), b"", b"flag-"):
+        for wrong in (
+            b"#file-key-3",
+            b"file-key-3",
+            b"# keys of the test",
+            "flag-a,clé-b".encode(),
+            b"",
+            b"flag-",
+        ):
             assert c.get("/openapi.json", headers={"x-api-key": wrong}).status_code == 401, wrong
         assert c.get("/health").status_code == 200
 
@@ -358,7 +454,9 @@ def test_the_key_flag_repeats_and_keys_stay_whole() -> None:
     s = settings_from_args(_parse(["--api-key", "a", "--api-key", "b,c", "--api-key-file", "/k.txt"]))
     assert (s.api_key, s.api_key_file) == (["a", "b,c"], "/k.txt")
     assert ServerSettings(api_key="one").api_key == ["one"]
-    with pytest.raises(ConfigError, match=r"^--api-key: Value error, the API key begins or ends with whitespace"):
+    with pytest.raises(
+        ConfigError, match=r"^--api-key: Value error, the API key begins or ends with whitespace"
+    ):
         load_settings({"api_key": ["a", " b"]}, environ={})
     with pytest.raises(ConfigError, match=r"^--api-key: List should have at least 1 item"):
         load_settings({"api_key": []}, environ={})
@@ -367,10 +465,18 @@ def test_the_key_flag_repeats_and_keys_stay_whole() -> None:
 # ---------------------------------------------------------------- settings from the environment
 
 
-def test_environment_between_the_yaml_file_and_the_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_between_the_yaml_file_and_the_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = tmp_path / "serve.yaml"
-    config.write_text("server:\n  port: 8001\n  max_batch_size: 4\n  served_model_name: yaml\n  kv_memory: 64MiB\n")
-    for name, value in {"ASTRAI_PORT": "8002", "ASTRAI_MAX_BATCH_SIZE": "8", "ASTRAI_SERVED_MODEL_NAME": "env"}.items():
+    config.write_text(
+        "server:\n  port: 8001\n  max_batch_size: 4\n  served_model_name: yaml\n  kv_memory: 64MiB\n"
+    )
+    for name, value in {
+        "ASTRAI_PORT": "8002",
+        "ASTRAI_MAX_BATCH_SIZE": "8",
+        "ASTRAI_SERVED_MODEL_NAME": "env",
+    }.items():
         monkeypatch.setenv(name, value)
     s = settings_from_args(_parse(["--config", str(config), "--port", "9000"]))
     assert (s.port, s.max_batch_size, s.served_model_name, s.kv_memory) == (9000, 8, "env", 64 * 2**20)
@@ -378,10 +484,18 @@ def test_environment_between_the_yaml_file_and_the_flags(tmp_path: Path, monkeyp
 
 def test_every_setting_is_read_from_its_variable() -> None:
     def text(value: Any) -> str:
-        return ",".join(value) if isinstance(value, list) else value if isinstance(value, str) else json.dumps(value)
+        return (
+            ",".join(value)
+            if isinstance(value, list)
+            else value
+            if isinstance(value, str)
+            else json.dumps(value)
+        )
 
     fields = ServerSettings.model_fields
-    unsettable = {k for k, f in fields.items() if f.default is None and _env_kind(f.annotation) in ("text", "list")}
+    unsettable = {
+        k for k, f in fields.items() if f.default is None and _env_kind(f.annotation) in ("text", "list")
+    }
     env = {env_name(k): text(f.default) for k, f in fields.items() if k not in unsettable}
     assert set(read_environment(env)) == set(fields) - unsettable
     assert load_settings({}, environ=env) == ServerSettings()
@@ -390,27 +504,64 @@ def test_every_setting_is_read_from_its_variable() -> None:
 
 def test_how_a_variable_becomes_a_setting() -> None:
     env = {
-        "ASTRAI_PAGED": "false", "ASTRAI_KV_MEMORY": "1GiB", "ASTRAI_SAMPLING": "{typical_p: 0.9}",
-        "ASTRAI_PROTOCOLS": "openai, anthropic,", "ASTRAI_API_KEY": "k1, k2", "ASTRAI_MAX_SEQ_LEN": "null",
-        "ASTRAI_MODEL": "123", "ASTRAI_LOG_FORMAT": "json", "ASTRAI_ALLOWED_METHODS": "get,post",
-        "ASTRAI_PLUGIN_OPTIONS": "{request_log: /env.jsonl, trace: 2}", "ASTRAI_CPU_CACHE": "/not/a/setting",
-    }  # fmt: skip
+        "ASTRAI_PAGED": "false",
+        "ASTRAI_KV_MEMORY": "1GiB",
+        "ASTRAI_SAMPLING": "{typical_p: 0.9}",
+        "ASTRAI_PROTOCOLS": "openai, anthropic,",
+        "ASTRAI_API_KEY": "k1, k2",
+        "ASTRAI_MAX_SEQ_LEN": "null",
+        "ASTRAI_MODEL": "123",
+        "ASTRAI_LOG_FORMAT": "json",
+        "ASTRAI_ALLOWED_METHODS": "get,post",
+        "ASTRAI_PLUGIN_OPTIONS": "{request_log: /env.jsonl, trace: 2}",
+        "ASTRAI_CPU_CACHE": "/not/a/setting",
+    }
     s = load_settings({"trace": 3}, None, {"request_log": None, "trace": 1, "other": 0}, environ=env)
-    assert (s.paged, s.kv_memory, s.sampling, s.protocols) == (False, 2**30, {"typical_p": 0.9}, ["openai", "anthropic"])
-    assert (s.api_key, s.max_seq_len, s.model, s.log_format, s.allowed_methods) == (["k1", "k2"], None, "123", "json", ["GET", "POST"])
-    assert s.plugin_options == {"request_log": "/env.jsonl", "trace": 3, "other": 0}  # the flag wins over the variable
+    assert (s.paged, s.kv_memory, s.sampling, s.protocols) == (
+        False,
+        2**30,
+        {"typical_p": 0.9},
+        ["openai", "anthropic"],
+    )
+    assert (s.api_key, s.max_seq_len, s.model, s.log_format, s.allowed_methods) == (
+        ["k1", "k2"],
+        None,
+        "123",
+        "json",
+        ["GET", "POST"],
+    )
+    assert s.plugin_options == {
+        "request_log": "/env.jsonl",
+        "trace": 3,
+        "other": 0,
+    }  # the flag wins over the variable
 
 
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"ASTRAI_MAX_BATCH_SIZE": "0"}, "ASTRAI_MAX_BATCH_SIZE: Input should be greater than or equal to 1 (got 0)"),
-        ({"ASTRAI_PORT": "http"}, "ASTRAI_PORT: Input should be a valid integer, unable to parse string as an integer (got 'http')"),
-        ({"ASTRAI_API_KEY": ""}, "ASTRAI_API_KEY: Value error, the API key is empty or only whitespace; leave it unset to serve without a key (got '')"),
+        (
+            {"ASTRAI_MAX_BATCH_SIZE": "0"},
+            "ASTRAI_MAX_BATCH_SIZE: Input should be greater than or equal to 1 (got 0)",
+        ),
+        (
+            {"ASTRAI_PORT": "http"},
+            "ASTRAI_PORT: Input should be a valid integer, unable to parse string as an integer (got 'http')",
+        ),
+        (
+            {"ASTRAI_API_KEY": ""},
+            "ASTRAI_API_KEY: Value error, the API key is empty or only whitespace; leave it unset to serve without a key (got '')",
+        ),
         ({"ASTRAI_API_KEY": "a,,b"}, "ASTRAI_API_KEY: Value error, the API key is empty or only whitespace"),
-        ({"ASTRAI_SAMPLING": "typical_p=0.9"}, "ASTRAI_SAMPLING: expected a YAML mapping such as {typical_p: 0.9} (got 'typical_p=0.9')"),
+        (
+            {"ASTRAI_SAMPLING": "typical_p=0.9"},
+            "ASTRAI_SAMPLING: expected a YAML mapping such as {typical_p: 0.9} (got 'typical_p=0.9')",
+        ),
         ({"ASTRAI_DTYPE": "float64"}, "ASTRAI_DTYPE: Input should be 'float32', 'bfloat16' or 'float16'"),
-        ({"ASTRAI_ALLOWED_ORIGINS": "https://app.example/"}, "ASTRAI_ALLOWED_ORIGINS: Value error, 'https://app.example/' is not an origin"),
+        (
+            {"ASTRAI_ALLOWED_ORIGINS": "https://app.example/"},
+            "ASTRAI_ALLOWED_ORIGINS: Value error, 'https://app.example/' is not an origin",
+        ),
         ({"ASTRAI_LOG_FORMAT": "xml"}, "ASTRAI_LOG_FORMAT: Input should be 'text' or 'json'"),
     ],
     ids=["range", "type", "empty-key", "empty-key-in-list", "mapping", "choice", "origin", "log-format"],
@@ -422,13 +573,23 @@ def test_a_bad_variable_is_an_error_naming_it(env: dict[str, str], message: str)
 
 
 def test_cors_settings_are_checked() -> None:
-    s = settings_from_args(_parse(["--allowed-origins", "https://a.example, http://b.example:8080", "--allowed-methods", "get,PUT"]))
-    assert (s.allowed_origins, s.allowed_methods, s.allowed_headers) == (["https://a.example", "http://b.example:8080"], ["GET", "PUT"], ["*"])
+    s = settings_from_args(
+        _parse(
+            ["--allowed-origins", "https://a.example, http://b.example:8080", "--allowed-methods", "get,PUT"]
+        )
+    )
+    assert (s.allowed_origins, s.allowed_methods, s.allowed_headers) == (
+        ["https://a.example", "http://b.example:8080"],
+        ["GET", "PUT"],
+        ["*"],
+    )
     assert ServerSettings().allowed_origins == []
     for bad in (["null"], ["app.example"], ["https://app.example/path"]):
         with pytest.raises(ConfigError, match="is not an origin"):
             load_settings({"allowed_origins": bad}, environ={})
-    with pytest.raises(ConfigError, match="--allowed-headers: Value error, 'x y' is not an HTTP method or header name"):
+    with pytest.raises(
+        ConfigError, match="--allowed-headers: Value error, 'x y' is not an HTTP method or header name"
+    ):
         load_settings({"allowed_headers": ["x y"]}, environ={})
 
 
@@ -443,9 +604,19 @@ def test_json_lines_carry_the_fields_and_never_break() -> None:
         import sys
 
         exc_info = sys.exc_info()
-    record = logging.LogRecord("astrai_server.access", logging.INFO, __file__, 1, "line one\nline\u2028two %s", ("é",), exc_info)
-    for name, value in {"method": "POST", "path": CHAT, "route": CHAT, "status": 200, "duration": 0.25, "client": "1.2.3.4:5",
-                        "prompt_tokens": 12, "completion_tokens": 5}.items():  # fmt: skip
+    record = logging.LogRecord(
+        "astrai_server.access", logging.INFO, __file__, 1, "line one\nline\u2028two %s", ("é",), exc_info
+    )
+    for name, value in {
+        "method": "POST",
+        "path": CHAT,
+        "route": CHAT,
+        "status": 200,
+        "duration": 0.25,
+        "client": "1.2.3.4:5",
+        "prompt_tokens": 12,
+        "completion_tokens": 5,
+    }.items():
         setattr(record, name, value)
 
     def formatted() -> str:
@@ -462,10 +633,19 @@ def test_json_lines_carry_the_fields_and_never_break() -> None:
     assert datetime.fromisoformat(out.pop("time")).tzinfo is not None
     assert "ValueError: bad\nthing" in out.pop("exc_info")
     assert out == {
-        "level": "INFO", "logger": "astrai_server.access", "message": "line one\nline\u2028two é",
-        "request_id": "req-0123456789abcdef", "method": "POST", "path": CHAT, "route": CHAT, "status": 200,
-        "duration": 0.25, "client": "1.2.3.4:5", "prompt_tokens": 12, "completion_tokens": 5,
-    }  # fmt: skip
+        "level": "INFO",
+        "logger": "astrai_server.access",
+        "message": "line one\nline\u2028two é",
+        "request_id": "req-0123456789abcdef",
+        "method": "POST",
+        "path": CHAT,
+        "route": CHAT,
+        "status": 200,
+        "duration": 0.25,
+        "client": "1.2.3.4:5",
+        "prompt_tokens": 12,
+        "completion_tokens": 5,
+    }
     outside = logging.LogRecord("astrai", logging.WARNING, __file__, 1, "no request", (), None)
     logs.RequestIdFilter().filter(outside)
     assert json.loads(formatter.format(outside))["request_id"] is None
@@ -474,20 +654,35 @@ def test_json_lines_carry_the_fields_and_never_break() -> None:
 def test_log_config_and_uvicorn_options(pki: dict[str, Path]) -> None:
     text = logs.log_config(ServerSettings(log_level="warning"))
     assert text["formatters"]["astrai"] == {"format": "%(levelname)s %(name)s: %(message)s"}
-    assert text["root"] == {"level": "WARNING", "handlers": ["astrai"]} and text["handlers"]["astrai"]["filters"] == ["request_id"]
-    assert all(text["loggers"][n] == {"handlers": [], "propagate": True} for n in ("uvicorn", "uvicorn.error", "uvicorn.access"))
-    assert logs.log_config(ServerSettings(log_format="json"))["formatters"]["astrai"] == {"()": logs.JsonFormatter}
+    assert text["root"] == {"level": "WARNING", "handlers": ["astrai"]} and text["handlers"]["astrai"][
+        "filters"
+    ] == ["request_id"]
+    assert all(
+        text["loggers"][n] == {"handlers": [], "propagate": True}
+        for n in ("uvicorn", "uvicorn.error", "uvicorn.access")
+    )
+    assert logs.log_config(ServerSettings(log_format="json"))["formatters"]["astrai"] == {
+        "()": logs.JsonFormatter
+    }
     plain = edge.uvicorn_options(ServerSettings())
     assert set(plain) == {"log_config", "access_log", "http"} and plain["access_log"] is False
     assert issubclass(plain["http"], connections.GuardedProtocol) and plain["http"].header_timeout == 10.0
-    tls = edge.uvicorn_options(ServerSettings(
-        ssl_certfile=str(pki["server_cert"]), ssl_keyfile=str(pki["encrypted_key"]), ssl_keyfile_password="pw",
-        ssl_ca_certs=str(pki["ca"]), ssl_cert_reqs="required",
-    ))  # fmt: skip
+    tls = edge.uvicorn_options(
+        ServerSettings(
+            ssl_certfile=str(pki["server_cert"]),
+            ssl_keyfile=str(pki["encrypted_key"]),
+            ssl_keyfile_password="pw",
+            ssl_ca_certs=str(pki["ca"]),
+            ssl_cert_reqs="required",
+        )
+    )
     assert {k: v for k, v in tls.items() if k.startswith("ssl_")} == {
-        "ssl_certfile": str(pki["server_cert"]), "ssl_keyfile": str(pki["encrypted_key"]), "ssl_keyfile_password": "pw",
-        "ssl_ca_certs": str(pki["ca"]), "ssl_cert_reqs": ssl.CERT_REQUIRED,
-    }  # fmt: skip
+        "ssl_certfile": str(pki["server_cert"]),
+        "ssl_keyfile": str(pki["encrypted_key"]),
+        "ssl_keyfile_password": "pw",
+        "ssl_ca_certs": str(pki["ca"]),
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+    }
 
 
 # ---------------------------------------------------------------- TLS
@@ -499,27 +694,57 @@ def test_tls_settings_that_cannot_serve_are_config_errors(pki: dict[str, Path]) 
         ({"ssl_keyfile": key}, "--ssl-keyfile needs --ssl-certfile"),
         ({"ssl_ca_certs": ca}, "--ssl-ca-certs needs --ssl-certfile"),
         ({"ssl_cert_reqs": "required"}, "--ssl-cert-reqs needs --ssl-certfile"),
-        ({"ssl_certfile": cert, "ssl_keyfile": key, "ssl_cert_reqs": "optional"}, "--ssl-cert-reqs optional needs --ssl-ca-certs"),
+        (
+            {"ssl_certfile": cert, "ssl_keyfile": key, "ssl_cert_reqs": "optional"},
+            "--ssl-cert-reqs optional needs --ssl-ca-certs",
+        ),
         ({"ssl_certfile": "/nonexistent/cert.pem"}, "--ssl-certfile /nonexistent/cert.pem: no such file"),
-        ({"ssl_certfile": cert, "ssl_keyfile": "/nonexistent/key.pem"}, "--ssl-keyfile /nonexistent/key.pem: no such file"),
-        ({"ssl_certfile": cert}, f"--ssl-certfile {cert}: not a PEM certificate chain and its private key"),  # no key in it
-        ({"ssl_certfile": cert, "ssl_keyfile": str(pki["client_key"])}, "not a PEM certificate chain and its private key"),
+        (
+            {"ssl_certfile": cert, "ssl_keyfile": "/nonexistent/key.pem"},
+            "--ssl-keyfile /nonexistent/key.pem: no such file",
+        ),
+        (
+            {"ssl_certfile": cert},
+            f"--ssl-certfile {cert}: not a PEM certificate chain and its private key",
+        ),  # no key in it
+        (
+            {"ssl_certfile": cert, "ssl_keyfile": str(pki["client_key"])},
+            "not a PEM certificate chain and its private key",
+        ),
         ({"ssl_certfile": key, "ssl_keyfile": key}, "not a PEM certificate chain"),
-        ({"ssl_certfile": cert, "ssl_keyfile": str(pki["encrypted_key"])}, "the key is encrypted; give --ssl-keyfile-password"),
-        ({"ssl_certfile": cert, "ssl_keyfile": str(pki["encrypted_key"]), "ssl_keyfile_password": "wrong"}, "not a PEM certificate chain"),
-        ({"ssl_certfile": cert, "ssl_keyfile": key, "ssl_ca_certs": key}, f"--ssl-ca-certs {key}: not PEM CA certificates"),
+        (
+            {"ssl_certfile": cert, "ssl_keyfile": str(pki["encrypted_key"])},
+            "the key is encrypted; give --ssl-keyfile-password",
+        ),
+        (
+            {"ssl_certfile": cert, "ssl_keyfile": str(pki["encrypted_key"]), "ssl_keyfile_password": "wrong"},
+            "not a PEM certificate chain",
+        ),
+        (
+            {"ssl_certfile": cert, "ssl_keyfile": key, "ssl_ca_certs": key},
+            f"--ssl-ca-certs {key}: not PEM CA certificates",
+        ),
     ]
     for given, message in cases:
         with pytest.raises(ConfigError) as caught:
             edge.check_tls(ServerSettings(**given))
         assert message in str(caught.value), given
     assert edge.check_tls(ServerSettings()) is False
-    assert edge.check_tls(ServerSettings(ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=ca, ssl_cert_reqs="required"))
+    assert edge.check_tls(
+        ServerSettings(ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=ca, ssl_cert_reqs="required")
+    )
 
 
 def test_client_certificates_when_required(fakes: Any, pki: dict[str, Path]) -> None:
-    settings = ServerSettings(ssl_certfile=str(pki["server_cert"]), ssl_keyfile=str(pki["server_key"]), ssl_ca_certs=str(pki["ca"]), ssl_cert_reqs="required")
-    options = {k: v for k, v in edge.uvicorn_options(settings).items() if k.startswith("ssl_")}  # this process keeps its logging
+    settings = ServerSettings(
+        ssl_certfile=str(pki["server_cert"]),
+        ssl_keyfile=str(pki["server_key"]),
+        ssl_ca_certs=str(pki["ca"]),
+        ssl_cert_reqs="required",
+    )
+    options = {
+        k: v for k, v in edge.uvicorn_options(settings).items() if k.startswith("ssl_")
+    }  # this process keeps its logging
     with _uvicorn(create_app(settings, fakes.FakeEngine()), **options) as port:
         url = f"https://127.0.0.1:{port}/health"
         r = httpx.get(url, verify=_trusting(pki, client_cert=True), timeout=10)
@@ -543,13 +768,27 @@ def edge_server(start_server: Any, pki: dict[str, Path], tmp_path_factory: pytes
     keys.write_text("# the file's keys\n\nfile-key-1\n  file-key-2  \n# file-key-3\n")
     config.write_text("server:\n  served_model_name: from-yaml\n  log_format: text\n  max_batch_size: 2\n")
     env = {
-        "ASTRAI_API_KEY": "env-key-1, env-key-2", "ASTRAI_SERVED_MODEL_NAME": "from-env", "ASTRAI_LOG_FORMAT": "json",
-        "ASTRAI_PORT": "1", "ASTRAI_ALLOWED_ORIGINS": "https://other.example", "ASTRAI_ADMIN_API_KEY": "operator-key",
-    }  # fmt: skip
+        "ASTRAI_API_KEY": "env-key-1, env-key-2",
+        "ASTRAI_SERVED_MODEL_NAME": "from-env",
+        "ASTRAI_LOG_FORMAT": "json",
+        "ASTRAI_PORT": "1",
+        "ASTRAI_ALLOWED_ORIGINS": "https://other.example",
+        "ASTRAI_ADMIN_API_KEY": "operator-key",
+    }
     return start_server(
-        "--config", str(config), "--ssl-certfile", str(pki["server_cert"]), "--ssl-keyfile", str(pki["server_key"]),
-        "--api-key-file", str(keys), "--allowed-origins", "https://app.example", env=env, scheme="https",
-    )  # fmt: skip
+        "--config",
+        str(config),
+        "--ssl-certfile",
+        str(pki["server_cert"]),
+        "--ssl-keyfile",
+        str(pki["server_key"]),
+        "--api-key-file",
+        str(keys),
+        "--allowed-origins",
+        "https://app.example",
+        env=env,
+        scheme="https",
+    )
 
 
 @pytest.fixture
@@ -567,25 +806,37 @@ def test_a_tls_round_trip(edge_server: Any, client: httpx.Client) -> None:
     r = client.post(CHAT, json=HI, headers=KEY)
     # sampled: two tokens may spell no character (half of one, say), so the answer's shape is what counts
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
-    assert r.json()["choices"][0]["finish_reason"] == "length" and isinstance(r.json()["choices"][0]["message"]["content"], str)
+    assert r.json()["choices"][0]["finish_reason"] == "length" and isinstance(
+        r.json()["choices"][0]["message"]["content"], str
+    )
     with pytest.raises(httpx.TransportError):
-        httpx.get(edge_server.url.replace("https://", "http://") + "/health", timeout=10)  # no plain HTTP on it
+        httpx.get(
+            edge_server.url.replace("https://", "http://") + "/health", timeout=10
+        )  # no plain HTTP on it
     with pytest.raises(httpx.ConnectError):
         httpx.get(edge_server.url + "/health", timeout=10)  # a certificate only our CA vouches for
 
 
 @pytest.mark.slow
 def test_cors_preflight_allowed_for_a_listed_origin_and_refused_for_another(client: httpx.Client) -> None:
-    asked = {"access-control-request-method": "POST", "access-control-request-headers": "authorization, content-type, x-stainless-os"}
+    asked = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type, x-stainless-os",
+    }
     r = client.options(CHAT, headers={"origin": "https://app.example", **asked})  # no key: browsers send none
     assert r.status_code == 200, r.text
     assert r.headers["access-control-allow-origin"] == "https://app.example"
-    assert "POST" in r.headers["access-control-allow-methods"] and "x-stainless-os" in r.headers["access-control-allow-headers"]
+    assert (
+        "POST" in r.headers["access-control-allow-methods"]
+        and "x-stainless-os" in r.headers["access-control-allow-headers"]
+    )
     assert GENERATED.fullmatch(r.headers["x-request-id"])
     for origin in ("https://other.example", "https://evil.example"):  # the variable's origin lost to the flag
         r = client.options(CHAT, headers={"origin": origin, **asked})
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers, origin
-    r = client.options(CHAT, headers={"origin": "https://app.example", "access-control-request-method": "DELETE"})
+    r = client.options(
+        CHAT, headers={"origin": "https://app.example", "access-control-request-method": "DELETE"}
+    )
     assert r.status_code == 400
     r = client.post(CHAT, json=HI, headers={"origin": "https://app.example", **KEY})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
@@ -600,10 +851,14 @@ def test_request_ids_are_echoed(client: httpx.Client) -> None:
     assert (r.status_code, r.headers["x-request-id"]) == (200, "edge-json-1")
     r = client.post(CHAT, json=HI, headers={"x-request-id": "edge-401"})
     assert (r.status_code, r.headers["x-request-id"]) == (401, "edge-401")
-    with client.stream("POST", CHAT, json={**HI, "stream": True}, headers={"x-request-id": "edge-stream", **KEY}) as s:
+    with client.stream(
+        "POST", CHAT, json={**HI, "stream": True}, headers={"x-request-id": "edge-stream", **KEY}
+    ) as s:
         assert s.headers["x-request-id"] == "edge-stream" and "[DONE]" in s.read().decode()
     assert GENERATED.fullmatch(client.get("/health").headers["x-request-id"])
-    assert GENERATED.fullmatch(client.get("/health", headers={"x-request-id": "no spaces"}).headers["x-request-id"])
+    assert GENERATED.fullmatch(
+        client.get("/health", headers={"x-request-id": "no spaces"}).headers["x-request-id"]
+    )
 
 
 @pytest.mark.slow
@@ -611,7 +866,10 @@ def test_keys_from_the_environment_and_a_file(client: httpx.Client) -> None:
     for key in ("env-key-1", "env-key-2", "file-key-1", "file-key-2"):
         for header in ({"authorization": f"Bearer {key}"}, {"x-api-key": key}):
             r = client.get("/v1/models", headers=header)
-            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["from-env"], (header, r.text)  # env over YAML
+            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["from-env"], (
+                header,
+                r.text,
+            )  # env over YAML
             for route in ("/metrics", "/stats"):  # every tenant's traffic: the operator's key only
                 r = client.get(route, headers=header)
                 assert r.status_code == 403 and "--admin-api-key" in r.json()["detail"], (route, header)
@@ -634,14 +892,27 @@ def test_json_log_lines_parse_and_carry_the_fields(edge_server: Any, client: htt
         time.sleep(0.1)
     lines = [line for line in edge_server.log().splitlines() if line.strip()]
     first = next(i for i, line in enumerate(lines) if line.startswith("{"))
-    assert not [line for line in lines[:first] if "astrai.plugins" not in line]  # before the settings: plugin discovery
+    assert not [
+        line for line in lines[:first] if "astrai.plugins" not in line
+    ]  # before the settings: plugin discovery
     records = [json.loads(line) for line in lines[first:]]  # every line from the settings on
     assert all({"time", "level", "logger", "message", "request_id"} <= set(r) for r in records)
-    assert any(r["logger"] == "uvicorn.error" and "Uvicorn running on https://" in r["message"] for r in records)
-    (access,) = [r for r in records if r["logger"] == "astrai_server.access" and r["request_id"] == "edge-log-1"]
+    assert any(
+        r["logger"] == "uvicorn.error" and "Uvicorn running on https://" in r["message"] for r in records
+    )
+    (access,) = [
+        r for r in records if r["logger"] == "astrai_server.access" and r["request_id"] == "edge-log-1"
+    ]
     assert (access["method"], access["path"], access["route"], access["status"]) == ("POST", CHAT, CHAT, 200)
-    assert access["level"] == "INFO" and 0 < access["duration"] < 120 and access["client"].startswith("127.0.0.1:")
-    assert (access["prompt_tokens"], access["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert (
+        access["level"] == "INFO"
+        and 0 < access["duration"] < 120
+        and access["client"].startswith("127.0.0.1:")
+    )
+    assert (access["prompt_tokens"], access["completion_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
     (replaced,) = [r for r in records if r["logger"] == "astrai_server.edge" and "'bad id'" in r["message"]]
     assert GENERATED.fullmatch(replaced["request_id"])
     assert not [r for r in records if r["logger"] == "uvicorn.access"]  # one access line per request: ours
@@ -650,13 +921,26 @@ def test_json_log_lines_parse_and_carry_the_fields(edge_server: Any, client: htt
 @pytest.mark.slow
 def test_a_bad_tls_file_or_variable_stops_the_command(start_server: Any, pki: dict[str, Path]) -> None:
     cases = [
-        (("--ssl-certfile", "/nonexistent/cert.pem"), {}, "--ssl-certfile /nonexistent/cert.pem: no such file"),
+        (
+            ("--ssl-certfile", "/nonexistent/cert.pem"),
+            {},
+            "--ssl-certfile /nonexistent/cert.pem: no such file",
+        ),
         (("--ssl-keyfile", str(pki["server_key"])), {}, "--ssl-keyfile needs --ssl-certfile"),
-        (("--ssl-certfile", str(pki["server_cert"]), "--ssl-keyfile", str(pki["client_key"])), {},
-         f"--ssl-certfile {pki['server_cert']} and --ssl-keyfile {pki['client_key']}: not a PEM certificate chain and its private key"),
-        ((), {"ASTRAI_MAX_BATCH_SIZE": "0"}, "ASTRAI_MAX_BATCH_SIZE: Input should be greater than or equal to 1 (got 0)"),
+        (
+            ("--ssl-certfile", str(pki["server_cert"]), "--ssl-keyfile", str(pki["client_key"])),
+            {},
+            f"--ssl-certfile {pki['server_cert']} and --ssl-keyfile {pki['client_key']}: not a PEM certificate chain and its private key",
+        ),
+        (
+            (),
+            {"ASTRAI_MAX_BATCH_SIZE": "0"},
+            "ASTRAI_MAX_BATCH_SIZE: Input should be greater than or equal to 1 (got 0)",
+        ),
     ]
-    started = [start_server(*flags, env=env, healthy=False) for flags, env, _ in cases]  # side by side: each stops at once
+    started = [
+        start_server(*flags, env=env, healthy=False) for flags, env, _ in cases
+    ]  # side by side: each stops at once
     for (_, _, message), served in zip(cases, started, strict=True):
         assert served.proc.wait(120) == 2, served.log()
         assert f"astrai serve: error: {message}" in served.log()

@@ -42,10 +42,15 @@ def test_openai_sse_transcript_is_exact(base_url: str, engine: Any) -> None:
     assert len(set(re.findall(r'"id":"(chatcmpl-[0-9a-f]+)"', r.text))) == 1  # one id across the stream
     pieces = list(engine.chat(FRANCE, stream=True, max_tokens=32, temperature=0))
     n_prompt = len(engine.tokenizer.apply_chat_template(FRANCE))
-    head = 'data: {"id":"chatcmpl-ID","object":"chat.completion.chunk","created":0,"model":"astrai","choices":'
+    head = (
+        'data: {"id":"chatcmpl-ID","object":"chat.completion.chunk","created":0,"model":"astrai","choices":'
+    )
     expected = (
         f'{head}[{{"index":0,"delta":{{"role":"assistant"}},"finish_reason":null}}]}}\n\n'
-        + "".join(f'{head}[{{"index":0,"delta":{{"content":{_text(p)}}},"finish_reason":null}}]}}\n\n' for p in pieces)
+        + "".join(
+            f'{head}[{{"index":0,"delta":{{"content":{_text(p)}}},"finish_reason":null}}]}}\n\n'
+            for p in pieces
+        )
         + f'{head}[{{"index":0,"delta":{{}},"finish_reason":"stop"}}]}}\n\n'
         + f'{head}[],"usage":{{"prompt_tokens":{n_prompt},"completion_tokens":8,"total_tokens":{n_prompt + 8},'
         + f'"prompt_tokens_details":{{"cached_tokens":{_cached(r.text, n_prompt)}}}}}}}\n\n'
@@ -55,13 +60,21 @@ def test_openai_sse_transcript_is_exact(base_url: str, engine: Any) -> None:
 
 
 def test_anthropic_sse_transcript_is_exact(base_url: str, engine: Any) -> None:
-    body = {"messages": FRANCE, "max_tokens": 32, "temperature": 0, "stream": True, "stop_sequences": ["Paris"]}
+    body = {
+        "messages": FRANCE,
+        "max_tokens": 32,
+        "temperature": 0,
+        "stream": True,
+        "stop_sequences": ["Paris"],
+    }
     r = httpx.post(base_url + MESSAGES, json=body, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     pieces = list(engine.chat(FRANCE, stream=True, max_tokens=32, temperature=0, stop=["Paris"]))
     assert "".join(pieces) == "The capital of France is "
     n_prompt = len(engine.tokenizer.apply_chat_template(FRANCE))
-    n_out = len(engine.tokenizer.encode("The capital of France is Paris"))  # the stop string's tokens were generated
+    n_out = len(
+        engine.tokenizer.encode("The capital of France is Paris")
+    )  # the stop string's tokens were generated
     expected = (
         "event: message_start\n"
         'data: {"type":"message_start","message":{"id":"msg_ID","type":"message","role":"assistant","model":"astrai",'
@@ -91,7 +104,11 @@ def _assert_shape(path: str, body: Any, status: int) -> str:
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
         kind = body["error"]["type"]
     else:
-        assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        assert (
+            set(body) == {"type", "error"}
+            and body["type"] == "error"
+            and set(body["error"]) == {"type", "message"}
+        )
         kind = body["error"]["type"]
     assert kind == {401: "authentication_error"}.get(status, "invalid_request_error")
     return body["error"]["message"]
@@ -120,8 +137,12 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("path", [CHAT, MESSAGES])
-@pytest.mark.parametrize(("body", "status", "says"), BAD_BODIES, ids=[f"{i}-{s}" for i, (_, s, _) in enumerate(BAD_BODIES)])
-def test_client_errors_are_4xx_in_the_protocols_shape(base_url: str, path: str, body: Any, status: int, says: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "says"), BAD_BODIES, ids=[f"{i}-{s}" for i, (_, s, _) in enumerate(BAD_BODIES)]
+)
+def test_client_errors_are_4xx_in_the_protocols_shape(
+    base_url: str, path: str, body: Any, status: int, says: str
+) -> None:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(base_url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == status, r.text
@@ -137,15 +158,30 @@ def test_client_errors_are_4xx_in_the_protocols_shape(base_url: str, path: str, 
         (CHAT, {**OK, "n": 10**6}),
         (CHAT, {**OK, "tools": [{"type": "function"}]}),
         (CHAT, {**OK, "tool_choice": {"type": "function", "function": {"name": "missing"}}, "tools": []}),
-        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        ),
         (MESSAGES, {**OK, "stop_sequences": "Paris"}),
         (MESSAGES, {**OK, "system": 5}),
         (MESSAGES, {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}),
         (MESSAGES, {**OK, "tools": [{"name": ""}]}),
         (MESSAGES, {**OK, "tool_choice": {"type": "any"}}),
     ],
-    ids=["stop", "bias-key", "bias-range", "n", "tool", "tool-choice", "image", "stop-seq", "system", "tool-result",
-         "tool-name", "any-tool"],  # fmt: skip
+    ids=[
+        "stop",
+        "bias-key",
+        "bias-range",
+        "n",
+        "tool",
+        "tool-choice",
+        "image",
+        "stop-seq",
+        "system",
+        "tool-result",
+        "tool-name",
+        "any-tool",
+    ],
 )
 def test_odd_requests_never_produce_a_500(base_url: str, path: str, body: dict) -> None:
     r = httpx.post(base_url + path, json={"max_tokens": 1, **body}, timeout=60)
@@ -163,7 +199,9 @@ def test_api_key_bearer_or_x_api_key_and_health_stays_open(keyed_url: str, api_k
     assert httpx.post(keyed_url + CHAT, json=body).json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(keyed_url + "/health").status_code == 200
     assert httpx.get(keyed_url + "/stats").status_code == 401
-    assert httpx.get(keyed_url + "/v1/models", headers={"authorization": f"Bearer {api_key}"}).status_code == 200
+    assert (
+        httpx.get(keyed_url + "/v1/models", headers={"authorization": f"Bearer {api_key}"}).status_code == 200
+    )
 
 
 def test_health_stats_models_and_unknown_routes(base_url: str) -> None:
@@ -172,7 +210,9 @@ def test_health_stats_models_and_unknown_routes(base_url: str) -> None:
     stats = httpx.get(base_url + "/stats").json()
     assert {"total_tasks", "total_tokens", "active_tasks", "waiting_queue", "kv_tokens_total"} <= set(stats)
     models = httpx.get(base_url + "/v1/models").json()
-    assert models["object"] == "list" and [(m["id"], m["context_length"]) for m in models["data"]] == [("astrai", 1024)]
+    assert models["object"] == "list" and [(m["id"], m["context_length"]) for m in models["data"]] == [
+        ("astrai", 1024)
+    ]
     assert httpx.get(base_url + "/v1/nothing").status_code == 404
     assert httpx.get(base_url + CHAT).status_code == 405
 

@@ -25,12 +25,26 @@ KEY = "metrics-key-1"
 MODEL = "metrics-model"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 HIST = {key: name for key, (name, _, _) in HISTOGRAMS.items()}
-STATS = {"active_tasks": 1, "waiting_queue": 2, "kv_tokens_total": 256, "kv_tokens_in_use": 64, "kv_tokens_cached": 32,
-         "preemptions": 3}  # fmt: skip
+STATS = {
+    "active_tasks": 1,
+    "waiting_queue": 2,
+    "kv_tokens_total": 256,
+    "kv_tokens_in_use": 64,
+    "kv_tokens_cached": 32,
+    "preemptions": 3,
+}
 
 
-def finished(rid: str = "r1", prompt: int = 10, completion: int = 5, cached: int = 4, reason: str = "length",
-             queue: float | None = 0.01, ttft: float | None = 0.05, total: float = 0.2) -> FinishedRequest:  # fmt: skip
+def finished(
+    rid: str = "r1",
+    prompt: int = 10,
+    completion: int = 5,
+    cached: int = 4,
+    reason: str = "length",
+    queue: float | None = 0.01,
+    ttft: float | None = 0.05,
+    total: float = 0.2,
+) -> FinishedRequest:
     return FinishedRequest(rid, prompt, completion, cached, reason, None, 0.0, queue, ttft, total)
 
 
@@ -46,7 +60,10 @@ def test_a_finished_request_moves_each_series_by_its_figures() -> None:
     m.astrai_request_finished(finished())
     m.astrai_request_finished(finished("r2", prompt=7, completion=1, cached=0, reason="stop"))
     assert value(m, "astrai:prompt_tokens_total") == 17 and value(m, "astrai:generation_tokens_total") == 6
-    assert value(m, "astrai:prefix_cache_queries_total") == 17 and value(m, "astrai:prefix_cache_hits_total") == 4
+    assert (
+        value(m, "astrai:prefix_cache_queries_total") == 17
+        and value(m, "astrai:prefix_cache_hits_total") == 4
+    )
     assert value(m, "astrai:request_success_total", finished_reason="length") == 1
     assert value(m, "astrai:request_success_total", finished_reason="stop") == 1
     for key in ("ttft", "e2e", "queue", "prefill", "decode", "inference"):
@@ -59,7 +76,9 @@ def test_a_finished_request_moves_each_series_by_its_figures() -> None:
 
 def test_a_request_never_admitted_counts_its_end_but_no_queue_prefill_or_cache() -> None:
     m = ServerMetrics(MODEL)
-    m.astrai_request_finished(finished(reason="abort", completion=0, cached=0, queue=None, ttft=None, total=0.5))
+    m.astrai_request_finished(
+        finished(reason="abort", completion=0, cached=0, queue=None, ttft=None, total=0.5)
+    )
     assert value(m, "astrai:request_success_total", finished_reason="abort") == 1
     assert value(m, HIST["e2e"] + "_count") == 1 and value(m, HIST["e2e"] + "_sum") == 0.5
     assert value(m, "astrai:prompt_tokens_total") == 10
@@ -81,13 +100,20 @@ def test_gauges_read_the_engine_lazily_and_are_absent_without_one() -> None:
     assert value(m, "astrai:num_requests_running") is None
     state.engine = SimpleNamespace(get_stats=lambda: STATS)  # loaded later, as astrai serve does
     assert value(m, "astrai:num_requests_running") == 1 and value(m, "astrai:num_requests_waiting") == 2
-    assert value(m, "astrai:kv_cache_usage_perc") == 0.25 and value(m, "astrai:kv_cache_capacity_tokens") == 256
-    assert value(m, "astrai:kv_cache_usage_tokens") == 64 and value(m, "astrai:kv_cache_cached_only_tokens") == 32
+    assert (
+        value(m, "astrai:kv_cache_usage_perc") == 0.25 and value(m, "astrai:kv_cache_capacity_tokens") == 256
+    )
+    assert (
+        value(m, "astrai:kv_cache_usage_tokens") == 64
+        and value(m, "astrai:kv_cache_cached_only_tokens") == 32
+    )
     assert value(m, "astrai:num_preemptions_total") == 3
 
 
 def test_an_engine_that_publishes_less_gets_the_gauges_it_can() -> None:
-    m = ServerMetrics(MODEL, lambda: SimpleNamespace(get_stats=lambda: {"active_tasks": 0, "waiting_queue": 0}))
+    m = ServerMetrics(
+        MODEL, lambda: SimpleNamespace(get_stats=lambda: {"active_tasks": 0, "waiting_queue": 0})
+    )
     assert value(m, "astrai:num_requests_running") == 0 and value(m, "astrai:kv_cache_usage_perc") is None
     assert m.exposition(None)[0]  # the scrape still succeeds
 
@@ -102,13 +128,17 @@ def test_a_plugin_manager_calls_it_as_a_hook_plugin() -> None:
 
 def test_openmetrics_names_match_their_metadata_and_carry_the_request_id() -> None:
     m = ServerMetrics(MODEL, lambda: SimpleNamespace(get_stats=lambda: STATS))
-    long_id = "x" * 300  # a client's X-Request-Id may be long: OpenMetrics bounds an exemplar to 128 characters
+    long_id = (
+        "x" * 300
+    )  # a client's X-Request-Id may be long: OpenMetrics bounds an exemplar to 128 characters
     m.astrai_request_finished(finished("req-abc"))
     m.astrai_request_finished(finished(long_id, total=9.0))
     body, content_type = m.exposition("application/openmetrics-text; version=1.0.0,text/plain;q=0.5")
     assert content_type.startswith("application/openmetrics-text")
     families = {f.name: f for f in openmetrics_families(body.decode())}
-    for f in families.values():  # prometheus/client_python#1177: no "astrai_..." sample under "astrai:..." metadata
+    for f in (
+        families.values()
+    ):  # prometheus/client_python#1177: no "astrai_..." sample under "astrai:..." metadata
         assert all(s.name.startswith(f.name) for s in f.samples), f.name
     e2e = {s.exemplar.labels["request_id"] for s in families[HIST["e2e"]].samples if s.exemplar}
     assert e2e == {"req-abc", long_id[: 128 - len("request_id")]}
@@ -169,7 +199,9 @@ def successes(snapshot: dict) -> float:
 @pytest.fixture(scope="module")
 def served(start_server: Any) -> Any:
     """One server for the module, with n-gram speculation on (greedy output is the same with it)."""
-    return start_server("--admin-api-key", KEY, "--served-model-name", MODEL, "--speculative", "ngram", "--ngram-max", "3")
+    return start_server(
+        "--admin-api-key", KEY, "--served-model-name", MODEL, "--speculative", "ngram", "--ngram-max", "3"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -219,9 +251,16 @@ def test_counters_move_by_exactly_the_tokens_served(served: Any, clients: Simple
     usage: list[tuple[int, int, str]] = []  # (prompt, completion, engine finish reason) per response
 
     r = clients.openai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
-    usage.append((r.usage.prompt_tokens, r.usage.completion_tokens, OPENAI_REASON[r.choices[0].finish_reason]))
+    usage.append(
+        (r.usage.prompt_tokens, r.usage.completion_tokens, OPENAI_REASON[r.choices[0].finish_reason])
+    )
     stream = clients.openai.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
@@ -231,7 +270,9 @@ def test_counters_move_by_exactly_the_tokens_served(served: Any, clients: Simple
     with clients.anthropic.messages.stream(model=MODEL, messages=CHAT, max_tokens=2, extra_body=GREEDY) as s:
         m = s.get_final_message()
     usage.append((m.usage.input_tokens, m.usage.output_tokens, ANTHROPIC_REASON[m.stop_reason]))
-    refused = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT}, timeout=10)
+    refused = httpx.post(
+        served.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT}, timeout=10
+    )
     assert refused.status_code == 401  # arrives, is counted by protocol, never reaches the engine
 
     after = settled(served.url, finished_before, len(usage))
@@ -239,9 +280,13 @@ def test_counters_move_by_exactly_the_tokens_served(served: Any, clients: Simple
     assert moved("astrai:prompt_tokens_total") == sum(p for p, _, _ in usage)
     assert moved("astrai:generation_tokens_total") == sum(c for _, c, _ in usage)
     assert moved("astrai:prefix_cache_queries_total") == sum(p for p, _, _ in usage)
-    assert 0 < moved("astrai:prefix_cache_hits_total") <= moved("astrai:prefix_cache_queries_total")  # one prompt, 4 times
+    assert (
+        0 < moved("astrai:prefix_cache_hits_total") <= moved("astrai:prefix_cache_queries_total")
+    )  # one prompt, 4 times
     for reason in {r for _, _, r in usage}:
-        assert moved("astrai:request_success_total", finished_reason=reason) == [r for *_, r in usage].count(reason)
+        assert moved("astrai:request_success_total", finished_reason=reason) == [r for *_, r in usage].count(
+            reason
+        )
     assert moved("astrai:requests_total", protocol="openai") == 3  # the refused one included
     assert moved("astrai:requests_total", protocol="anthropic") == 2
     for key in ("ttft", "e2e", "queue", "prefill", "decode", "inference"):
@@ -289,13 +334,24 @@ def test_openmetrics_exemplars_carry_the_request_id(served: Any, clients: Simple
 
 def test_stats_and_metrics_count_the_speculative_drafts(served: Any) -> None:
     text = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs."
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Repeat this text exactly: {text}"}],
-            "max_tokens": 24, "temperature": 0}  # fmt: skip
-    r = httpx.post(served.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Repeat this text exactly: {text}"}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    r = httpx.post(
+        served.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+    )
     assert r.status_code == 200
     stats = httpx.get(served.url + "/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert stats["spec_drafts"] > 0 and 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
-    assert stats["spec_acceptance_rate"] == pytest.approx(stats["spec_accepted_tokens"] / stats["spec_draft_tokens"])
+    assert stats["spec_acceptance_rate"] == pytest.approx(
+        stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
+    )
     snap = samples(served.url)
     assert get(snap, "astrai:spec_decode_num_drafts_total") == stats["spec_drafts"]
     assert get(snap, "astrai:spec_decode_num_draft_tokens_total") == stats["spec_draft_tokens"]

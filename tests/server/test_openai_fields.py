@@ -88,8 +88,12 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
         p = Prepared(request=None, prompt_ids=[1], params=None, response_id="id", state={"one_call": one})  # type: ignore[arg-type]
         message = b.format_response(p, result)["choices"][0]["message"]
         assert [c["function"]["name"] for c in message["tool_calls"]] == names
-        frames = [json.loads(f[6:]) for f in b.format_stream_end(p, result) if "tool_calls" in f and "delta" in f]
-        assert [c["function"]["name"] for f in frames for c in f["choices"][0]["delta"].get("tool_calls", [])] == names
+        frames = [
+            json.loads(f[6:]) for f in b.format_stream_end(p, result) if "tool_calls" in f and "delta" in f
+        ]
+        assert [
+            c["function"]["name"] for f in frames for c in f["choices"][0]["delta"].get("tool_calls", [])
+        ] == names
 
 
 # ---------------------------------------------------------------- the real server
@@ -114,10 +118,14 @@ REFUSED_EXAMPLES: dict[str, tuple[dict, str]] = {
     "verbosity": ({"verbosity": "low"}, "verbosity"),
     "web_search_options": ({"web_search_options": {}}, "web_search_options"),
     "messages[].audio": ({"messages": _replayed(audio={"id": "audio_1"})}, "messages.1.audio"),
-    "messages[].function_call": ({"messages": _replayed(function_call={"name": "f", "arguments": "{}"})},
-                                 "messages.1.function_call"),  # fmt: skip
-    "tools[].function.strict": ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
-                                "tools.0.function.strict"),  # fmt: skip
+    "messages[].function_call": (
+        {"messages": _replayed(function_call={"name": "f", "arguments": "{}"})},
+        "messages.1.function_call",
+    ),
+    "tools[].function.strict": (
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+        "tools.0.function.strict",
+    ),
 }
 
 
@@ -138,10 +146,14 @@ def test_refused_field_is_a_400_naming_it(base_url: str, field: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
-    [{"store": True}, {"response_format": {"type": "yaml"}}, {"reasoning_effort": "low"},
-     {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}],
+    [
+        {"store": True},
+        {"response_format": {"type": "yaml"}},
+        {"reasoning_effort": "low"},
+        {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+    ],
     ids=["store", "response_format-type", "reasoning_effort", "audio"],
-)  # fmt: skip
+)
 def test_refused_fields_raise_bad_request_in_the_sdk(openai_client: Any, kw: dict) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(model="astrai", messages=FRANCE, max_tokens=1, **kw)
@@ -159,12 +171,25 @@ IGNORED_EXAMPLES: dict[str, tuple[dict, dict]] = {  # (request with the field, t
     "user": ({"user": "user-1"}, {}),
     "messages[].annotations": ({"messages": _replayed(annotations=[], refusal=None)}, {"messages": REPLAYED}),
     "messages[].content[].prompt_cache_breakpoint": (
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": FRANCE[0]["content"],
-                                                     "prompt_cache_breakpoint": {"mode": "explicit"}}]}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "text",
+                            "text": FRANCE[0]["content"],
+                            "prompt_cache_breakpoint": {"mode": "explicit"},
+                        }
+                    ],
+                }
+            ]
+        },
         {"messages": [{"role": "user", "content": [{"type": "text", "text": FRANCE[0]["content"]}]}]},
-    ),  # fmt: skip
+    ),
     "stream_options.include_obfuscation": (
-        {"stream": True, "stream_options": {"include_obfuscation": True}}, {"stream": True}
+        {"stream": True, "stream_options": {"include_obfuscation": True}},
+        {"stream": True},
     ),
 }
 
@@ -186,8 +211,16 @@ def test_null_is_not_sent_and_ignored_fields_pass_through_the_sdk(openai_client:
     expected = openai_client.chat.completions.create(**kw).choices[0].message.content
     nulls = dict.fromkeys(k for k in REFUSED if "." not in k)
     assert _answer(base_url, {**BASE, **nulls}) == expected
-    ignored = {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "safety_identifier": "s",
-               "prompt_cache_key": "k", "prompt_cache_retention": "in_memory", "parallel_tool_calls": True}  # fmt: skip
+    ignored = {
+        "user": "u",
+        "metadata": {"a": "b"},
+        "store": False,
+        "service_tier": "auto",
+        "safety_identifier": "s",
+        "prompt_cache_key": "k",
+        "prompt_cache_retention": "in_memory",
+        "parallel_tool_calls": True,
+    }
     assert openai_client.chat.completions.create(**kw, **ignored).choices[0].message.content == expected
 
 
@@ -218,7 +251,10 @@ def test_sampling_extensions_reach_the_engine(base_url: str, engine: Any, sampli
     answer = _answer(base_url, {"messages": FRANCE, **kw})
     assert answer == engine.chat(FRANCE, **kw)
     if "min_tokens" in sampling:  # the end-of-sequence token is masked where it would have come
-        assert answer.startswith("The capital of France is Paris.") and answer != "The capital of France is Paris."
+        assert (
+            answer.startswith("The capital of France is Paris.")
+            and answer != "The capital of France is Paris."
+        )
 
 
 @pytest.mark.slow
@@ -227,17 +263,26 @@ def test_stop_token_ids_end_the_answer_without_their_text(openai_client: Any, en
     r = openai_client.chat.completions.create(
         model="astrai", messages=FRANCE, max_tokens=24, temperature=0, extra_body={"stop_token_ids": [paris]}
     )
-    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("The capital of France is", "stop")  # " Paris" holds the space
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (
+        "The capital of France is",
+        "stop",
+    )  # " Paris" holds the space
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "status", "param"),
-    [({"min_tokens": 9, "max_tokens": 8}, 400, "min_tokens"), ({"repetition_penalty": 0}, 422, "repetition_penalty"),
-     ({"min_p": 1.5}, 422, "min_p"), ({"stop_token_ids": [-1]}, 400, "stop_token_ids")],
+    [
+        ({"min_tokens": 9, "max_tokens": 8}, 400, "min_tokens"),
+        ({"repetition_penalty": 0}, 422, "repetition_penalty"),
+        ({"min_p": 1.5}, 422, "min_p"),
+        ({"stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ],
     ids=["min_tokens", "repetition_penalty", "min_p", "stop_token_ids"],
-)  # fmt: skip
-def test_sampling_extension_errors_name_the_field(base_url: str, extra: dict, status: int, param: str) -> None:
+)
+def test_sampling_extension_errors_name_the_field(
+    base_url: str, extra: dict, status: int, param: str
+) -> None:
     r = httpx.post(base_url + CHAT, json={**BASE, **extra}, timeout=120)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param

@@ -25,10 +25,19 @@ WEATHER = {
 # One worked example in the history teaches the 135M model the <tool_call> format.
 ONE_SHOT = [
     {"role": "user", "content": "What is the weather in London?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "London"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "London"}'},
+            }
+        ],
+    },
     {"role": "user", "content": "What is the weather in Paris?"},
-]  # fmt: skip
+]
 
 
 def _reference(engine: Any, messages: list[dict], **sampling: Any) -> str:
@@ -40,10 +49,18 @@ def test_non_streaming_text_usage_and_eos_finish(openai_client: Any, engine: Any
     expected = _reference(engine, FRANCE, max_tokens=32)
     assert expected == "The capital of France is Paris."
     (choice,) = r.choices
-    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", expected, "stop")
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == (
+        "assistant",
+        expected,
+        "stop",
+    )
     prompt = len(engine.tokenizer.apply_chat_template(FRANCE))
     completion = len(engine.tokenizer.encode(expected)) + 1  # the EOS token was generated too
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt, completion, prompt + completion)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        prompt,
+        completion,
+        prompt + completion,
+    )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "astrai"
 
 
@@ -54,13 +71,19 @@ def test_max_tokens_finish_is_length(openai_client: Any, engine: Any) -> None:
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
-def test_streaming_equals_non_streaming_and_ends_with_usage(openai_client: Any, engine: Any, include_usage: bool) -> None:
+def test_streaming_equals_non_streaming_and_ends_with_usage(
+    openai_client: Any, engine: Any, include_usage: bool
+) -> None:
     chunks = list(
         openai_client.chat.completions.create(
-            model="astrai", messages=FRANCE, max_tokens=32, temperature=0, stream=True,
+            model="astrai",
+            messages=FRANCE,
+            max_tokens=32,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": include_usage},
         )
-    )  # fmt: skip
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == _reference(engine, FRANCE, max_tokens=32)
@@ -75,17 +98,29 @@ def test_streaming_equals_non_streaming_and_ends_with_usage(openai_client: Any, 
         assert usage == []
 
 
-@pytest.mark.parametrize(("stop", "text"), [(["Paris"], "The capital of France is "), ("ance is", "The capital of Fr")])
+@pytest.mark.parametrize(
+    ("stop", "text"), [(["Paris"], "The capital of France is "), ("ance is", "The capital of Fr")]
+)
 def test_stop_strings_are_never_returned(openai_client: Any, stop: Any, text: str) -> None:
     kw = {"model": "astrai", "messages": FRANCE, "max_tokens": 32, "temperature": 0, "stop": stop}
     r = openai_client.chat.completions.create(**kw)
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == (text, "stop")
-    streamed = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(**kw, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in openai_client.chat.completions.create(**kw, stream=True)
+        if c.choices
+    )
     assert streamed == text
 
 
 def test_seed_reproduces_and_n_choices_use_consecutive_seeds(openai_client: Any, engine: Any) -> None:
-    kw = {"model": "astrai", "messages": FRANCE, "max_tokens": 6, "temperature": 1.0, "extra_body": {"top_k": 0}}
+    kw = {
+        "model": "astrai",
+        "messages": FRANCE,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "extra_body": {"top_k": 0},
+    }
     single = [openai_client.chat.completions.create(**kw, seed=s) for s in (123, 123, 124)]
     text = [r.choices[0].message.content for r in single]
     assert text[0] == text[1]
@@ -93,7 +128,9 @@ def test_seed_reproduces_and_n_choices_use_consecutive_seeds(openai_client: Any,
     assert [c.index for c in r.choices] == [0, 1]
     assert [c.message.content for c in r.choices] == [text[0], text[2]]
     assert r.usage.completion_tokens == single[0].usage.completion_tokens + single[2].usage.completion_tokens
-    assert r.usage.prompt_tokens == len(engine.tokenizer.apply_chat_template(FRANCE))  # counted once whatever n is
+    assert r.usage.prompt_tokens == len(
+        engine.tokenizer.apply_chat_template(FRANCE)
+    )  # counted once whatever n is
 
 
 def test_logit_bias_and_presence_penalty_are_applied(openai_client: Any, engine: Any) -> None:
@@ -113,11 +150,22 @@ def test_tool_call_comes_back_as_tool_calls(openai_client: Any) -> None:
     (choice,) = r.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
-    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "get_weather", {"city": "Paris"})
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function",
+        "get_weather",
+        {"city": "Paris"},
+    )
     chunks = list(openai_client.chat.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
-    deltas = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == [("get_weather", {"city": "Paris"})]
+    deltas = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+        for t in c.choices[0].delta.tool_calls
+    ]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == [
+        ("get_weather", {"city": "Paris"})
+    ]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
@@ -140,15 +188,25 @@ def test_tool_choice_required_or_named_makes_the_answer_a_call(openai_client: An
         (forced,) = openai_client.chat.completions.create(**kw, tool_choice=choice).choices
         assert forced.finish_reason == "tool_calls" and forced.message.content is None
         assert [(c.function.name, json.loads(c.function.arguments)) for c in forced.message.tool_calls] == [
-            ("get_weather", {"city": "Rome"})]  # fmt: skip
+            ("get_weather", {"city": "Rome"})
+        ]
     chunks = list(openai_client.chat.completions.create(**kw, tool_choice=named, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
-    deltas = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == [("get_weather", {"city": "Rome"})]
+    deltas = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+        for t in c.choices[0].delta.tool_calls
+    ]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == [
+        ("get_weather", {"city": "Rome"})
+    ]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
-def test_errors_are_typed_sdk_exceptions(openai_client: Any, engine: Any, keyed_url: str, api_key: str) -> None:
+def test_errors_are_typed_sdk_exceptions(
+    openai_client: Any, engine: Any, keyed_url: str, api_key: str
+) -> None:
     long = [{"role": "user", "content": "hello " * 1100}]
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(model="astrai", messages=long, max_tokens=4)
@@ -161,7 +219,10 @@ def test_errors_are_typed_sdk_exceptions(openai_client: Any, engine: Any, keyed_
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model="astrai", messages=FRANCE, max_tokens=1)
     right = openai.OpenAI(base_url=keyed_url + "/v1", api_key=api_key, max_retries=0)
-    assert right.chat.completions.create(model="astrai", messages=FRANCE, max_tokens=1).usage.completion_tokens == 1
+    assert (
+        right.chat.completions.create(model="astrai", messages=FRANCE, max_tokens=1).usage.completion_tokens
+        == 1
+    )
 
 
 def test_models_lists_the_served_model(openai_client: Any) -> None:
