@@ -306,7 +306,8 @@ def _debian_base(session: nox.Session, tag: str) -> None:
 
 
 def _run_image(session: nox.Session) -> None:
-    """Run IMAGE with a mounted serve.yaml; /health, /v1/models, one chat completion, the user, a clean stop."""
+    """Run IMAGE with a mounted serve.yaml; /health, /v1/models, one chat completion, the user, a clean
+    stop."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

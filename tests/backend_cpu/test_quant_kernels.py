@@ -1,4 +1,5 @@
-"""``astrai_cpu::quant_linear`` / ``quant_linear_wide`` / ``quant_linear_amx`` / ``quant_weight_t`` / ``quant_dequant`` against astrai.model.quant's reference."""
+"""``astrai_cpu::quant_linear`` / ``quant_linear_wide`` / ``quant_linear_amx`` / ``quant_weight_t`` /
+``quant_dequant`` against astrai.model.quant's reference."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ def _argtypes(codes: str) -> list:
 
 
 def build(out_dir: Path) -> Path:
-    """Compile the emulated kernels into ``out_dir/libastrai_emu.so``; raises CalledProcessError with g++'s output."""
+    """Compile the emulated kernels into ``out_dir/libastrai_emu.so``; raises CalledProcessError with g++'s
+    output."""
     for src in _sources.CSRC.iterdir():
         if src.name != "ptx.cuh":
             shutil.copy(src, out_dir / src.name)

@@ -14,7 +14,9 @@ pytestmark = [
     pytest.mark.usefixtures("flash_double"),
     pytest.mark.skipif(
         "page_size" not in {f.name for f in dataclasses.fields(KVCache)},
-        reason="needs KVCache.page_size, set by PagePool.bind_tasks (astrai-core change asked for by issue 7)",
+        reason=(
+            "needs KVCache.page_size, set by PagePool.bind_tasks (astrai-core change asked for by issue 7)"
+        ),
     ),
 ]
 

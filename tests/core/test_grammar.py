@@ -1,4 +1,5 @@
-"""Constrained decoding in the engine: specs, the compile cache, and a grammar backend plugin's masks in a step."""
+"""Constrained decoding in the engine: specs, the compile cache, and a grammar backend plugin's masks in a
+step."""
 
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def _far_from_tie(differing: list[int], outputs: list[list[int]], expected: list
             now, then = top.get(outputs[i][at]), top.get(expected[i][at])
             if now is None or then is None or abs(now - then) > NEAR_TIE:
                 far.append(
-                    f"prompt {i} at token {at}: {outputs[i][at]} ({now}) vs recorded {expected[i][at]} ({then})"
+                    f"prompt {i} at token {at}: {outputs[i][at]} ({now}) "
+                    f"vs recorded {expected[i][at]} ({then})"
                 )
     return far
 

@@ -1,4 +1,5 @@
-"""min_p, repetition_penalty, min_tokens and stop_token_ids: against Hugging Face's processors, and in the engine."""
+"""min_p, repetition_penalty, min_tokens and stop_token_ids: against Hugging Face's processors, and in the
+engine."""
 
 from __future__ import annotations
 

@@ -27,8 +27,12 @@ TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
     "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow."
 )
-REWRITE = f"Rewrite the following text exactly, fixing the typos: {TEXT.replace('quick', 'quikc').replace('box', 'bx')}\nRewritten text:"
-CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n# The same two functions, add renamed to plus:\n"
+TYPOS = TEXT.replace("quick", "quikc").replace("box", "bx")
+REWRITE = f"Rewrite the following text exactly, fixing the typos: {TYPOS}\nRewritten text:"
+CODE = (
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    "# The same two functions, add renamed to plus:\n"
+)
 PROMPTS = [REWRITE, CODE, "Roses are red,", "1, 2, 3, 4,"]
 GREEDY = {"temperature": 0.0}
 

@@ -139,7 +139,8 @@ def test_a_tensor_parallel_model_gives_the_references_logits_and_greedy_tokens(
             if dtype == torch.float32:  # the same sums in another order
                 torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
             else:  # each rank's partial sums are rounded to bfloat16 before the all-reduce: about as
-                # far from the float32 model as one process in bfloat16, within a bfloat16 ulp of the largest logit
+                # far from the float32 model as one process in bfloat16, within a bfloat16 ulp of the largest
+                # logit
                 alone, split = float((e - x).abs().max()), float((g - x).abs().max())
                 assert split <= 1.5 * alone + 2.0**-7 * float(x.abs().max()), (split, alone)
         if dtype == torch.float32:

@@ -30,7 +30,9 @@ KINDS = {
     "hooks": "the hooks of astrai.hookspecs (a cell 'name(arg, ...)' also gives their arguments)",
     "plugin-groups": "astrai.groups.GROUPS in order, with their constants and validators",
     "dataclass-fields": "a dataclass's fields in order, with their annotations (argument: module:Class)",
-    "module-names": "a table of a module's public names (its __all__), each with what it is (argument: module)",
+    "module-names": (
+        "a table of a module's public names (its __all__), each with what it is (argument: module)"
+    ),
     "plugins-output": "lines of 'astrai plugins' output, compared with the real command's",
     "serve-options": "every 'astrai serve' flag and ServerSettings field: type, default, range",
     "cli-options": "every option of the 'astrai' command and of its chat, generate and plugins subcommands",

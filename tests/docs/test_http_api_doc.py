@@ -1,4 +1,5 @@
-"""docs/http-api.md against the server: request tables, mappings, routes, /stats, status codes, transcripts."""
+"""docs/http-api.md against the server: request tables, mappings, routes, /stats, status codes,
+transcripts."""
 
 from __future__ import annotations
 

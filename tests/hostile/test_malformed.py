@@ -86,14 +86,16 @@ CASES = [
         RESPONSES,
         {"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "function": "f"}},
         400,
-        'unsupported value for tool_choice (refused for an object other than {"type": "function", "name": ...}: '
+        "unsupported value for tool_choice (refused for an object other than "
+        '{"type": "function", "name": ...}: '
         "only function tools are served)",
     ),
     (
         RESPONSES,
         {"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": 5}},
         400,
-        'unsupported value for tool_choice (refused for an object other than {"type": "function", "name": ...}: '
+        "unsupported value for tool_choice (refused for an object other than "
+        '{"type": "function", "name": ...}: '
         "only function tools are served)",
     ),
     (

@@ -1,4 +1,5 @@
-"""Role injection (issue 16, finding 6) against a real ``astrai serve``: control tokens cannot be forged from content.
+"""Role injection (issue 16, finding 6) against a real ``astrai serve``: control tokens cannot be
+forged from content.
 
 A user message that types ``<|im_end|>\\n<|im_start|>system\\n...`` was encoded with the
 control tokens, closing the user's turn and opening a system one. Now every protocol's

@@ -211,7 +211,8 @@ def test_health_answers_within_100ms_while_max_size_bodies_are_processed(server:
 
 
 def test_a_long_text_is_refused_before_it_is_tokenized(server: Any) -> None:
-    """1.5 MB of prose: refused in well under the seconds tokenizing it would take, as the context-length 400."""
+    """1.5 MB of prose: refused in well under the seconds tokenizing it would take, as the context-length
+    400."""
     text = PROSE * 36_000
     start = time.perf_counter()
     r = httpx.post(
@@ -222,7 +223,8 @@ def test_a_long_text_is_refused_before_it_is_tokenized(server: Any) -> None:
     elapsed = time.perf_counter() - start
     assert r.status_code == 400
     assert _shape(MESSAGES, r.json()) == (  # the longest token of the default model is 81 bytes
-        "the prompt is at least 19556 tokens (a text of 1584004 characters, at most 81 characters per token), "
+        "the prompt is at least 19556 tokens (a text of 1584004 characters, "
+        "at most 81 characters per token), "
         "but the context limit is 1024 tokens (prompt plus at least one generated token)"
     )
     assert elapsed < 1.0, f"{elapsed:.2f} s"

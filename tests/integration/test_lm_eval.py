@@ -85,7 +85,8 @@ def test_hf_model_runs_the_task_offline(hf_run, offline):
 
 
 def test_local_completions_matches_hf(base_url, hf_model_dir, hf_run, offline):
-    """Every choice's log-likelihood, its is_greedy flag and the accuracy, through the server, as hf has them."""
+    """Every choice's log-likelihood, its is_greedy flag and the accuracy, through the server, as hf has
+    them."""
     ref, ref_acc, _ = hf_run
     args = {
         "base_url": base_url + "/v1/completions",

@@ -42,7 +42,8 @@ def message(max_tokens: int) -> dict:
 
 
 class Stream(threading.Thread):
-    """One streaming request on its own thread: its status and non-empty lines; ``started`` at its first event."""
+    """One streaming request on its own thread: its status and non-empty lines; ``started`` at its first
+    event."""
 
     def __init__(self, url: str, path: str, payload: dict) -> None:
         super().__init__(daemon=True)

@@ -23,7 +23,10 @@ import httpx
 import pytest
 
 DISTRIBUTIONS = ("astrai-ollama", "astrai-typical-p", "astrai-request-log", "astrai-broken-plugin")
-INSTALL = "pip install ./examples/astrai-ollama ./examples/astrai-typical-p ./examples/astrai-request-log ./tests/plugins/broken_plugin"
+INSTALL = (
+    "pip install ./examples/astrai-ollama ./examples/astrai-typical-p ./examples/astrai-request-log "
+    "./tests/plugins/broken_plugin"
+)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -70,20 +73,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -
     config = tmp / "serve.yaml"
     config.write_text(f"server:\n  dtype: float32\n  max_seq_len: 1024\n  request_log: {log}\n")
     port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "astrai.cli",
-        "serve",
-        "--config",
-        str(config),
-        "--port",
-        str(port),
-        "--sampling",
-        "typical_p=1e-9",
-        "--log-level",
-        "warning",
-    ]
+    cmd = [sys.executable, "-m", "astrai.cli", "serve", "--config", str(config), "--port", str(port)]
+    cmd += ["--sampling", "typical_p=1e-9", "--log-level", "warning"]
     with output.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -1,4 +1,5 @@
-"""A broken plugin distribution is reported with its name and never crashes astrai, unless selected by name."""
+"""A broken plugin distribution is reported with its name and never crashes astrai, unless selected by
+name."""
 
 from __future__ import annotations
 

@@ -97,7 +97,8 @@ def test_explicitly_selected_broken_protocol_stops_serve() -> None:
 
 @pytest.mark.slow
 def test_chat_takes_sampling_defaults_and_plugin_options(plugin_engine: Any, tmp_path: Path) -> None:
-    """``astrai chat --sampling typical_p=1e-9 --request-log PATH``: the same for any seed, one line logged."""
+    """``astrai chat --sampling typical_p=1e-9 --request-log PATH``: the same for any seed, one line
+    logged."""
     question = "What is the capital of France?"
     sampled = {
         "temperature": 1.0,

@@ -1,4 +1,5 @@
-"""The astrai-ollama protocol plugin, installed and served by ``astrai serve``, through the official ``ollama`` client."""
+"""The astrai-ollama protocol plugin, installed and served by ``astrai serve``, through the official
+``ollama`` client."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The astrai-typical-p sampling plugin, found through its entry point: vectorised rows, the engine, config, HTTP."""
+"""The astrai-typical-p sampling plugin, found through its entry point: vectorised rows, the engine, config,
+HTTP."""
 
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def test_engine_one_typical_token_is_the_same_for_any_seed(plugin_engine: Any) -
 
 @pytest.mark.slow
 def test_http_typical_p_per_request_and_by_config(served: Any) -> None:
-    """``astrai serve --sampling typical_p=1e-9``: one token per step unless a request sets its own ``typical_p``."""
+    """``astrai serve --sampling typical_p=1e-9``: one token per step unless a request sets its own
+    ``typical_p``."""
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def ask(**kw: Any) -> str:

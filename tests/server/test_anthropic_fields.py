@@ -439,7 +439,10 @@ def test_vllm_extensions_reach_the_sampling_parameters(served: tuple[str, Any]) 
     assert r.status_code == 400 and "stop_token_ids" in r.json()["error"]["message"]
 
 
-TWO_CALLS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+TWO_CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -188,7 +188,8 @@ def test_the_body_limit_takes_a_size() -> None:
 
 
 def test_the_limit_is_the_settings(fakes: Any) -> None:
-    """Through the app (a fake engine): a body one byte over ``max_request_bytes`` is the 413, one at it is served."""
+    """Through the app (a fake engine): a body one byte over ``max_request_bytes`` is the 413, one at it is
+    served."""
     import httpx
 
     from astrai.hooks import PluginManager
@@ -210,7 +211,8 @@ def test_the_limit_is_the_settings(fakes: Any) -> None:
         r = httpx.post(url + "/v1/chat/completions", content=body + b" ", headers=headers, timeout=10)
         assert (r.status_code, r.json()["error"]["message"]) == (
             413,
-            f"request body is {len(body) + 1} bytes, more than the limit of {len(body)} bytes (--max-request-bytes)",
+            f"request body is {len(body) + 1} bytes, "
+            f"more than the limit of {len(body)} bytes (--max-request-bytes)",
         )
         r = httpx.post(
             url + "/v1/messages", content=iter([body, b" "]), headers=headers, timeout=10
@@ -228,6 +230,7 @@ def test_the_limit_is_the_settings(fakes: Any) -> None:
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
 def test_non_json_number_literals_are_refused(literal: str) -> None:
-    """Python's json takes NaN and Infinity; a reply echoing one (a Responses tool's schema) could not be written."""
+    """Python's json takes NaN and Infinity; a reply echoing one (a Responses tool's schema) could not be
+    written."""
     with pytest.raises(HTTPProblem, match=f"request body is not valid JSON: {literal} is not a JSON number"):
         decode_json(('{"tools": [{"parameters": {"x": ' + literal + "}}]}").encode())

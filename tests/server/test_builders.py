@@ -1,4 +1,5 @@
-"""Unit layer: the two builders, the tool-call parser and the prompt helper, with a fake tokenizer (no HTTP)."""
+"""Unit layer: the two builders, the tool-call parser and the prompt helper, with a fake tokenizer (no
+HTTP)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ NULLS = (
 
 
 def test_null_is_the_documented_default(fake_engine: Any) -> None:
-    """JSON null means the field's default (top_k: off); a null max_tokens is a default, so it may be shortened."""
+    """JSON null means the field's default (top_k: off); a null max_tokens is a default, so it may be
+    shortened."""
     nulls = dict.fromkeys(NULLS, None)
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **nulls})
     assert (
@@ -322,7 +324,8 @@ def test_openai_stream_frames_are_the_spec_sequence_with_a_standard_usage_chunk(
         f'data: {head}[{{"index":0,"delta":{{"role":"assistant"}},"finish_reason":null}}]}}\n\n'
         f'data: {head}[{{"index":0,"delta":{{"content":"Hi"}},"finish_reason":null}}]}}\n\n'
         f'data: {head}[{{"index":0,"delta":{{}},"finish_reason":"stop"}}]}}\n\n'
-        f'data: {head}[],"usage":{{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{{"cached_tokens":0}}}}}}\n\n'
+        f'data: {head}[],"usage":{{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,'
+        '"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
         "data: [DONE]\n\n"
     )
     no_usage = _frames(b.format_stream_end(_prepared(b, include_usage=False), result))
@@ -508,7 +511,8 @@ NAMES = {"get_weather"}
             [("get_weather", {"city": "Paris"})],
         ),
         (
-            '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"A\\"}"}</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
+            '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"A\\"}"}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
             "",
             [("get_weather", {"city": "A"}), ("get_weather", {})],
         ),

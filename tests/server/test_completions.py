@@ -77,7 +77,10 @@ def test_streaming_equals_non_streaming(openai_client: Any) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == whole.choices[0].finish_reason and set(finishes[:-1]) == {None}
-    counts = lambda u: (u.prompt_tokens, u.completion_tokens, u.total_tokens)  # noqa: E731  (the second hits the cache)
+
+    def counts(u):  # the second hits the cache, the counts do not differ
+        return (u.prompt_tokens, u.completion_tokens, u.total_tokens)
+
     assert chunks[-1].choices == [] and counts(chunks[-1].usage) == counts(whole.usage)
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "text_completion"
 
@@ -156,7 +159,8 @@ def test_sse_transcript_is_exact(base_url: str, engine: Any) -> None:
     head = 'data: {"id":"cmpl-ID","object":"text_completion","created":0,"model":"astrai","choices":'
     expected = (
         "".join(
-            f'{head}[{{"index":0,"text":{json.dumps(p, ensure_ascii=False)},"logprobs":null,"finish_reason":null}}]}}\n\n'
+            f'{head}[{{"index":0,"text":{json.dumps(p, ensure_ascii=False)},'
+            '"logprobs":null,"finish_reason":null}]}\n\n'
             for p in pieces
         )
         + f'{head}[{{"index":0,"text":"","logprobs":null,"finish_reason":"length"}}]}}\n\n'

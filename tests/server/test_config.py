@@ -1,4 +1,5 @@
-"""``astrai serve`` configuration: defaults, YAML ``server:`` section, CLI flags (which win), errors naming keys."""
+"""``astrai serve`` configuration: defaults, YAML ``server:`` section, CLI flags (which win), errors naming
+keys."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_defaults_are_loopback_default_model_and_paged_prefix_cached_kv() -> Non
 def test_cli_flags_override_the_yaml_section(tmp_path: Path) -> None:
     path = _yaml(
         tmp_path,
-        "server:\n  host: 0.0.0.0\n  port: 8001\n  max_batch_size: 4\n  kv_memory: 64MiB\n  dtype: bfloat16\nruntime:\n  gpus: all\n",
+        "server:\n  host: 0.0.0.0\n  port: 8001\n  max_batch_size: 4\n  kv_memory: 64MiB\n  dtype: bfloat16\n"
+        "runtime:\n  gpus: all\n",
     )
     args = _parse(
         ["--config", path, "--port", "9000", "--no-prefix-caching", "--protocols", "openai", "--api-key", "k"]

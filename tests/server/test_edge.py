@@ -550,7 +550,8 @@ def test_how_a_variable_becomes_a_setting() -> None:
         ),
         (
             {"ASTRAI_API_KEY": ""},
-            "ASTRAI_API_KEY: Value error, the API key is empty or only whitespace; leave it unset to serve without a key (got '')",
+            "ASTRAI_API_KEY: Value error, the API key is empty or only whitespace; "
+            "leave it unset to serve without a key (got '')",
         ),
         ({"ASTRAI_API_KEY": "a,,b"}, "ASTRAI_API_KEY: Value error, the API key is empty or only whitespace"),
         (
@@ -930,7 +931,8 @@ def test_a_bad_tls_file_or_variable_stops_the_command(start_server: Any, pki: di
         (
             ("--ssl-certfile", str(pki["server_cert"]), "--ssl-keyfile", str(pki["client_key"])),
             {},
-            f"--ssl-certfile {pki['server_cert']} and --ssl-keyfile {pki['client_key']}: not a PEM certificate chain and its private key",
+            f"--ssl-certfile {pki['server_cert']} and --ssl-keyfile {pki['client_key']}: "
+            "not a PEM certificate chain and its private key",
         ),
         (
             (),

@@ -398,7 +398,8 @@ def bodies(route: str) -> st.SearchStrategy:
 
 
 def _error_shape(route: str, body: Any) -> str:
-    """The error message, asserting the route's error shape (OpenAI's for three routes, Anthropic's for one)."""
+    """The error message, asserting the route's error shape (OpenAI's for three routes, Anthropic's for
+    one)."""
     if route == MESSAGES:
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
         return body["error"]["message"]
@@ -426,7 +427,8 @@ def _wait_idle(engine: Any, idle_kv: int) -> None:
 
 @pytest.fixture(scope="module")
 def idle_kv(engine: Any, base_url: str) -> int:
-    """``kv_tokens_in_use`` of the idle engine (the session's earlier tests may have left it busy a moment)."""
+    """``kv_tokens_in_use`` of the idle engine (the session's earlier tests may have left it busy a
+    moment)."""
     deadline = time.monotonic() + 30
     while engine.get_stats()["active_tasks"] or engine.get_stats()["waiting_queue"]:
         assert time.monotonic() < deadline

@@ -52,7 +52,8 @@ def test_openai_sse_transcript_is_exact(base_url: str, engine: Any) -> None:
             for p in pieces
         )
         + f'{head}[{{"index":0,"delta":{{}},"finish_reason":"stop"}}]}}\n\n'
-        + f'{head}[],"usage":{{"prompt_tokens":{n_prompt},"completion_tokens":8,"total_tokens":{n_prompt + 8},'
+        + f'{head}[],"usage":{{"prompt_tokens":{n_prompt},"completion_tokens":8,'
+        + f'"total_tokens":{n_prompt + 8},'
         + f'"prompt_tokens_details":{{"cached_tokens":{_cached(r.text, n_prompt)}}}}}}}\n\n'
         + "data: [DONE]\n\n"
     )
@@ -77,13 +78,15 @@ def test_anthropic_sse_transcript_is_exact(base_url: str, engine: Any) -> None:
     )  # the stop string's tokens were generated
     expected = (
         "event: message_start\n"
-        'data: {"type":"message_start","message":{"id":"msg_ID","type":"message","role":"assistant","model":"astrai",'
-        f'"content":[],"stop_reason":null,"stop_sequence":null,"usage":{{"input_tokens":{n_prompt},"output_tokens":0}}}}}}\n\n'
+        'data: {"type":"message_start","message":{"id":"msg_ID","type":"message","role":"assistant",'
+        '"model":"astrai","content":[],"stop_reason":null,"stop_sequence":null,'
+        f'"usage":{{"input_tokens":{n_prompt},"output_tokens":0}}}}}}\n\n'
         "event: content_block_start\n"
         'data: {"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}\n\n'
         + "".join(
             "event: content_block_delta\n"
-            f'data: {{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":{_text(p)}}}}}\n\n'
+            'data: {"type":"content_block_delta","index":0,'
+            f'"delta":{{"type":"text_delta","text":{_text(p)}}}}}\n\n'
             for p in pieces
         )
         + "event: content_block_stop\n"

@@ -85,7 +85,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     calls = [ToolCall("call_1", "a", "{}"), ToolCall("call_2", "b", "{}")]
     result = ChatResult([Choice(0, "", "tool_calls", 9, tool_calls=calls)], prompt_tokens=3)
     for one, names in ((True, ["a"]), (False, ["a", "b"])):
-        p = Prepared(request=None, prompt_ids=[1], params=None, response_id="id", state={"one_call": one})  # type: ignore[arg-type]
+        kw = {"request": None, "prompt_ids": [1], "params": None, "response_id": "id"}
+        p = Prepared(**kw, state={"one_call": one})
         message = b.format_response(p, result)["choices"][0]["message"]
         assert [c["function"]["name"] for c in message["tool_calls"]] == names
         frames = [
