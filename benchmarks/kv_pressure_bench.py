@@ -2,18 +2,21 @@
 
 Prints one JSON object. The default model runs in this process; the same requests (chat prompts of
 ``--prompt-min`` to ``--prompt-max`` tokens, ``--max-tokens`` greedy tokens each, EOS ignored, all
-submitted at once) go to an engine on a roomy pool (room for all of them at full length) and to one on a tight pool of
-``--kv-tokens`` slots. For each: wall time, preemptions in total and the most of any one request
-(counted from the batching policy's "preempting request" log lines, so any policy version is
-measured alike), median and p90 time to first token, whether the pool is left holding nothing. Then
-whether every request produced the same tokens on both pools, and on the tight pool alone, one at a
-time (the requests preempted most, up to ``--alone``), and the tight / roomy wall-time ratio.
+submitted at once) go to an engine on a roomy pool (room for all of them at full length) and to one
+on a tight pool of ``--kv-tokens`` slots. For each: wall time, preemptions in total and the most of
+any one request (counted from the batching policy's "preempting request" log lines, so any policy
+version is measured alike), median and p90 time to first token, whether the pool is left holding
+nothing. Then whether every request produced the same tokens on both pools, and on the tight pool
+alone, one at a time (the requests preempted most, up to ``--alone``), and the tight / roomy
+wall-time ratio.
 
 float32 by default, so that greedy texts can be compared (in bfloat16 a row's rounding depends on
-the batch it shares). ``--policy PATH`` runs both engines with the ``BatchPolicy`` of another ``batching.py`` (a copy of an
-earlier version, to measure before and after a change; it must match this tree's scheduler).
+the batch it shares). ``--policy PATH`` runs both engines with the ``BatchPolicy`` of another
+``batching.py`` (a copy of an earlier version, to measure before and after a change; it must match
+this tree's scheduler).
 
-Usage: python benchmarks/kv_pressure_bench.py [--kv-tokens 2000] [--requests 32] [--dtype bfloat16] [--weights gguf] [--quick]
+Usage: python benchmarks/kv_pressure_bench.py [--kv-tokens 2000] [--requests 32] [--dtype bfloat16]
+       [--weights gguf] [--quick]
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Quantized GGUF weights: ``astrai serve --weights gguf`` vs ``--weights dense`` vs llama.cpp's ``llama-server``.
+"""Quantized GGUF weights: ``astrai serve --weights gguf`` vs ``--weights dense`` \
+vs llama.cpp's ``llama-server``.
 
 Each server runs in turn (never two at once) on the default model's file, driven by
 serve_bench.py's OpenAI-streaming client with EOS ignored, and the script prints one JSON object:
@@ -74,7 +75,10 @@ def main() -> int:
         "--llama-arg",
         action="append",
         default=[],
-        help="an extra llama-server argument, repeatable (--llama-arg=--no-repack: its AMX repacking crashed at start on an AMX Xeon)",
+        help=(
+            "an extra llama-server argument, repeatable "
+            "(--llama-arg=--no-repack: its AMX repacking crashed at start on an AMX Xeon)"
+        ),
     )
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "astrai-bench")
     args = ap.parse_args()

@@ -1,4 +1,5 @@
-"""What constrained decoding costs: astrai serve's W2-shaped load, every request JSON-schema constrained vs none.
+"""What constrained decoding costs: astrai serve's W2-shaped load, every request JSON-schema \
+constrained vs none.
 
 One ``astrai serve`` (serve_bench's command, dtype and offline setup) runs the same 32 chat
 requests, 8 streams at a time, twice per round: unconstrained, and with
@@ -16,9 +17,10 @@ prefills and decode the same number of tokens per request, and only the cost of 
 (fill, apply, accept; the JSON's own tokens) differs. The target is on that ratio.
 
 Reported, as one JSON object: the median output tokens/s of each variant and the ratios
-(constrained / matched: the target, >= 0.9; constrained / unconstrained: raw), the median per-request time per output token, the
-fraction of constrained answers that ``json.loads`` and validate against ``PERSON`` with
-``jsonschema`` (must be 1.0), and the compile time of a schema, twice:
+(constrained / matched: the target, >= 0.9; constrained / unconstrained: raw), the median
+per-request time per output token, the fraction of constrained answers that ``json.loads`` and
+validate against ``PERSON`` with ``jsonschema`` (must be 1.0), and the compile time of a schema,
+twice:
 
 - over HTTP: K distinct schemas (``PERSON`` with renamed properties, so that nothing is cached),
   each as one non-streaming request with ``max_tokens`` 1, timed against the same request
@@ -94,7 +96,8 @@ def response_format(schema: dict, name: str = "person") -> dict:
 
 
 def renamed(schema: dict, suffix: str) -> dict:
-    """``schema`` with every property name (and ``required`` entry) suffixed: the same shape, a new compile."""
+    """``schema`` with every property name (and ``required`` entry) suffixed: the same shape, a new
+    compile."""
     out = dict(schema)
     if "properties" in schema:
         out["properties"] = {k + suffix: renamed(v, suffix) for k, v in schema["properties"].items()}
@@ -333,17 +336,21 @@ def compile_in_process(gguf: Path, k: int) -> dict:
 
 
 NOTES = [
-    "ratio is constrained / matched output tokens/s (medians over rounds): matched is unconstrained with each "
-    "request's max_tokens the length of its constrained answer and ignore_eos, so that both variants do the same "
-    "prefills and decode as many tokens; raw_ratio is constrained / unconstrained, whose answers are about twice "
-    "as long (see output_tokens_per_request_mean), which makes its prefill cost less per output token",
-    "all variants: temperature 1.0, request i seeded i; unconstrained and constrained stop at EOS or max_tokens "
-    "(no ignore_eos); one untimed request of each first, so PERSON is compiled (and cached) before the timed rounds",
-    "answers.*.validate: json.loads + jsonschema (Draft 2020-12) against PERSON, over every answer of every round",
+    "ratio is constrained / matched output tokens/s (medians over rounds): matched is unconstrained "
+    "with each request's max_tokens the length of its constrained answer and ignore_eos, so that both "
+    "variants do the same prefills and decode as many tokens; raw_ratio is constrained / unconstrained, "
+    "whose answers are about twice as long (see output_tokens_per_request_mean), which makes its "
+    "prefill cost less per output token",
+    "all variants: temperature 1.0, request i seeded i; unconstrained and constrained stop at EOS or "
+    "max_tokens (no ignore_eos); one untimed request of each first, so PERSON is compiled (and cached) "
+    "before the timed rounds",
+    "answers.*.validate: json.loads + jsonschema (Draft 2020-12) against PERSON, "
+    "over every answer of every round",
     "compile_over_http.overhead_s: a max_tokens 1 request with a new schema minus the same request "
     "unconstrained (compile on the server's worker thread + first mask); cold_minus_warm_s: the new schema's "
     "request minus its repeat (cached): compile alone; the prompt's prefix is cached for all",
-    "compile_in_process: cold (each schema new to its compiler); xgrammar's defaults (any_whitespace, 8 threads) "
+    "compile_in_process: cold (each schema new to its compiler); "
+    "xgrammar's defaults (any_whitespace, 8 threads) "
     "vs GrammarCache, the server's path (compact JSON, max_threads 1); measured before the server starts",
 ]
 

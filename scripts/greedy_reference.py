@@ -136,7 +136,9 @@ def main() -> int:
         for i, (a, b) in enumerate(zip(outs, ref["outputs"][k], strict=True))
         if a != b
     ]
-    print(json.dumps({"reference_commit": ref["commit"], "cases": len(cases), "differing": bad}))  # noqa: T201
+    print(  # noqa: T201
+        json.dumps({"reference_commit": ref["commit"], "cases": len(cases), "differing": bad})
+    )
     return 1 if bad else 0
 
 

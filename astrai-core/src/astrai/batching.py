@@ -6,14 +6,14 @@ and hands the ``StepResult`` to ``update()``, which alone changes the requests. 
 
 1. cleanup: finished requests' materialized pages go into the radix, their KV is freed;
 2. refill: waiting requests are admitted in order (arrival; or priority, then arrival), each
-   resuming prefill after its longest cached prefix, when the pool has room for it and for the running requests to grow
-   (the watermark below); one that does not fit now does not block the ones behind it, and
-   one whose prompt is mostly a prefix that a running request is computing right now waits
-   for those pages (recorded after every prefill chunk) instead of computing them twice;
+   resuming prefill after its longest cached prefix, when the pool has room for it and for the
+   running requests to grow (the watermark below); one that does not fit now does not block the ones
+   behind it, and one whose prompt is mostly a prefix that a running request is computing right now
+   waits for those pages (recorded after every prefill chunk) instead of computing them twice;
 3. decode rows: every decoding request brings its one token at its own position; when one
    cannot grow by a token the newest running request (of the lowest priority, when scheduling by
-   priority, and of those preempted the fewest times) is preempted: its computed prefix is recorded, it requeues at the front and recomputes later
-   without re-emitting text;
+   priority, and of those preempted the fewest times) is preempted: its computed prefix is recorded,
+   it requeues at the front and recomputes later without re-emitting text;
 4. prefill rows: chunks of prefilling requests, in order, under ``max_prefill_tokens``;
 5. drafts (with a ``proposer``, ``astrai.speculative``): a greedy decode row may bring the
    tokens its n-gram proposer drafts after its own, on slots the pool has free (never evicting,
@@ -118,8 +118,9 @@ class BatchPolicy:
 
     # ------------------------------------------------------------ the step
     def add(self, req: Request) -> None:
-        """Queue ``req`` by ``order``: behind the waiting ones of its sibling index (under ``priority``: of its
-        priority, then sibling index) or a smaller one, before those of a larger one."""
+        """Queue ``req`` by ``order``: behind the waiting ones of its sibling index (under
+        ``priority``: of its priority, then sibling index) or a smaller one, before those of a
+        larger one."""
         self.waiting.insert(bisect.bisect_right(self.waiting, self.order(req), key=self.order), req)
 
     def schedule(self) -> StepPlan:
@@ -230,7 +231,8 @@ class BatchPolicy:
                 req.accept(token, self.eos_token_ids)
                 if req.finished:
                     break
-        finally:  # the rejected drafts' positions (and pages only they used) go back; the radix never saw them
+        finally:  # the rejected drafts' positions (and pages only they used) go back;
+            # the radix never saw them
             self.pool.truncate(req.req_idx, req.num_computed)
 
     def drain(self) -> list[Request]:
@@ -358,7 +360,8 @@ class BatchPolicy:
         return rows
 
     def _make_room(self) -> None:
-        """Nothing could progress: preempt the newest (``_victim``), or fail a lone request this pool cannot grow."""
+        """Nothing could progress: preempt the newest (``_victim``), or fail a lone request this
+        pool cannot grow."""
         if len(self.running) > 1:
             self._preempt(self._victim())
         elif self.running:
@@ -373,7 +376,8 @@ class BatchPolicy:
         A lone request is always admitted: nothing else can make room for it.
         """
         idx = self.pool.task_alloc()
-        # prompt log-probs need the logits of every position not scored yet: those are not taken from the cache
+        # prompt log-probs need the logits of every position not scored yet: those are not taken
+        # from the cache
         scored = (
             req.tokens if req.params.prompt_logprobs is None else req.tokens[: len(req.prompt_logprobs) + 1]
         )

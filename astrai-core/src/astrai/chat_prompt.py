@@ -12,7 +12,8 @@ __all__ = ["chat_prompt_ids"]
 
 _TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'

@@ -74,7 +74,10 @@ def _add_model_args(p: argparse.ArgumentParser, pm: PluginManager) -> None:
         "--weights",
         choices=["auto", "gguf", "dense"],
         default="auto",
-        help="a GGUF file's quantized weights: kept (gguf), dequantized (dense), or auto (gguf in bf16 where the kernels run)",
+        help=(
+            "a GGUF file's quantized weights: kept (gguf), dequantized (dense), "
+            "or auto (gguf in bf16 where the kernels run)"
+        ),
     )
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")

@@ -82,7 +82,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
             )
         if (
             self.max_queued_requests is not None and self.max_queued_requests < 1
@@ -94,13 +95,15 @@ class EngineConfig:
             raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(
-                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, got {self.speculative!r}"
+                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, "
+                f"got {self.speculative!r}"
             )
         if not 1 <= self.num_speculative_tokens <= 15:  # astrai.speculative.MAX_SPECULATIVE_TOKENS
             raise ValueError(f"num_speculative_tokens must be in [1, 15], got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
-                f"need 1 <= ngram_min <= ngram_max, got ngram_min {self.ngram_min}, ngram_max {self.ngram_max}"
+                "need 1 <= ngram_min <= ngram_max, "
+                f"got ngram_min {self.ngram_min}, ngram_max {self.ngram_max}"
             )
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")

@@ -48,7 +48,8 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class InferenceEngine:
-    """Continuous-batching generation over ``model`` and ``tokenizer``: the Engine API of docs/architecture.md.
+    """Continuous-batching generation over ``model`` and ``tokenizer``: the Engine API of
+    docs/architecture.md.
 
     Starts the scheduler thread on construction; ``shutdown()`` (or leaving a
     ``with`` block) stops it. Sampling keywords are those of ``SamplingParams``

@@ -51,7 +51,7 @@ class RequestLimits:
             )
         if len(params.logit_bias) > self.max_logit_bias:
             raise RequestRejected(
-                f"logit_bias holds {len(params.logit_bias)} entries; at most {self.max_logit_bias} are accepted "
-                "(--max-logit-bias)",
+                f"logit_bias holds {len(params.logit_bias)} entries; "
+                f"at most {self.max_logit_bias} are accepted (--max-logit-bias)",
                 param="logit_bias",
             )

@@ -147,12 +147,14 @@ class InferenceScheduler:
         if not self.pool.can_ever_fit(n):
             raise RequestRejected(
                 f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} = {n} tokens "
-                f"exceeds the limit of {self.pool.context_limit} tokens (max_seq_len {self.pool.max_ctx_len}, "
+                f"exceeds the limit of {self.pool.context_limit} tokens "
+                f"(max_seq_len {self.pool.max_ctx_len}, "
                 f"KV pool {self.pool.size} slots)"
             )
         if req.priority and not self.policy.priority:
             raise RequestRejected(
-                "priority is only honoured with the 'priority' scheduling policy (astrai serve --scheduling-policy priority)",
+                "priority is only honoured with the 'priority' scheduling policy "
+                "(astrai serve --scheduling-policy priority)",
                 param="priority",
             )
         if req.backend is None:
@@ -178,7 +180,8 @@ class InferenceScheduler:
         before any of it is submitted); each ``submit`` still checks its own."""
         if self.max_queued is not None and self.queued + count > self.max_queued:
             raise Overloaded(
-                f"the server is overloaded: {self.queued} requests are waiting and this one brings {count} more "
+                f"the server is overloaded: {self.queued} requests are waiting "
+                f"and this one brings {count} more "
                 f"(at most {self.max_queued} may wait); retry later"
             )
 
@@ -325,7 +328,8 @@ class InferenceScheduler:
             req.finish(
                 FinishReason.ERROR,
                 error=Overloaded(
-                    f"the server is overloaded: the request waited {self.queue_timeout:g} s in the queue; retry later"
+                    f"the server is overloaded: the request waited {self.queue_timeout:g} s in the queue; "
+                    "retry later"
                 ),
             )
             self._complete(req)

@@ -235,7 +235,8 @@ _PLAIN_TYPES = frozenset({"str", "int", "float", "bool", "bytes", "dict", "list"
 
 
 def _union_label(part: object) -> bool:
-    """Whether a pydantic error location part names a union member (``str``, ``list[TextPart]``), not a field."""
+    """Whether a pydantic error location part names a union member (``str``, ``list[TextPart]``),
+    not a field."""
     return isinstance(part, str) and ("[" in part or part in _PLAIN_TYPES)
 
 
@@ -378,7 +379,8 @@ def _path_parameters(path: str) -> dict[str, Any] | None:
 def _json_endpoint(
     builder: ResponseBuilder, model: type[BaseModel], body: Callable[[Any, Any], dict[str, Any]]
 ) -> Any:
-    """A JSON POST route that generates nothing: validated like a generation request, errors in the builder's shape."""
+    """A JSON POST route that generates nothing: validated like a generation request, errors in the
+    builder's shape."""
 
     def answer(raw: bytearray, engine: Any) -> JSONResponse:  # on a worker thread: tokenizing, rendering
         parsed = _parse(builder, raw, model)

@@ -4,9 +4,10 @@
 ``Content-Length`` or the bytes received pass ``limit`` (the rest is never read), ``ClientGone``
 when the client hangs up before the body is complete. ``decode_json(raw)`` (run it on a worker
 thread) refuses, with a 400, a body that is not UTF-8, nests arrays and objects deeper than
-``MAX_DEPTH``, holds more than ``MAX_VALUES`` values, is not JSON, or holds a lone UTF-16 surrogate (``"\\ud800"``: no text can be
-encoded from it, so it would fail the response instead); given the engine's
-``astrai_server.fit.TextBound``, a string too long for the context is refused before it is parsed.
+``MAX_DEPTH``, holds more than ``MAX_VALUES`` values, is not JSON, or holds a lone UTF-16 surrogate
+(``"\\ud800"``: no text can be encoded from it, so it would fail the response instead); given the
+engine's ``astrai_server.fit.TextBound``, a string too long for the context is refused before it is
+parsed.
 The heap a large body freed goes back to the operating system by ``astrai.malloc.trim_heap``
 (the app calls it after such a body; ``astrai.malloc`` owns the allocator's settings).
 """
@@ -115,7 +116,8 @@ def decode_json(raw: bytes | bytearray, bound: TextBound | None = None) -> Any:
 
 
 def _utf8(raw: bytes | bytearray) -> str:
-    """``raw`` decoded as strict UTF-8 (a BOM dropped) a chunk at a time; HTTPProblem 400 naming the first bad byte."""
+    """``raw`` decoded as strict UTF-8 (a BOM dropped) a chunk at a time; HTTPProblem 400 naming the
+    first bad byte."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")
     try:
         parts = [decoder.decode(raw[i : i + _CHUNK]) for i in range(0, len(raw), _CHUNK)]
@@ -126,7 +128,8 @@ def _utf8(raw: bytes | bytearray) -> str:
         except UnicodeDecodeError as e:  # strict: also refuses encoded surrogates (ED A0 80)
             raise HTTPProblem(
                 400,
-                f"request body is not valid JSON: not UTF-8 at byte {e.start} ({e.object[e.start]:#04x}: {e.reason})",
+                "request body is not valid JSON: "
+                f"not UTF-8 at byte {e.start} ({e.object[e.start]:#04x}: {e.reason})",
             ) from None
         raise
     return "".join(parts)
@@ -152,7 +155,8 @@ def _reduce(raw: bytes | bytearray) -> tuple[list[bytes], int, bool]:
         quotes = reduced.count(b'"')
         if inside and not quotes:  # wholly inside one string: its characters, at the least
             characters = len(whole) - len(whole.translate(None, _NOT_CONTINUATION))
-            # an escape writes 1 character in up to 6 bytes per backslash (\\uD83D\\uDE00: 12 bytes, 2 backslashes)
+            # an escape writes 1 character in up to 6 bytes per backslash
+            # (\\uD83D\\uDE00: 12 bytes, 2 backslashes)
             run += max(0, characters - 6 * backslashes)
         else:
             longest, run = max(longest, run), 0

@@ -2,8 +2,8 @@
 
 ``add_serve_command(subparsers, pm)`` adds the subcommand to astrai-core's
 ``astrai`` parser (called by the hook plugin ``astrai_server.commands``);
-``serve_main(argv)`` is the standalone entry (``python -m astrai_server``). The socket opens at once; the model loads in
-the background and /health turns 200 when it is ready.
+``serve_main(argv)`` is the standalone entry (``python -m astrai_server``). The socket opens at
+once; the model loads in the background and /health turns 200 when it is ready.
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(
         p,
         "admin_api_key",
-        "operator key: every route, and the only key /stats and /metrics accept once keys are set; repeatable",
+        "operator key: every route, and the only key /stats and /metrics accept once keys are set; "
+        "repeatable",
         action="append",
     )
     _flag(
@@ -355,7 +356,8 @@ def _tp_worker(settings: ServerSettings) -> bool:
         return False
     if int(os.environ["WORLD_SIZE"]) != settings.tensor_parallel_size:
         raise ConfigError(
-            f"torchrun started {os.environ['WORLD_SIZE']} processes for --tensor-parallel-size {settings.tensor_parallel_size}"
+            f"torchrun started {os.environ['WORLD_SIZE']} processes "
+            f"for --tensor-parallel-size {settings.tensor_parallel_size}"
         )
     device = torch.device(settings.device)
     if device.type == "cuda":  # one GPU per rank on its machine

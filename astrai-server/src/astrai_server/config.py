@@ -206,7 +206,8 @@ class ServerSettings(BaseModel):
         for origin in value:
             if origin != "*" and not _ORIGIN.fullmatch(origin):
                 raise ValueError(
-                    f"{origin!r} is not an origin: scheme://host[:port], without a path or a trailing slash (or *)"
+                    f"{origin!r} is not an origin: scheme://host[:port], "
+                    "without a path or a trailing slash (or *)"
                 )
         return value
 

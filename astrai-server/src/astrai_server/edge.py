@@ -257,7 +257,8 @@ def check_tls(settings: ServerSettings) -> bool:
         return False
     if s.ssl_cert_reqs != "none" and s.ssl_ca_certs is None:
         raise ConfigError(
-            f"--ssl-cert-reqs {s.ssl_cert_reqs} needs --ssl-ca-certs (the CA certificates that verify clients)"
+            f"--ssl-cert-reqs {s.ssl_cert_reqs} needs --ssl-ca-certs "
+            "(the CA certificates that verify clients)"
         )
     for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
         path = getattr(s, name)
@@ -266,7 +267,8 @@ def check_tls(settings: ServerSettings) -> bool:
 
     def no_password() -> str:
         raise ConfigError(
-            f"--ssl-keyfile {s.ssl_keyfile or s.ssl_certfile}: the key is encrypted; give --ssl-keyfile-password"
+            f"--ssl-keyfile {s.ssl_keyfile or s.ssl_certfile}: the key is encrypted; "
+            "give --ssl-keyfile-password"
         )
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

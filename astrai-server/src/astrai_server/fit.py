@@ -36,13 +36,16 @@ class TextBound:
                 f"a string of at least {chars} characters" if one_string else f"a text of {chars} characters"
             )
             raise RequestRejected(
-                f"the prompt is at least {-(-chars // self.per_token)} tokens ({text}, at most {self.per_token} "
-                f"characters per token), but the context limit is {self.limit} tokens (prompt plus at least one generated token)"
+                f"the prompt is at least {-(-chars // self.per_token)} tokens "
+                f"({text}, at most {self.per_token} characters per token), "
+                f"but the context limit is {self.limit} tokens "
+                "(prompt plus at least one generated token)"
             )
 
 
 def text_bound(engine: Any) -> TextBound | None:
-    """``engine``'s bound (``engine.context_limit``, ``max_token_bytes``); None when its tokenizer cannot say."""
+    """``engine``'s bound (``engine.context_limit``, ``max_token_bytes``); None when its tokenizer
+    cannot say."""
     per_token = max_token_bytes(getattr(engine, "tokenizer", None))
     return None if per_token is None else TextBound(engine.context_limit, per_token)
 

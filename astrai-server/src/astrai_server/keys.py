@@ -92,7 +92,8 @@ def read_key_file(path: str | Path) -> list[str]:
                 raise ConfigError(f"{where}, line {number}: {e}") from None
     if not keys:
         raise ConfigError(
-            f"{where}: the file holds no key (only blank lines and # comments); leave the setting unset to serve without a key"
+            f"{where}: the file holds no key (only blank lines and # comments); "
+            "leave the setting unset to serve without a key"
         )
     return keys
 

@@ -48,11 +48,12 @@ _EXEMPLAR_ID = 128 - len("request_id")
 
 # seconds: vLLM's buckets (TTFT reaches lower; per-token time lower still)
 # fmt: off
-_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-         80.0, 160.0, 640.0, 2560.0)
-_TPOT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-            960.0, 1920.0, 7680.0)
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+         20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+         20.0, 40.0, 80.0)
+_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+            240.0, 480.0, 960.0, 1920.0, 7680.0)
 # fmt: on
 
 #: Histograms observed once per finished request: key -> (name, buckets, help).
@@ -95,7 +96,8 @@ GAUGES: dict[str, tuple[str, Callable[[dict], float]]] = {
         lambda s: s["waiting_queue"],
     ),
     "astrai:kv_cache_usage_perc": (
-        "Fraction of the KV pool held by requests (1 = full); pages only the prefix cache holds count as free.",
+        "Fraction of the KV pool held by requests (1 = full); "
+        "pages only the prefix cache holds count as free.",
         lambda s: s["kv_tokens_in_use"] / s["kv_tokens_total"] if s["kv_tokens_total"] else 0.0,
     ),
     "astrai:kv_cache_capacity_tokens": ("Token slots of the KV pool.", lambda s: s["kv_tokens_total"]),

@@ -111,11 +111,13 @@ def replica_ports(settings: ServerSettings) -> list[int]:
         return [free_port() for _ in range(size)]
     if base + size - 1 > 65535:
         raise ConfigError(
-            f"--data-parallel-base-port {base}: {size} replicas need ports up to {base + size - 1}, past 65535"
+            f"--data-parallel-base-port {base}: {size} replicas need ports up to {base + size - 1}, "
+            "past 65535"
         )
     if any(p is not None and base <= p < base + size for p in (settings.port, settings.gateway_metrics_port)):
         raise ConfigError(
-            f"--data-parallel-base-port {base}: the replicas' ports {base}-{base + size - 1} hold the gateway's port"
+            f"--data-parallel-base-port {base}: "
+            f"the replicas' ports {base}-{base + size - 1} hold the gateway's port"
         )
     return list(range(base, base + size))
 
@@ -134,7 +136,8 @@ def check_gateway_settings(settings: ServerSettings) -> None:
     for name in ("ssl_keyfile_password", "ssl_ca_certs"):
         if getattr(settings, name) is not None:
             raise ConfigError(
-                f"--{name.replace('_', '-')} with --data-parallel-size: the gateway's TLS takes a plain key and no client certificates"
+                f"--{name.replace('_', '-')} with --data-parallel-size: "
+                "the gateway's TLS takes a plain key and no client certificates"
             )
     if settings.ssl_cert_reqs != "none":
         raise ConfigError(
@@ -341,7 +344,8 @@ class Supervisor:
             for child in list(waiting):
                 if not child.alive():
                     raise ReplicaError(
-                        f"{child.name} exited with status {child.proc.returncode} before it was ready (its error is above)"
+                        f"{child.name} exited with status {child.proc.returncode} "
+                        "before it was ready (its error is above)"
                     )  # type: ignore[union-attr]
                 if self.healthy(child):
                     child.ready = True

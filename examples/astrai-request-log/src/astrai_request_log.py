@@ -32,7 +32,9 @@ class RequestLog:
     """Where one engine's lines go: a file (``path``) or the logger; keeps the last ``RECENT``."""
 
     def __init__(self, path: str | None) -> None:
-        self.file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 - closed at engine stop
+        self.file = (
+            open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 - closed at engine stop
+        )
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.lock = threading.Lock()
 

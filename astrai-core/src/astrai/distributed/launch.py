@@ -262,7 +262,8 @@ def _rank_device(device: torch.device, rank: int) -> str:
 
 
 def _wait_ready(store: Any, procs: list[subprocess.Popen], size: int) -> None:
-    """Until every worker has set ``ready/<rank>`` (it loaded its checkpoint); AstraiError if one exits first."""
+    """Until every worker has set ``ready/<rank>`` (it loaded its checkpoint); AstraiError if one
+    exits first."""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     keys = [f"ready/{r}" for r in range(1, size)]
     while not store.check(keys):
@@ -271,7 +272,8 @@ def _wait_ready(store: Any, procs: list[subprocess.Popen], size: int) -> None:
                 for q in procs:
                     q.kill()
                 raise AstraiError(
-                    f"tensor-parallel worker {rank} exited with status {p.returncode} while starting (see its log above)"
+                    f"tensor-parallel worker {rank} exited with status {p.returncode} "
+                    "while starting (see its log above)"
                 )
         if time.monotonic() > deadline:
             for q in procs:
@@ -321,7 +323,8 @@ def worker_main(spec: dict[str, Any]) -> int:
 
 
 def save_state(path: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Write ``{"config", "weights"}`` for ``load_tensor_parallel(state_file=...)`` (a model built in memory)."""
+    """Write ``{"config", "weights"}`` for ``load_tensor_parallel(state_file=...)`` (a model built
+    in memory)."""
     import dataclasses
 
     torch.save(

@@ -61,12 +61,14 @@ def check_tp_size(config: ModelConfig, n: int) -> None:
     if problem is not None:
         valid = ", ".join(map(str, valid_tp_sizes(config)))
         raise TPConfigError(
-            f"tensor parallel size {n} cannot split {config.name or 'this model'}: {problem}; valid sizes: {valid}"
+            f"tensor parallel size {n} cannot split {config.name or 'this model'}: {problem}; "
+            f"valid sizes: {valid}"
         )
 
 
 def shard_config(config: ModelConfig, n: int) -> ModelConfig:
-    """The configuration of one rank's shard: its heads and intermediate rows (vocabulary and hidden size whole)."""
+    """The configuration of one rank's shard: its heads and intermediate rows (vocabulary and
+    hidden size whole)."""
     check_tp_size(config, n)
     return dataclasses.replace(
         config,
@@ -77,7 +79,8 @@ def shard_config(config: ModelConfig, n: int) -> ModelConfig:
 
 
 def vocab_shard(vocab_size: int, n: int, rank: int) -> tuple[int, int]:
-    """``(start, end)`` of rank ``rank``'s LM-head rows: equal slices of the vocabulary padded to a multiple of ``n``."""
+    """``(start, end)`` of rank ``rank``'s LM-head rows: equal slices of the vocabulary padded to a
+    multiple of ``n``."""
     per = math.ceil(vocab_size / n)
     return min(rank * per, vocab_size), min((rank + 1) * per, vocab_size)
 

@@ -42,7 +42,8 @@ __all__ = ["STEP", "NOOP", "STOP", "Groups", "TPShard", "WorkerLost", "all_reduc
 logger = logging.getLogger(__name__)
 
 STEP, NOOP, STOP = 1, 2, 3
-HEADER = 14  # ints: kind, T, B, n_logits, S, slots, rows, max_ctx, page_size, max_len, max_q_len, name length, 2 spare
+# ints: kind, T, B, n_logits, S, slots, rows, max_ctx, page_size, max_len, max_q_len, name length, 2 spare
+HEADER = 14
 NAME = 32  # bytes of the attention backend's name
 
 
@@ -184,7 +185,8 @@ def receive_step(
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor, str]:
-    """A worker: the payload of the step ``header`` announced, as the shard's inputs and its backend's name."""
+    """A worker: the payload of the step ``header`` announced, as the shard's inputs and its
+    backend's name."""
     t, b, n, s, slots, rows, max_ctx, page, max_len, max_q, name_len = (int(x) for x in header[1:12])
     name = bytes(int(c) for c in header[HEADER : HEADER + name_len]).decode()
     payload = torch.empty(3 * t + n + 4 * b + 2 + s, dtype=torch.int64, device=device)
@@ -220,7 +222,8 @@ def receive_step(
 
 
 def gather_logits(groups: Groups, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Rank 0: every rank's vocabulary slice ``[B, rows]`` joined into ``[B, vocab_size]``; other ranks: None."""
+    """Rank 0: every rank's vocabulary slice ``[B, rows]`` joined into ``[B, vocab_size]``; other
+    ranks: None."""
     if groups.rank == 0:
         parts = [torch.empty_like(local) for _ in range(groups.size)]
         dist.gather(local.contiguous(), parts, dst=0, group=groups.device)
@@ -230,7 +233,8 @@ def gather_logits(groups: Groups, local: torch.Tensor, vocab_size: int) -> torch
 
 
 def worker_loop(shard: TPShard, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """Ranks > 0: run every step rank 0 sends until ``STOP`` (or until rank 0 is gone: a collective raises)."""
+    """Ranks > 0: run every step rank 0 sends until ``STOP`` (or until rank 0 is gone: a
+    collective raises)."""
     from astrai.extension.backend.policy import bind_step
     from astrai.extension.backend.selection import BackendChoice
 

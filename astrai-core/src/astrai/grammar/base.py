@@ -3,9 +3,10 @@
 A ``GrammarBackend`` (entry-point group ``astrai.grammars``) compiles a spec once per tokenizer
 (slow: off the scheduler thread, cached by ``GrammarCache``; in a worker process of
 ``astrai.grammar.pool`` when the backend can ``export`` itself, so that a compile can be bounded
-in time, cancelled and its memory returned) and makes one ``GrammarMatcher`` per request from it. Each step the runner has every constrained row's matcher fill its row of one
-token bitmask and applies the bitmask to those rows' logits in one operation, before the
-sampling pipeline; ``Request.accept`` advances the matcher by the sampled token.
+in time, cancelled and its memory returned) and makes one ``GrammarMatcher`` per request from it.
+Each step the runner has every constrained row's matcher fill its row of one token bitmask and
+applies the bitmask to those rows' logits in one operation, before the sampling pipeline;
+``Request.accept`` advances the matcher by the sampled token.
 """
 
 from __future__ import annotations

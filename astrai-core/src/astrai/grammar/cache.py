@@ -1,9 +1,9 @@
 """``GrammarCache``: an engine's grammar backend and its compiled grammars, by spec, bounded.
 
-``GrammarConfig`` (``astrai.grammar.base``) bounds the work one spec may cost: its size (``max_bytes``, checked before
-anything is compiled), the compile's time (``timeout``) and how many compiles run and wait
-(``workers``, ``max_pending``: ``astrai.grammar.pool``); and the memory the compiled grammars
-keep (``cache_bytes``). Every bound is a 400 or a 429 naming its setting.
+``GrammarConfig`` (``astrai.grammar.base``) bounds the work one spec may cost: its size
+(``max_bytes``, checked before anything is compiled), the compile's time (``timeout``) and how many
+compiles run and wait (``workers``, ``max_pending``: ``astrai.grammar.pool``); and the memory the
+compiled grammars keep (``cache_bytes``). Every bound is a 400 or a 429 naming its setting.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class GrammarCache:
                 raise PluginError(loaded.failures[self.name].describe())
             if self.name not in loaded.classes:
                 raise PluginError(
-                    f"grammar backend {self.name!r} is not installed; installed: {', '.join(loaded.classes) or 'none'}"
+                    f"grammar backend {self.name!r} is not installed; "
+                    f"installed: {', '.join(loaded.classes) or 'none'}"
                 )
             return loaded.classes[self.name]
         order = sorted(loaded.classes, key=lambda n: (n != "xgrammar", n))
@@ -181,7 +182,8 @@ class GrammarCache:
             raise
 
     def matcher(self, spec: GrammarSpec, compiled: Any = None) -> GrammarMatcher:
-        """A fresh matcher for ``spec`` (``compiled``: its compiled grammar; None: compiled here unless cached)."""
+        """A fresh matcher for ``spec`` (``compiled``: its compiled grammar; None: compiled here
+        unless cached)."""
         backend = self.backend
         matcher = backend.matcher(self.compile(spec) if compiled is None else compiled)
         matcher.backend = backend

@@ -134,7 +134,8 @@ class CompilePool:
                 raise EngineNotReady("the grammar compile pool is closed")
             if self._queued >= self.workers + self.max_pending:
                 raise Overloaded(
-                    f"{self._queued} grammar compiles are under way or waiting; retry later (--grammar-workers)"
+                    f"{self._queued} grammar compiles are under way or waiting; "
+                    "retry later (--grammar-workers)"
                 )
             self._queued += 1
             epoch = self._epoch

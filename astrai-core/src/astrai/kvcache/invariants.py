@@ -48,7 +48,8 @@ def _check_radix(pool: PagePool, live: list[int], holders: np.ndarray) -> None:
             _fail(f"radix node of page {node.page}: depth {node.depth}, key {node.key}")
         if node.namespace != parent.namespace:
             _fail(
-                f"radix node of page {node.page} is in namespace {node.namespace!r}, its parent in {parent.namespace!r}"
+                f"radix node of page {node.page} is in namespace {node.namespace!r}, "
+                f"its parent in {parent.namespace!r}"
             )
         if radix.node_of_page(node.page) is not node or mask[node.page]:
             _fail(f"page {node.page} is indexed twice or not at its node")
@@ -69,7 +70,8 @@ def _check_radix(pool: PagePool, live: list[int], holders: np.ndarray) -> None:
             _fail(f"row {row}: lock is not its deepest held radix page")
         if lock.namespace != pool.req_namespace(row):  # a page never serves another namespace
             _fail(
-                f"row {row} of namespace {pool.req_namespace(row)!r} holds pages of namespace {lock.namespace!r}"
+                f"row {row} of namespace {pool.req_namespace(row)!r} "
+                f"holds pages of namespace {lock.namespace!r}"
             )
         path = []
         node = lock

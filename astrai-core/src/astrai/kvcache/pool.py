@@ -295,7 +295,8 @@ class PagePool:
         return self.size - self._live_positions()
 
     def round_up(self, n_tokens: int) -> int:
-        """``n_tokens`` rounded up to whole pages: the slots that many positions take (contiguous: ``n_tokens``)."""
+        """``n_tokens`` rounded up to whole pages: the slots that many positions take
+        (contiguous: ``n_tokens``)."""
         ps = self.page_size if self.paged else 1
         return -(-n_tokens // ps) * ps
 

@@ -129,7 +129,10 @@ def quantized_kernels(device: str | torch.device, dtype: torch.dtype) -> str | N
     if torch.device(device).type != "cpu":
         return f"the quantized kernels run on the CPU, not {torch.device(device).type} (use --weights dense)"
     if dtype not in (torch.bfloat16, torch.float32):
-        return f"the quantized kernels take bfloat16 or float32 activations, not {str(dtype).removeprefix('torch.')}"
+        return (
+            "the quantized kernels take bfloat16 or float32 activations, "
+            f"not {str(dtype).removeprefix('torch.')}"
+        )
     load_backends()  # installs the backends' fused kernels (an engine does this anyway)
     with torch.no_grad():
         if kernel_for("quant_linear", torch.empty(0)) is None:

@@ -75,14 +75,18 @@ class PackedLinear(nn.Module):
         return self._onednn
 
     def packed_for(self, kernel) -> object:
-        """The weight in ``kernel``'s layout, packed on first use (``astrai.extension.fused``'s ``linear``)."""
+        """The weight in ``kernel``'s layout, packed on first use (``astrai.extension.fused``'s
+        ``linear``)."""
         if self._small is None or self._small[0] is not kernel:
             with torch.no_grad():
                 self._small = (kernel, kernel.pack(self.weight.detach()))
         return self._small[1]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, packed"
+        )
 
 
 def prepack_linears(model: nn.Module) -> int:

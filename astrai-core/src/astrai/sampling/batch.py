@@ -228,7 +228,8 @@ def _bias(params: tuple[SamplingParams, ...], device: torch.device | str) -> tup
 
 
 def _bias_of(p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """``p.logit_bias`` as host tensors ``(tokens int64, values f32)``, made at the first step that needs them."""
+    """``p.logit_bias`` as host tensors ``(tokens int64, values f32)``, made at the first step that
+    needs them."""
     cached = p.__dict__.get("_bias_tensors")
     if cached is None or cached[0] is not p.logit_bias:
         tensors = (
