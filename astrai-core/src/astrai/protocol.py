@@ -37,23 +37,9 @@ if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
     from astrai.sampling.params import SamplingParams
 
-__all__ = [
-    "PROTOCOLS",
-    "CacheSalt",
-    "ChatResult",
-    "Choice",
-    "Prepared",
-    "ResponseBuilder",
-    "ToolCall",
-    "chat_prompt_ids",
-    "check_builder_class",
-    "error_type_for",
-    "load_protocols",
-    "new_id",
-    "plugin_sampling",
-    "sse",
-    "value_or_default",
-]
+__all__ = ["PROTOCOLS", "CacheSalt", "ChatResult", "Choice", "Prepared", "ResponseBuilder"]
+__all__ += ["ToolCall", "chat_prompt_ids", "check_builder_class", "error_type_for", "load_protocols"]
+__all__ += ["new_id", "plugin_sampling", "sse", "value_or_default"]
 
 #: vLLM's ``cache_salt`` request field, on every protocol: the prefix cache reuses a page only for a
 #: request of the same salt (and tenant); any text of 1 to 1024 characters.

@@ -6,6 +6,10 @@ each loads the same checkpoint and keeps its shard (``sharding.shard_weights``) 
 projections. Under ``torchrun`` (several machines, or one), every process is started by torchrun
 with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set: rank 0 serves and the others run
 ``worker_main`` (``astrai serve`` does this by itself), meeting through ``env://``.
+
+Over 300 lines because both ways of starting the ranks (subprocesses meeting at a ``TCPStore``,
+and torchrun) share the shard building, the wait until every rank is ready and the worker's
+loop: one start-up protocol, read in one place.
 """
 
 from __future__ import annotations

@@ -235,17 +235,8 @@ def _llama3_scaling(rope_freqs: np.ndarray, config: ModelConfig, path: Path) -> 
 
 
 # The weights that may stay quantized (``quantized=True``): the linears and the embedding table.
-_QUANTIZABLE = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "lm_head",
-    "embed_tokens",
-)
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_QUANTIZABLE = (*_PROJECTIONS, "lm_head", "embed_tokens")
 
 
 def stays_quantized(name: str, qtype: str) -> bool:

@@ -3,6 +3,9 @@
 The forward takes one flattened ragged batch (see ``KVCache``): prefill chunks
 and decode tokens of many requests in a single call, with attention routed
 through the ``astrai.extension`` policy API so any backend can run it.
+
+Over 300 lines because the layers, the fused decode stack that replays them on the CPU and the
+checkpoint's parameter shapes and loading describe one architecture and change together.
 """
 
 from __future__ import annotations

@@ -43,11 +43,7 @@ def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _bytes_to_unicode() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the character each byte is written as -> the byte."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\xa1"), ord("\xac") + 1),
-        *range(ord("\xae"), 256),
-    ]
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 256)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
