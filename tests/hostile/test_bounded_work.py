@@ -58,27 +58,27 @@ def test_a_fan_out_over_the_cap_is_a_400_naming_the_field(server: Any) -> None:
 
 
 def test_a_fan_out_under_the_cap_does_not_hold_back_a_later_chat(bounded: tuple[Any, Any]) -> None:
-    """128 choices on a batch of 8 run in 16 waves; a chat sent just after them is admitted at the first
-    free place (admission serves every request's first choice before anyone's second), so it is done long
-    before the fan-out is, instead of after all of it."""
+    """64 choices on a batch of 8 run in 8 waves; a chat sent just after them is admitted at the first
+    free place (admission serves every request's first choice before anyone's second), so it is done in
+    about two waves, instead of after all of the fan-out."""
     served, _ = bounded
     done: dict[str, float] = {}
 
     def fan_out() -> None:
         body = {
-            "prompt": [f"Count to ten, number {i}:" for i in range(128)],
-            "max_tokens": 12,
+            "prompt": [f"Count to ten, number {i}:" for i in range(64)],
+            "max_tokens": 8,
             "temperature": 0,
             "ignore_eos": True,
         }
         r = httpx.post(served.url + COMPLETIONS, json=body, timeout=600)
-        assert r.status_code == 200 and len(r.json()["choices"]) == 128, r.text
+        assert r.status_code == 200 and len(r.json()["choices"]) == 64, r.text
         done["fan_out"] = time.monotonic()
 
     started = time.monotonic()
     t = threading.Thread(target=fan_out)
     t.start()
-    time.sleep(1.0)  # the fan-out is queued and running
+    time.sleep(0.5)  # the fan-out is queued and running
     r = httpx.post(
         served.url + CHAT, json={**_ask("Say hi."), "max_tokens": 8, "ignore_eos": True}, timeout=600
     )
@@ -86,7 +86,7 @@ def test_a_fan_out_under_the_cap_does_not_hold_back_a_later_chat(bounded: tuple[
     done["chat"] = time.monotonic()
     t.join()
     fan_out_took, chat_took = done["fan_out"] - started, done["chat"] - started
-    assert chat_took < fan_out_took / 3, (chat_took, fan_out_took)
+    assert chat_took < fan_out_took / 2, (chat_took, fan_out_took)
 
 
 def test_a_hostile_compile_is_stopped_and_a_plain_chat_beside_it_stays_fast(bounded: tuple[Any, Any]) -> None:

@@ -266,12 +266,13 @@ def test_a_connection_past_the_limit_is_refused_at_once_and_holds_no_slot(limite
         detail = "too many connections: the server holds its limit of 8; retry later"
         assert json.loads(body) == {"detail": detail}
         assert _refused(server.url).startswith(b"HTTP/1.1 503 ")  # refused ones are not counted:
-        for sock in idle[:3]:
+        for sock in idle:
             sock.close()
         time.sleep(0.2)
-        clients = [httpx.Client(base_url=server.url, timeout=10) for _ in range(3)]
+        clients = [httpx.Client(base_url=server.url, timeout=10) for _ in range(8)]
         try:
-            assert [c.get("/health").status_code for c in clients] == [200, 200, 200]  # three slots back
+            assert {c.get("/health").status_code for c in clients} == {200}  # the slots are back
+            time.sleep(1.2)  # kept alive between requests, past EVICTABLE_AFTER: they are not evicted
             assert _refused(server.url).startswith(b"HTTP/1.1 503 ")  # and no more
             assert httpx.get(server.url + "/health", timeout=10).status_code == 503  # a client reads it
         finally:
@@ -282,6 +283,42 @@ def test_a_connection_past_the_limit_is_refused_at_once_and_holds_no_slot(limite
             sock.close()
     log = _log_since(server, since, "connections refused")
     assert re.search(r"WARNING astrai_server\.connections: connections refused: \d+, 8 open \(", log), log
+
+
+@pytest.mark.slow  # the real default model, in a subprocess
+def test_at_the_limit_a_new_connection_takes_the_place_of_the_oldest_unfinished_head(limited: Any) -> None:
+    """A slowloris that holds every slot with heads it never finishes cannot lock a client out: past
+    ``EVICTABLE_AFTER`` (1 s), a new connection closes the one that has waited longest for its head."""
+    server, _ = limited
+    since = len(server.log())
+    idle = [_connect(server.url) for _ in range(8)]  # the limit
+    try:
+        for sock in idle:
+            sock.sendall(PARTIAL_HEAD)
+        time.sleep(1.5)
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            assert client.get("/health").status_code == 200
+            assert client.post(CHAT, json=SHORT).status_code == 200
+        ends = selectors.DefaultSelector()
+        for i, sock in enumerate(idle):
+            ends.register(sock, selectors.EVENT_READ, i)
+        ready = {key.data for key, _ in ends.select(timeout=1.0)}
+        ends.close()
+        assert len(ready) == 1, ready  # one holder closed, the seven others kept
+        answer = _read_to_end(idle[ready.pop()])
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head, answer
+        detail = json.loads(body)["detail"]
+        assert re.fullmatch(
+            r"request head not complete after \d+\.\d s; closed to take a new connection", detail
+        )
+    finally:
+        for sock in idle:
+            sock.close()
+    log = _log_since(server, since, "for new ones")
+    assert re.search(
+        r"WARNING astrai_server\.connections: connections closed: 1, their heads incomplete", log
+    )
 
 
 @pytest.mark.slow  # the real default model, in a subprocess

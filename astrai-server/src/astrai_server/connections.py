@@ -7,7 +7,11 @@ returns the ``http=`` class for ``uvicorn.Config``: uvicorn's own HTTP protocol 
 is installed, else h11: what ``http="auto"`` picks) with ``GuardedProtocol`` mixed in, so that
 
 - a connection is taken only while fewer than ``max_connections`` are open (uvicorn's
-  ``server_state.connections``). One more is answered at once, before it sends anything:
+  ``server_state.connections``). At the limit, a new connection first takes the place of the open
+  one that has waited longest for a request head, if that wait is over ``EVICTABLE_AFTER`` seconds:
+  that one gets a 408 and is closed (a client sends a head in milliseconds; a slowloris holds its
+  connections in exactly that state, so its connections cannot lock other clients out until the
+  header timeout). Otherwise the new connection is answered at once, before it sends anything:
   ``503 {"detail": ...}`` with ``Connection: close`` and ``Retry-After: 1``. It is never counted,
   and its descriptor goes when the client hangs up, at most ``REFUSED_LINGER`` seconds later;
 - a request head (request line and headers) must be complete within ``header_timeout`` seconds
@@ -52,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a refused connection may stay open after its 503, waiting for its client to hang up.
 REFUSED_LINGER = 1.0
+#: Seconds a connection's request head may be incomplete before a new connection at the limit may
+#: take its place.
+EVICTABLE_AFTER = 1.0
 #: Seconds between two lines that count refusals, or timeouts.
 LOG_INTERVAL = 5.0
 AMBIGUOUS = b'{"detail": "a request may not carry both Content-Length and Transfer-Encoding (RFC 9112, 6.3)"}'
@@ -82,6 +89,8 @@ def protocol_class(settings: ServerSettings) -> type[asyncio.Protocol]:
         "refusals": every(logging.WARNING, f"connections refused%s: %d, {limit} open (--max-connections)"),
         "head_timeouts": every(logging.INFO, f"connections closed%s: %d, no request head in {timeout:g} s"),
         "body_timeouts": every(logging.INFO, f"connections closed%s: %d, a body stalled for {timeout:g} s"),
+        "evictions": every(logging.WARNING, "connections closed%s: %d, their heads incomplete, for new ones"),
+        "heads": {},
     }
     return type(f"Guarded{AutoHTTPProtocol.__name__}", (GuardedProtocol, AutoHTTPProtocol), attributes)
 
@@ -101,9 +110,11 @@ class GuardedProtocol:
 
     header_timeout: float
     max_connections: int
-    refusals: EveryInterval  # the three counters are the server's, shared by its connections
+    refusals: EveryInterval  # the four counters are the server's, shared by its connections
     head_timeouts: EveryInterval
     body_timeouts: EveryInterval
+    evictions: EveryInterval
+    heads: dict[GuardedProtocol, float]  # the server's connections awaiting a head, oldest first
     # uvicorn's
     connections: set[Any]
     transport: Any
@@ -118,7 +129,7 @@ class GuardedProtocol:
     _progress = 0.0  # loop time the guarded body last grew
 
     def connection_made(self, transport: Any) -> None:
-        if len(self.connections) >= self.max_connections:
+        if len(self.connections) >= self.max_connections and not self._evict_one():
             self._refuse(transport)
             return
         super().connection_made(transport)  # type: ignore[misc]
@@ -136,6 +147,23 @@ class GuardedProtocol:
         else:  # TLS has no half-close
             transport.close()
         self.refusals.count(self.loop)
+
+    def _evict_one(self) -> bool:
+        """Close the connection that has waited longest for a head, if over ``EVICTABLE_AFTER`` s."""
+        now = self.loop.time()
+        while self.heads:
+            oldest, since = next(iter(self.heads.items()))
+            if since > now - EVICTABLE_AFTER:
+                return False
+            oldest._stop()
+            if oldest.transport.is_closing():
+                continue  # closed already: it leaves the connections at the next turn of the loop
+            detail = f"request head not complete after {now - since:.1f} s; closed to take a new connection"
+            oldest.transport.write(_response(408, "Request Timeout", detail))
+            oldest.transport.close()
+            self.evictions.count(self.loop)
+            return True
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop()
@@ -178,11 +206,14 @@ class GuardedProtocol:
         self._phase, self._of = phase, cycle
         self._progress = self.loop.time()
         self._timer = self.loop.call_at(self._progress + self.header_timeout, self._expired)
+        if phase == "head":
+            self.heads[self] = self._progress  # newest last: the dict keeps the oldest first
 
     def _stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
         self._timer, self._phase, self._of = None, None, None
+        self.heads.pop(self, None)
 
     def _expired(self) -> None:
         self._timer = None
@@ -204,7 +235,7 @@ class GuardedProtocol:
             self.head_timeouts.count(loop)
             detail = f"request head not complete within {self.header_timeout:g} s"
             transport.write(_response(408, "Request Timeout", detail))
-        self._phase = self._of = None
+        self._stop()
         transport.close()
 
 
