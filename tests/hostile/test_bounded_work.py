@@ -53,6 +53,11 @@ def test_a_fan_out_over_the_cap_is_a_400_naming_the_field(server: Any) -> None:
         error = r.json()["error"]
         assert (r.status_code, error["param"]) == (400, param) and words in error["message"], r.text
         assert "--max-choices" in error["message"]
+    # counted before the body is validated (320,000 prompts take 1.5 s to validate): an invalid member
+    # past the cap does not make it a 422
+    huge = {"prompt": [[1, 2]] * 320_000 + [{"not": "a prompt"}], "max_tokens": 1}
+    r = httpx.post(server.url + COMPLETIONS, json=huge, timeout=30)
+    assert r.status_code == 400 and "prompt 320001 and n 1 make 320001 choices" in r.text, r.text[:300]
     r = httpx.post(server.url + CHAT, json={**_ask("hi"), "n": 17}, timeout=30)
     assert r.status_code == 422  # n itself stays bounded by the schema
 

@@ -38,6 +38,22 @@ logger = logging.getLogger(__name__)
 Disconnect = Callable[[], Awaitable[None]]
 
 
+def count_choices(factors: list[tuple[str, int]], max_choices: int | None) -> int:
+    """The product of a builder's ``fan_out`` ``factors``; RequestRejected naming the fields when it
+    passes ``max_choices``."""
+    count = 1
+    for _, value in factors:
+        count *= max(int(value), 1)
+    if max_choices is not None and count > max_choices:
+        named = " and ".join(f"{name} {value}" for name, value in factors)
+        raise RequestRejected(
+            f"{named} make {count} choices; at most {max_choices} are served per request "
+            "(--max-choices): send them in several requests",
+            param=max(factors, key=lambda f: f[1])[0],
+        )
+    return count
+
+
 class ProtocolHandler:
     """Drive ``builder`` over ``engine``: ``start(request)`` (awaited in the event loop; the work runs
     on a worker thread), then ``respond`` or ``stream``.
@@ -102,18 +118,7 @@ class ProtocolHandler:
     def _check_fan_out(self, request: BaseModel) -> int:
         """The engine requests ``request`` makes (the product of the builder's ``fan_out``); RequestRejected
         naming the fields when it passes ``max_choices``."""
-        factors = self.builder.fan_out(request)
-        count = 1
-        for _, value in factors:
-            count *= max(int(value), 1)
-        if self.max_choices is not None and count > self.max_choices:
-            named = " and ".join(f"{name} {value}" for name, value in factors)
-            raise RequestRejected(
-                f"{named} make {count} choices; at most {self.max_choices} are served per request "
-                "(--max-choices): send them in several requests",
-                param=max(factors, key=lambda f: f[1])[0],
-            )
-        return count
+        return count_choices(self.builder.fan_out(request), self.max_choices)
 
     async def admitted(self, run: _Run, disconnected: Disconnect) -> bool:
         """Wait for ``run``'s first output (a piece, or an end); raise its error when a choice ended in
