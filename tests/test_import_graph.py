@@ -238,7 +238,14 @@ CORE = {m for m, owner in OWNER.items() if owner == "astrai-core"}
 FLOORS: list[tuple[str, set[str]]] = [
     (
         "bottom",
-        {"astrai.errors", "astrai.malloc", "astrai.cpu_tuning", "astrai.hookspecs", "astrai.chat_prompt"},
+        {
+            "astrai.errors",
+            "astrai.lazy",
+            "astrai.malloc",
+            "astrai.cpu_tuning",
+            "astrai.hookspecs",
+            "astrai.chat_prompt",
+        },
     ),
     (
         "contracts",

@@ -14,10 +14,10 @@ implementations (see ``astrai.hookspecs``); the entry-point groups are named in 
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from astrai.hookspecs import hookimpl
+from astrai.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from astrai.config import EngineConfig
@@ -38,14 +38,4 @@ _LAZY = {
 __all__ = ["EngineConfig", "GenerateResult", "InferenceEngine", "SamplingParams", "__version__", "hookimpl"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'astrai' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
