@@ -89,8 +89,13 @@ def test_a_cache_salt_splits_the_cache_on_every_protocol(servers: tuple[Any, Any
             r = httpx.post(base + route, json={**body, "cache_salt": salt}, timeout=120)
             assert r.status_code == 200, r.text
             assert (cached(r.json()["usage"]) > 0) is expect_hit, (route, r.json()["usage"])
+    # Anthropic's usage has no cache figures: the server's prefix hits (/stats, open without keys) tell
     messages = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "cache_salt": "anthropic"}
-    assert httpx.post(base + "/v1/messages", json=messages, timeout=120).status_code == 200
+    for expect_hit in (False, True):
+        before = httpx.get(base + "/stats", timeout=10).json()["prefix_hit_tokens"]
+        assert httpx.post(base + "/v1/messages", json=messages, timeout=120).status_code == 200
+        hit = httpx.get(base + "/stats", timeout=10).json()["prefix_hit_tokens"] - before
+        assert (hit >= 240) if expect_hit else (hit == 0), (expect_hit, hit)
     for bad in ("", "x" * 1025, 7):
         r = httpx.post(
             base + "/v1/chat/completions",
