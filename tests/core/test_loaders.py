@@ -20,7 +20,8 @@ from astrai.errors import InsufficientMemory, ModelFormatError, ModelNotFound
 from astrai.kvcache.sizing import kv_config
 from astrai.model import open_checkpoint, read_config
 from astrai.model.gguf_loader import load_gguf
-from astrai.model.hf_loader import interleave_rope_rows, load_hf
+from astrai.model.hf_loader import load_hf
+from astrai.model.layout import interleave_rope_rows
 
 
 def interleave_reference(w: torch.Tensor, n_head: int) -> torch.Tensor:

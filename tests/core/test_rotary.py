@@ -98,7 +98,7 @@ def test_llama3_scaling_matches_transformers():
 
 def test_bad_configurations_raise():
     with pytest.raises(AstraiError, match="yarn"):
-        RotaryEmbedding(64, 8, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+        RotaryEmbedding(64, 8, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(AstraiError, match="even"):
         RotaryEmbedding(63, 8)
 

@@ -92,6 +92,7 @@ class CpuBackend(TorchNativeBackend):
 
     name = "cpu"
     priority = 50
+    features = frozenset({"window", "softcap"})
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -122,23 +123,34 @@ class CpuBackend(TorchNativeBackend):
         """The step's split between the kernels and torch_native, kept in ``kv_cache.plan["cpu"]``."""
         kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, kv_cache.k_buffer)
 
-    def attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
-        """After torch_native's K/V write: decode rows on ``paged_decode``, the others on
-        ``prefill_attention`` where it runs, else as torch_native."""
+    def attend_step(
+        self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float, window: int = 0, softcap: float = 0.0
+    ) -> torch.Tensor:
+        """After torch_native's K/V write: decode rows on ``paged_decode`` (a sliding window as the
+        first position each request attends), the others on ``prefill_attention`` where it runs and
+        the layer has no window, else as torch_native. Soft-capped layers run as torch_native."""
+        if softcap:  # no kernel caps its scores
+            return super().attend_step(q, k, v, k_buf, v_buf, kv_cache, scale, window, softcap)
         plan = kv_cache.plan.get(self.name)
         if plan is None:  # a direct call, without prepare()
             plan = kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, k_buf)
         if plan.rows.numel():
             dq = q if plan.tok_rows is None else q.index_select(0, plan.tok_rows)
+            starts = (plan.seq_lens - window).clamp(min=0) if window else None
             decoded = torch.ops.astrai_cpu.paged_decode(
-                dq.contiguous(), k_buf, v_buf, kv_cache.req_to_token, plan.rows, plan.seq_lens, scale
+                dq.contiguous(), k_buf, v_buf, kv_cache.req_to_token, plan.rows, plan.seq_lens, scale, starts
             )
             if plan.tok_rows is None:  # a pure decode step
                 return decoded
-        if plan.chunks is not None:
+        if plan.chunks is not None and not window:
             out = torch.ops.astrai_cpu.prefill_attention(
                 q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale
             )
         else:
-            out = self.attend(q, k, v, k_buf, v_buf, plan.native._replace(decode=None), scale)
+            native = (
+                plan.native
+                if plan.native is not None and not window
+                else self.native_plan(q, kv_cache, window)
+            )
+            out = self.attend(q, k, v, k_buf, v_buf, native._replace(decode=None), scale)
         return out.index_copy_(0, plan.tok_rows, decoded) if plan.rows.numel() else out

@@ -114,11 +114,15 @@ def paged_decode(
     rows: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.ops.astrai_cpu.paged_decode`` (loading the kernels first): see ``csrc/paged_decode.cpp``.
 
     ``q [B, Hq, D]``; ``k_buffer``/``v_buffer [size, Hkv, D]`` of one layer; ``req_to_token``
-    int32; ``rows``/``seq_lens [B]`` int64 -> ``[B, Hq, D]`` in ``q``'s dtype.
+    int32; ``rows``/``seq_lens [B]`` int64; ``starts [B]`` int64, the first position each request
+    attends (a sliding window; None: 0) -> ``[B, Hq, D]`` in ``q``'s dtype.
     """
     load_kernels()
-    return torch.ops.astrai_cpu.paged_decode(q, k_buffer, v_buffer, req_to_token, rows, seq_lens, scale)
+    return torch.ops.astrai_cpu.paged_decode(
+        q, k_buffer, v_buffer, req_to_token, rows, seq_lens, scale, starts
+    )

@@ -61,6 +61,9 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         # the query layout backends are asked about (supports/prepare read dtype, device, heads, head_dim)
         self._query = torch.empty((0, pool.n_heads, pool.head_dim), dtype=pool.dtype, device=pool.device)
+        # what the model's layers ask of attention (sliding windows, soft-caps): only a backend that
+        # implements it is picked (``AttentionBackend.features``)
+        self._features = frozenset(getattr(model, "attention_features", ()))
 
     def run(self, plan: StepPlan) -> StepResult:
         """Every row of ``plan`` as one forward, with failures isolated (see ``StepResult``).
@@ -238,6 +241,7 @@ class ModelRunner:
 
     def bind(self, kv: KVCache, choice: BackendChoice) -> None:
         """The step's attention backend for ``choice``, resolved once and prepared (``kv.backend``)."""
+        kv.features = self._features
         bind_step(kv, self._query, choice)
 
     def sample(

@@ -36,7 +36,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                         const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
-                        double scale);
+                        double scale, const c10::optional<at::Tensor>& starts = c10::nullopt);
 
 // prefill.cpp
 bool has_prefill_attention();

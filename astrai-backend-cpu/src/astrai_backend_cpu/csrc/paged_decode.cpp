@@ -1,7 +1,8 @@
 // astrai_cpu::paged_decode: one query token per request, K/V read straight from the pool.
 //
-// For each request b, attention of q[b] (all query heads) over the seq_lens[b] slots listed in
-// req_to_token[rows[b], :seq_lens[b]] of k_buffer/v_buffer ([size, n_kv_heads, head_dim]).
+// For each request b, attention of q[b] (all query heads) over the slots listed in
+// req_to_token[rows[b], starts[b]:seq_lens[b]] of k_buffer/v_buffer ([size, n_kv_heads, head_dim]);
+// starts (optional, int64 [B]; none: 0) is where a sliding-window layer's view begins.
 // Nothing is gathered: each pool row (all KV heads of one slot) is read once for the scores
 // and once for the values, prefetched ahead (pages are scattered, so the hardware prefetcher
 // cannot follow them): the key rows into L2 three blocks of 16 positions ahead of their scores
@@ -231,12 +232,15 @@ bool bf16_values(const float* scores, const T* v_pool, const int32_t* slots, int
 template <typename T, int HD>
 void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
             const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
-            double scale, at::Tensor& out) {
+            const int64_t* first, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_buffer.size(1);
   const int64_t D = HD > 0 ? HD : q.size(2);
   const int64_t group = Hq / Hkv, W = Hkv * D;
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
+  // lens[b]: the positions request b attends (from first[b] on)
+  std::vector<int64_t> lens(seq_lens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>() + B);
+  if (first != nullptr)
+    for (int64_t b = 0; b < B; ++b) lens[b] = std::max<int64_t>(lens[b] - first[b], 0);
   int64_t splits = 1;
   for (int64_t b = 0; b < B; ++b) splits = std::max(splits, (lens[b] + CHUNK - 1) / CHUNK);
 
@@ -262,7 +266,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
       const int64_t item = work[i];
       const int64_t b = item / splits, lo = (item % splits) * CHUNK;
       const int64_t n = std::min(lens[b], lo + CHUNK) - lo;
-      const int32_t* slots = table + row_of[b] * table_stride + lo;
+      const int32_t* slots = table + row_of[b] * table_stride + (first != nullptr ? first[b] : 0) + lo;
       load_row(qp + b * Hq * D, qf.data(), Hq * D);
       for (auto& x : qf) x *= fscale;
       scores.resize(Hq * n);
@@ -334,7 +338,7 @@ namespace astrai_cpu {
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                         const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
-                        double scale) {
+                        double scale, const c10::optional<at::Tensor>& starts) {
   TORCH_CHECK(q.device().is_cpu(), "astrai_cpu::paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
               "paged_decode: q [B, Hq, D], k_buffer/v_buffer [size, Hkv, D]");
@@ -350,12 +354,19 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const a
               "paged_decode: rows and seq_lens must be int64");
   const auto rows_c = rows.contiguous(), lens_c = seq_lens.contiguous();
   TORCH_CHECK(rows_c.numel() == q.size(0) && lens_c.numel() == q.size(0), "paged_decode: one row and length per request");
+  at::Tensor starts_c;
+  if (starts.has_value()) {
+    TORCH_CHECK(starts->scalar_type() == at::kLong && starts->numel() == q.size(0),
+                "paged_decode: starts must be int64, one per request");
+    starts_c = starts->contiguous();
+  }
+  const int64_t* first = starts_c.defined() ? starts_c.data_ptr<int64_t>() : nullptr;
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     switch (q.size(2)) {
-      case 64: decode<scalar_t, 64>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, scale, out); break;
-      case 128: decode<scalar_t, 128>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, scale, out); break;
-      default: decode<scalar_t, 0>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, scale, out);
+      case 64: decode<scalar_t, 64>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, out); break;
+      case 128: decode<scalar_t, 128>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, out); break;
+      default: decode<scalar_t, 0>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, out);
     }
   });
   return out;
@@ -365,7 +376,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const a
 
 TORCH_LIBRARY(astrai_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, Tensor? starts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("paged_decode", &astrai_cpu::paged_decode); }

@@ -121,6 +121,7 @@ class TensorParallelModel(nn.Module):
         super().__init__()
         self.shard, self.config, self.procs, self.timeout = shard, config, procs, timeout
         self.groups = shard.groups
+        self.attention_features = shard.attention_features  # (the runner's backend choice reads them)
         self.tensor_parallel_size = self.groups.size
         self.idle_interval = timeout / 4  # the scheduler calls idle() this often while it waits
         self.broken: str | None = None

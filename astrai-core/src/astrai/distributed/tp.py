@@ -81,6 +81,7 @@ class TPShard(nn.Module):
     def __init__(self, model: nn.Module, groups: Groups) -> None:
         super().__init__()
         self.model, self.groups = model, groups
+        self.attention_features = getattr(model, "attention_features", frozenset())
         reduce = _Reduce(groups.device)
         for layer in model.model.layers:
             layer.self_attn.reduce = reduce

@@ -70,6 +70,10 @@ class KVCache:
     # The attention backend of this step (an astrai.extension AttentionBackend, which sits above this
     # module: not imported here), resolved once (None: not yet; attention() resolves it).
     backend: Any = None
+    # What the model's layers ask of attention beyond the spec's causal softmax ("window",
+    # "softcap"; ``AttentionBackend.features``): set before the backend is resolved (the runner,
+    # or the model on a direct call), so that one lacking an option is never picked.
+    features: frozenset[str] = frozenset()
     # Per-step scratch for backends: metadata a backend derives once per step (gather
     # indices, masks, block tables) and reuses in every layer, keyed by backend name.
     plan: dict[str, Any] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Architecture hyper-parameters of a Llama-family decoder."""
+"""Architecture hyper-parameters of a decoder-only transformer (every family astrai serves)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)  # every id that ends generation
     name: str = ""  # the served model name
+    hidden_act: str = "silu"  # the gated MLP's activation (HF hidden_act / hidden_activation)
+    rotary_dim: int | None = None  # the rotated dims of a head (partial rotary, Phi-4-mini); None: all
+    # Sliding windows: the positions a query of a local layer sees, itself included (HF's
+    # sliding_window); layer_types[i] is "sliding_attention" or "full_attention" (None: every layer
+    # is local when a window is set, as Mistral's).
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # RoPE of the local layers when it differs from the global one (Gemma 3: base 10,000 locally)
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (Gemma); None: head_dim
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+
+    def window(self, layer_id: int) -> int:
+        """Layer ``layer_id``'s sliding window (0: it attends to every position)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types is not None and self.layer_types[layer_id] != "sliding_attention":
+            return 0
+        return int(self.sliding_window)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Every layer's window, in order (0: full attention)."""
+        return tuple(self.window(i) for i in range(self.num_hidden_layers))

@@ -24,7 +24,8 @@ from astrai.errors import ModelFormatError, ModelNotFound
 from astrai.model.architecture import get_architecture
 from astrai.model.checks import TensorInfo, check_model, derived_head_dim
 from astrai.model.config import ModelConfig
-from astrai.model.hf_loader import interleave_rope_rows
+from astrai.model.gguf_rope import rope_scaling, rope_tensors_scaling
+from astrai.model.layout import rope_heads, rope_order, to_rope_layout, unfuse
 from astrai.model.quant import NATIVE, QuantWeight, pack, split_blocks
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def gguf_tensors(reader: GGUFReader, arch: str, path: Path) -> dict[str, TensorI
     architecture = get_architecture(arch, str(path))
     tensors: dict[str, TensorInfo] = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _ROPE_TENSORS:
             continue
         name, qtype = architecture.hf_name(t.name), t.tensor_type.name
         if name is None:
@@ -109,6 +110,29 @@ def gguf_tensors(reader: GGUFReader, arch: str, path: Path) -> dict[str, TensorI
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         tensors[name] = TensorInfo(t.name, shape, int(t.n_bytes), qtype)
     return tensors
+
+
+#: Tensors that are RoPE parameters, not weights: read into ``ModelConfig.rope_scaling``.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _unfused(tensors: dict[str, TensorInfo], config: ModelConfig, path: Path) -> dict[str, TensorInfo]:
+    """``tensors`` with each fused projection (``Architecture.fused_parts``) entered as its parts."""
+    out: dict[str, TensorInfo] = {}
+    for name, info in tensors.items():
+        try:
+            pieces = unfuse(name, info.shape[0], config) if info.shape else None
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{path}: {e}") from None
+        if pieces is None:
+            out[name] = info
+            continue
+        for piece, rows in pieces:
+            n = rows.stop - rows.start
+            out[piece] = TensorInfo(
+                info.source, (n, *info.shape[1:]), info.nbytes * n // info.shape[0], info.kind
+            )
+    return out
 
 
 def gguf_header(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
@@ -128,6 +152,7 @@ def gguf_header(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, 
         return value
 
     fields = {field: f"{arch}.{name}" for field, name in _FIELDS.items()}
+    architecture = get_architecture(arch, str(path))
     hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = key("attention.key_length", None) or key("rope.dimension_count", None)
     if not head_dim:
@@ -157,17 +182,21 @@ def gguf_header(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, 
         max_position_embeddings=int(key("context_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
+        rope_scaling=rope_scaling(lambda name: _field(reader, f"{arch}.{name}")),
         tie_word_embeddings="lm_head.weight" not in tensors,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=[] if eos is None else [int(eos)],
         name=path.stem,
+        sliding_window=key("attention.sliding_window", None) or None,
     )
+    if architecture.gguf_config is not None:
+        architecture.gguf_config(lambda name, default: _field(reader, f"{arch}.{name}", default), config)
+    tensors = _unfused(tensors, config, path)
     check_model(config, tensors, path, fields)
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if rope_freqs is not None:
-        config.rope_scaling = _llama3_scaling(np.asarray(rope_freqs.data, np.float32), config, path)
+    rope = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors if t.name in _ROPE_TENSORS}
+    if rope:
+        config.rope_scaling = rope_tensors_scaling(rope, config, path, key)
     return config, tensors
 
 
@@ -181,57 +210,6 @@ _FIELDS = {
     "head_dim": "attention.key_length",
     "max_position_embeddings": "context_length",
 }
-
-
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
-    """HF-style ``rope_scaling`` from ``{arch}.rope.scaling.*``; None for plain RoPE."""
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    scaling: dict[str, Any] = {
-        "rope_type": kind,
-        "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
-    }
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    for gguf_key, hf_key in (
-        ("attn_factor", "attention_factor"),
-        ("yarn_beta_fast", "beta_fast"),
-        ("yarn_beta_slow", "beta_slow"),
-    ):
-        value = _field(reader, f"{arch}.rope.scaling.{gguf_key}")
-        if value is not None:
-            scaling[hf_key] = float(value)
-    return scaling
-
-
-# What every Llama 3.x checkpoint uses besides its factor; llama.cpp keeps only the result.
-_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
-    """The per-frequency divisors ``[head_dim // 2]`` that llama3 RoPE scaling applies (HF's formula)."""
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / freqs
-    old = scaling["original_max_position_embeddings"]
-    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
-    smooth = (old / wavelen - low) / (high - low)
-    mid = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid))
-
-
-def _llama3_scaling(rope_freqs: np.ndarray, config: ModelConfig, path: Path) -> dict[str, Any]:
-    """Recover llama3 ``rope_scaling`` from llama.cpp's ``rope_freqs`` tensor.
-
-    The converter stores only the computed divisors; their maximum is the factor,
-    and the other parameters are checked by recomputing every divisor.
-    """
-    scaling = {"rope_type": "llama3", "factor": float(rope_freqs.max()), **_LLAMA3_DEFAULTS}
-    expected = llama3_rope_factors(config.head_dim, config.rope_theta, scaling)
-    if rope_freqs.shape != expected.shape or not np.allclose(rope_freqs, expected, rtol=1e-4):
-        raise ModelNotFound(f"{path}: 'rope_freqs.weight' does not match llama3 RoPE scaling; not supported")
-    return scaling
 
 
 # The weights that may stay quantized (``quantized=True``): the linears and the embedding table.
@@ -248,30 +226,35 @@ def gguf_weights(
     reader: GGUFReader, config: ModelConfig, path: Path, dtype: torch.dtype, quantized: bool = False
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """The state dict of a GGUF file whose header ``gguf_header`` read (see ``load_gguf``)."""
-    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     arch = get_architecture(config.architecture, str(path))
     permute = not arch.gguf_rope_interleaved
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=None):
-        name, qtype = arch.hf_name(t.name), t.tensor_type.name
-        if name is None:  # rope_freqs.weight: read into config.rope_scaling by gguf_header
+        fused, qtype = arch.hf_name(t.name), t.tensor_type.name
+        if fused is None:  # RoPE tensors: read into config.rope_scaling by gguf_header
             continue
-        proj = name.rsplit(".", 2)[-2]
-        if quantized and stays_quantized(name, qtype):
-            codes, scales, mins = split_blocks(np.asarray(t.data), qtype)
-            if permute and proj in heads:  # the same row order as the dense path's
-                order = interleave_rope_rows(torch.arange(codes.shape[0]), heads[proj]).numpy()
-                codes, scales = codes[order], scales[order]
-                mins = None if mins is None else mins[order]
-            state[name] = QuantWeight(*pack(codes, scales, mins, NATIVE[qtype]), qtype)
+        rows = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
+        pieces = unfuse(fused, rows, config) or [(fused, slice(0, rows))]
+        if quantized and stays_quantized(fused, qtype):
+            blocks = split_blocks(np.asarray(t.data), qtype)
+            for name, part in pieces:
+                codes, scales, mins = (None if b is None else b[part] for b in blocks)
+                heads = rope_heads(name, config) if permute else None
+                if heads is not None:  # the same row order as the dense path's
+                    order = rope_order(heads, codes.shape[0] // heads, config.rotary_dim).numpy()
+                    codes, scales = codes[order], scales[order]
+                    mins = None if mins is None else mins[order]
+                state[name] = QuantWeight(*pack(codes, scales, mins, NATIVE[qtype]), qtype)
             continue
         values = dequantize(t.data, t.tensor_type)  # float32, numpy order == HF order
         if not values.flags.writeable:  # F32 comes back as a view of the read-only map
             values = values.copy()
-        w = torch.from_numpy(values).to(dtype)
-        if permute and proj in heads:
-            w = interleave_rope_rows(w, heads[proj])
-        state[name] = w
+        w = torch.from_numpy(values)
+        if arch.gguf_norm_offset and fused.endswith("norm.weight"):
+            w = w - arch.gguf_norm_offset  # llama.cpp wrote Gemma's (1 + weight)
+        for name, part in pieces:
+            piece = w[part].to(dtype)
+            state[name] = to_rope_layout(name, piece, config) if permute else piece
     logger.info("loaded %d tensors from %s", len(state), path)
     return state
 

@@ -21,24 +21,12 @@ from astrai.errors import ModelFormatError, ModelNotFound
 from astrai.model.architecture import get_architecture
 from astrai.model.checks import TensorInfo, check_model, derived_head_dim
 from astrai.model.config import ModelConfig
+from astrai.model.layout import to_rope_layout, unfuse
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-
-def interleave_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Permute q/k projection rows from HF's rotate_half layout to interleaved pairs.
-
-    ``w`` is a weight ``[n_head * head_dim, in]`` or a bias ``[n_head * head_dim]``.
-    Within each head, HF rotates the halves ``(j, j + head_dim/2)`` together; the
-    result puts that pair at rows ``(2j, 2j + 1)``. This is exactly llama.cpp's
-    ``permute`` in ``convert_hf_to_gguf.py``; transformers' GGUF loader undoes it.
-    Returns a new contiguous tensor, same shape, dtype and device.
-    """
-    head_dim = w.shape[0] // n_head
-    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -52,17 +40,70 @@ def _as_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either transformers 4 or 5 spellings of config.json."""
+def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers 4 or 5 spellings of config.json (or from
+    ``params``, one layer type's ``rope_parameters``)."""
     # transformers >= 5 writes "rope_parameters" (theta inside); older files have
     # top-level "rope_theta" and an optional "rope_scaling" dict.
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = dict(
+        params if params is not None else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    )
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     if params.get("rope_type", "default") == "default":
         return theta, None
+    if params["rope_type"] == "longrope":  # transformers' default factor: the context's growth
+        original = params.setdefault(
+            "original_max_position_embeddings", cfg.get("original_max_position_embeddings")
+        )
+        if params.get("factor") is None and original:
+            params["factor"] = cfg.get("max_position_embeddings", original) / original
     return theta, params
+
+
+def _normalized(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``config.json`` as transformers' config class for its ``model_type`` reads it (defaults filled,
+    ``layer_types`` and per-layer-type ``rope_parameters`` derived from older spellings), for the
+    fields beyond the sizes; the raw dict for a model type transformers does not know."""
+    from transformers import CONFIG_MAPPING
+
+    if cfg.get("model_type") not in CONFIG_MAPPING:
+        return cfg
+    try:
+        return {**cfg, **CONFIG_MAPPING[cfg["model_type"]](**cfg).to_dict()}
+    except Exception:  # noqa: BLE001 - transformers validates sizes its own way; ours come next
+        return cfg
+
+
+def _family_fields(cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of sliding windows, per-layer RoPE, partial rotary and soft-caps."""
+    full = _normalized(cfg)
+    params = full.get("rope_parameters") or {}
+    per_type = isinstance(params.get("full_attention"), dict)
+    fields: dict[str, Any] = {}
+    if per_type:  # Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}
+        fields["rope_theta"], fields["rope_scaling"] = _rope(full, params["full_attention"])
+        local = _rope(full, params.get("sliding_attention", params["full_attention"]))
+        if local != (fields["rope_theta"], fields["rope_scaling"]):
+            fields["local_rope_theta"], fields["local_rope_scaling"] = local
+    partial = (params.get("full_attention", params) or {}).get("partial_rotary_factor")
+    partial = partial or full.get("partial_rotary_factor") or 1.0
+    if partial < 1.0:
+        fields["rotary_dim"] = int(head_dim * partial)
+    layer_types = full.get("layer_types")
+    window = full.get("sliding_window")
+    if window and (layer_types is None or "sliding_attention" in layer_types):
+        fields["sliding_window"] = int(window)
+        fields["layer_types"] = list(layer_types) if layer_types else None
+    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        if full.get(name) is not None:
+            fields[name] = float(full[name])
+    act = full.get("hidden_activation") or full.get("hidden_act")
+    if act:
+        fields["hidden_act"] = act
+    return fields
 
 
 def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
@@ -83,7 +124,7 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
         gen_path = folder / "generation_config.json"
         if gen_path.is_file():
             eos += [i for i in _as_list(_read_json(gen_path).get("eos_token_id")) if i not in eos]
-        return ModelConfig(
+        config = ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -102,6 +143,9 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
             eos_token_ids=eos,
             name=folder.name,
         )
+        for field, value in _family_fields(cfg, head_dim).items():
+            setattr(config, field, value)
+        return config
     except KeyError as e:
         raise ModelNotFound(f"{folder / 'config.json'}: missing required key {e}") from None
     except (TypeError, ValueError) as e:  # a size that is not a number
@@ -157,7 +201,10 @@ def hf_header(folder: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
                     raise ModelFormatError(f"{folder / file}: no tensor {name!r} (the index lists it there)")
                 part = f.get_slice(name)
                 shape, kind = tuple(part.get_shape()), part.get_dtype()
-                tensors[name] = TensorInfo(name, shape, math.prod(shape) * _DTYPE_BYTES.get(kind, 4), kind)
+                pieces = unfuse(name, shape[0], config) if shape else None
+                for piece, rows in pieces or [(name, slice(0, shape[0] if shape else 0))]:
+                    cut = shape if pieces is None else (rows.stop - rows.start, *shape[1:])
+                    tensors[piece] = TensorInfo(name, cut, math.prod(cut) * _DTYPE_BYTES.get(kind, 4), kind)
     if "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
     elif config.tie_word_embeddings:
@@ -171,7 +218,6 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
     from safetensors import safe_open
 
     shards = _shards(folder)
-    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     state: dict[str, torch.Tensor] = {}
     bar = tqdm(
         total=sum(map(len, shards.values())), desc=f"Loading {folder.name}", unit="tensor", disable=None
@@ -186,10 +232,9 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some exporters save the tied copy too
                     t = f.get_tensor(name).to(dtype)
-                    proj = name.rsplit(".", 2)[-2]
-                    if proj in heads and ".self_attn." in name:
-                        t = interleave_rope_rows(t, heads[proj])
-                    state[name] = t
+                    pieces = unfuse(name, t.shape[0], config) if t.dim() else None
+                    for piece, rows in pieces or [(name, slice(None))]:
+                        state[piece] = to_rope_layout(piece, t[rows], config)
     logger.info("loaded %d tensors from %s", len(state), folder)
     return state
 

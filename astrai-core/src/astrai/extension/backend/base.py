@@ -37,6 +37,10 @@ class AttentionBackend(ABC):
     name: str = ""
     #: Lower runs first in automatic selection (cuda 10, flash 20, cpu 50, torch_native 100).
     priority: int = 100
+    #: The per-layer options of ``forward`` it implements: ``"window"`` (sliding-window layers) and
+    #: ``"softcap"`` (soft-capped scores). A model whose layers use one (``KVCache.features``) never
+    #: gets a backend without it; one that has none is called with the spec's six arguments.
+    features: frozenset[str] = frozenset()
 
     @classmethod
     @abstractmethod
@@ -122,6 +126,9 @@ class AttentionBackend(ABC):
         layer_id: int,
         kv_cache: KVCache,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write this step's K/V, then attend.
 
@@ -134,6 +141,11 @@ class AttentionBackend(ABC):
         (a new token at position ``p`` sees positions ``0..p``). ``n_heads`` is a
         multiple of ``n_kv_heads`` (grouped-query attention). Reads what ``prepare`` made;
         must not mutate anything but the pool's new slots and its own ``plan`` entry.
+
+        The keywords come only to a backend that lists them in ``features``. ``window > 0``: a
+        sliding-window layer, where the token at position ``p`` sees positions ``p - window + 1
+        .. p`` only (HF's ``sliding_window``). ``softcap > 0``: each scaled score ``s`` becomes
+        ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2).
         """
 
 

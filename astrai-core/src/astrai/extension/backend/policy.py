@@ -162,7 +162,7 @@ class BackendRegistry:
         """
         if choice.name is not None:
             backend = self._explicit(choice.name, choice.source)
-            reason = backend.supports(q, kv_cache)
+            reason = _lacks(backend, kv_cache) or backend.supports(q, kv_cache)
             if reason is not None:
                 raise BackendUnavailable(
                     f"attention backend {choice.name!r} (from {choice.source}) cannot run this call: {reason}"
@@ -170,7 +170,7 @@ class BackendRegistry:
             return backend
         reasons = []
         for backend in self._automatic():
-            reason = backend.supports(q, kv_cache)
+            reason = _lacks(backend, kv_cache) or backend.supports(q, kv_cache)
             if reason is None:
                 return backend
             reasons.append(f"{backend.name}: {reason}")
@@ -190,9 +190,26 @@ class BackendRegistry:
         layer_id: int,
         kv_cache: KVCache,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """``select(q, kv_cache).forward(...)``; see ``AttentionBackend.forward``."""
-        return self.select(q, kv_cache).forward(q, k, v, layer_id, kv_cache, scale)
+        return _forward(self.select(q, kv_cache), q, k, v, layer_id, kv_cache, scale, window, softcap)
+
+
+def _lacks(backend: AttentionBackend, kv_cache: KVCache) -> str | None:
+    """Why ``backend`` cannot run the step's model: a layer option (``KVCache.features``) it does not
+    implement (``AttentionBackend.features``); None when it implements them all."""
+    missing = sorted(getattr(kv_cache, "features", frozenset()) - backend.features)
+    return f"no {' or '.join(missing)} attention (the model's layers need it)" if missing else None
+
+
+def _forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap) -> torch.Tensor:
+    """``backend.forward``, with the layer's options only when it has some (a backend without
+    ``features`` takes the spec's six arguments)."""
+    if not window and not softcap:
+        return backend.forward(q, k, v, layer_id, kv_cache, scale)
+    return backend.forward(q, k, v, layer_id, kv_cache, scale, window=window, softcap=softcap)
 
 
 _registry: BackendRegistry | None = None
@@ -238,19 +255,28 @@ def bind_step(kv_cache: KVCache, q: torch.Tensor, choice: BackendChoice | None =
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_cache: KVCache, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    kv_cache: KVCache,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write this step's K/V for ``layer_id`` and attend, on the step's backend (``kv_cache.backend``).
 
     ``q [T, n_heads, head_dim]``, ``k``/``v [T, n_kv_heads, head_dim]`` (RoPE
-    applied) -> ``o [T, n_heads, head_dim]``, model dtype, on the pool's device. A step
-    that nobody bound (a direct call, outside the engine) is bound here, on its first
-    layer, for the selection in force (``bind_step``); raises as the module doc says.
+    applied) -> ``o [T, n_heads, head_dim]``, model dtype, on the pool's device. ``window`` and
+    ``softcap``: the layer's sliding window and score soft-cap (0: none; see
+    ``AttentionBackend.forward``). A step that nobody bound (a direct call, outside the engine) is
+    bound here, on its first layer, for the selection in force (``bind_step``); raises as the
+    module doc says.
     """
     backend = kv_cache.backend
     if backend is None:
         backend = bind_step(kv_cache, q)
-    return backend.forward(q, k, v, layer_id, kv_cache, scale)
+    return _forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap)
 
 
 def available_backends() -> list[tuple[str, bool, str]]:

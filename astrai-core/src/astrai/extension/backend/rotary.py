@@ -17,15 +17,39 @@ from torch import nn
 from astrai.errors import AstraiError
 from astrai.extension.fused import kernel_for
 
+#: The scaling types whose frequencies transformers computes (``modeling_rope_utils``): its
+#: functions are the reference, and the tables here take their float32 inverse frequencies.
+_FROM_TRANSFORMERS = ("yarn", "longrope")
+
+
+def _hf_inv_freq(kind: str, dim: int, theta: float, scaling: Mapping[str, Any], long: bool) -> tuple:
+    """``(inv_freq [dim/2] float64, attention factor)`` from transformers' function for ``kind``;
+    ``long``: LongRoPE's long factors (else its short ones)."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
+    original = params.get("original_max_position_embeddings")
+    factor = float(params.get("factor") or 1.0)
+    config = PretrainedConfig()
+    config.rope_parameters = {"rope_type": kind, "rope_theta": theta, "factor": factor, **params}
+    config.head_dim, config.hidden_size, config.num_attention_heads = dim, dim, 1
+    config.max_position_embeddings = int((original or 0) * factor) or 1
+    seq_len = original + 1 if long and original else None
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, None, seq_len=seq_len)
+    return inv_freq.to(torch.float64), float(attention_factor)
+
 
 def _inv_freq(dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
     """``[dim/2]`` float64 inverse frequencies, scaled as ``rope_scaling`` says."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     if not rope_scaling:
         return inv_freq
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    kind = _kind(rope_scaling)
     if kind == "default":
         return inv_freq
+    if kind in _FROM_TRANSFORMERS:
+        return _hf_inv_freq(kind, dim, theta, rope_scaling, long=False)[0]
     if kind == "linear":
         return inv_freq / float(rope_scaling["factor"])
     if kind == "llama3":
@@ -40,7 +64,18 @@ def _inv_freq(dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) ->
         return torch.where(
             wavelen < old_len / high, inv_freq, torch.where(wavelen > old_len / low, inv_freq / factor, mixed)
         )
-    raise AstraiError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    raise AstraiError(
+        f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, {', '.join(_FROM_TRANSFORMERS)})"
+    )
+
+
+def _kind(rope_scaling: Mapping[str, Any] | None) -> str:
+    return (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+
+
+def _table(angles: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+    """``[positions, dim/2, 2]`` float32 ``[cos, sin] * factor`` of float64 angles."""
+    return (torch.stack([angles.cos(), angles.sin()], dim=-1) * factor).float()
 
 
 class RotaryEmbedding(nn.Module):
@@ -63,8 +98,18 @@ class RotaryEmbedding(nn.Module):
         if dim <= 0 or dim % 2:
             raise AstraiError(f"rotary dim must be a positive even number, got {dim}")
         self.dim, self.max_len, self.theta = dim, max_len, theta
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), _inv_freq(dim, theta, rope_scaling))
-        table = torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+        positions = torch.arange(max_len, dtype=torch.float64)
+        if _kind(rope_scaling) in _FROM_TRANSFORMERS:
+            # cos and sin scaled by the attention factor; LongRoPE's long factors from the position
+            # where its original context ends (a table by position, not by the sequence's length)
+            short, factor = _hf_inv_freq(_kind(rope_scaling), dim, theta, rope_scaling, long=False)
+            table = _table(torch.outer(positions, short), factor)
+            original = rope_scaling.get("original_max_position_embeddings")
+            if _kind(rope_scaling) == "longrope" and original and max_len > original:
+                long, _ = _hf_inv_freq("longrope", dim, theta, rope_scaling, long=True)
+                table[original:] = _table(torch.outer(positions[original:], long), factor)
+        else:
+            table = _table(torch.outer(positions, _inv_freq(dim, theta, rope_scaling)))
         self.register_buffer("freqs_cis", table, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -83,11 +128,15 @@ def apply_rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of ``x`` by ``freqs``.
 
     ``x [batch, seq, heads, head_dim]`` (more generally ``[..., heads, head_dim]``),
-    ``freqs [batch, seq, head_dim/2, 2]`` (``[..., head_dim/2, 2]``, f32 ``[cos, sin]``)
+    ``freqs [batch, seq, rotary_dim/2, 2]`` (a ``rotary_dim`` below ``head_dim`` turns the first dims
+    alone) (``[..., head_dim/2, 2]``, f32 ``[cos, sin]``)
     -> a tensor of ``x``'s shape and dtype. Uses the ``rotary`` kernel a loaded backend lends
     for ``x``'s device type (``astrai.extension.fused.kernel_for``) when ``x`` is bf16 and grad
     is disabled, else the torch path.
     """
+    rotated = 2 * freqs.shape[-2]
+    if rotated < x.shape[-1]:  # partial rotary: the head's first dims turn, the rest pass through
+        return torch.cat([rotate_torch(x[..., :rotated], freqs), x[..., rotated:]], dim=-1)
     kernel = kernel_for("rotary", x)
     if kernel is not None and x.dtype == torch.bfloat16:
         return kernel(x, freqs)

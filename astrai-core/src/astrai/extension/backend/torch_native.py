@@ -17,7 +17,12 @@ always-available fallback. A step's ragged batch is split in three on the host:
   gathers.
 
 The indices and masks depend only on the step, so ``prepare`` builds them once per step
-(``plan_step``) and keeps them in ``kv_cache.plan["torch_native"]`` for every layer.
+(``plan_step``) and keeps them in ``kv_cache.plan["torch_native"]`` for every layer; a sliding-window
+layer's plan gathers only the positions its window reaches and masks the older ones, made once per
+step and window. Soft-capped scores (Gemma 2) take the same plans through plain ops.
+
+Over 300 lines because the three kinds of rows are planned and attended together: a change to the
+step's layout changes the plan and the attention of each, and they are reviewed side by side.
 """
 
 from __future__ import annotations
@@ -65,11 +70,14 @@ class _PrefillPlan(NamedTuple):
 
 
 class NativePlan(NamedTuple):
-    """torch_native's plan of one step (``plan_step``): what each kind of row needs, for every layer."""
+    """torch_native's plan of one step (``plan_step``): what each kind of row needs, for every layer
+    of one sliding window (or of full attention)."""
 
     decode: _DecodePlan | None  # requests with one new token
     fresh: tuple[tuple[int, int], ...]  # (first row, rows) of prompts with no cached prefix
     prefill: _PrefillPlan | None  # the other prefill requests (chunks after cached positions)
+    # per fresh prompt: None (plain causal) or its [rows, rows] boolean window mask
+    fresh_masks: tuple[torch.Tensor | None, ...] = ()
 
 
 def _subset(kv: KVCache, pick: torch.Tensor | None) -> _Subset:
@@ -89,26 +97,35 @@ def _subset(kv: KVCache, pick: torch.Tensor | None) -> _Subset:
     return _Subset(rows, seq, q_start, q_len, host_q, max_len, max_q, uniform)
 
 
-def _gather_slots(kv: KVCache, sub: _Subset) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(kv_slots [b, L], valid [b, L])``; columns past a request's length point at slot 0."""
-    pos = torch.arange(sub.max_len, device=sub.seq.device)
-    valid = pos[None, :] < sub.seq[:, None]
+def _gather_slots(kv: KVCache, sub: _Subset, window: int = 0) -> tuple[torch.Tensor, ...]:
+    """``(kv_slots [b, L], valid [b, L], positions [b, L])``: the positions the step's rows may see,
+    from 0 (or, in a sliding window, from the first one the request's first new row sees) up to
+    the request's length; columns past it point at slot 0."""
+    reach = sub.max_q + window - 1  # positions the rows of one request see at most
+    if window and reach < sub.max_len:
+        start = (sub.seq - sub.q_len - window + 1).clamp(min=0)
+        pos = start[:, None] + torch.arange(reach, device=sub.seq.device)[None, :]
+    else:
+        pos = torch.arange(sub.max_len, device=sub.seq.device)[None, :].expand(sub.seq.shape[0], -1)
+    valid = pos < sub.seq[:, None]
+    slots = kv.req_to_token[sub.rows[:, None], pos.clamp(max=sub.max_len - 1)].long()
     # Columns past seq_len may hold stale or invalid slots: point them at slot 0 (masked anyway).
-    return torch.where(valid, kv.req_to_token[sub.rows, : sub.max_len].long(), 0), valid
+    return torch.where(valid, slots, 0), valid, pos
 
 
-def _decode_plan(kv: KVCache, sub: _Subset, whole: bool) -> _DecodePlan:
-    kv_slots, valid = _gather_slots(kv, sub)
+def _decode_plan(kv: KVCache, sub: _Subset, whole: bool, window: int = 0) -> _DecodePlan:
+    kv_slots, valid, _ = _gather_slots(kv, sub, window)
+    width = kv_slots.shape[1]
     n_kv = kv.k_buffer.shape[2]
     # Row (slot * Hkv + h) of the pool seen as [size * Hkv, D] is head h of a slot: gathering in
     # (head, request, position) order gives K/V ready for one bmm per head and request, no copy.
     heads = torch.arange(n_kv, device=kv_slots.device)[:, None, None]
     flat_rows = (kv_slots[None] * n_kv + heads).view(-1)
     mask = None
-    if not sub.uniform:
+    if not sub.uniform:  # (uniform: every column valid, in a window too: each request is past it)
         mask = torch.where(valid, 0.0, float("-inf"))[None, :, None, :].expand(n_kv, -1, -1, -1)
-        mask = mask.reshape(-1, 1, sub.max_len)
-    return _DecodePlan(None if whole else sub.q_start, flat_rows, mask, sub.max_len)
+        mask = mask.reshape(-1, 1, width)
+    return _DecodePlan(None if whole else sub.q_start, flat_rows, mask, width)
 
 
 def _tiling(sub: _Subset) -> tuple[int, torch.Tensor, int]:
@@ -123,10 +140,13 @@ def _tiling(sub: _Subset) -> tuple[int, torch.Tensor, int]:
     return int(sizes[best]), tiles[best], int(entries[best])
 
 
-def _prefill_plan(kv: KVCache, sub: _Subset, whole: bool, dtype: torch.dtype) -> _PrefillPlan:
-    """Tiles, gather indices and causal mask with tensor ops (no loop over requests or tokens)."""
+def _prefill_plan(
+    kv: KVCache, sub: _Subset, whole: bool, dtype: torch.dtype, window: int = 0
+) -> _PrefillPlan:
+    """Tiles, gather indices and causal (and window) mask with tensor ops (no loop over requests or
+    tokens)."""
     device = sub.seq.device
-    kv_slots, valid = _gather_slots(kv, sub)
+    kv_slots, valid, pos = _gather_slots(kv, sub, window)
     size, tiles_host, n_entries = _tiling(sub)
     tiles = tiles_host.to(device)
     n_req = tiles.shape[0]
@@ -141,8 +161,10 @@ def _prefill_plan(kv: KVCache, sub: _Subset, whole: bool, dtype: torch.dtype) ->
     # to its own. A padded row's "position" is >= seq, so it sees every valid key: never a fully
     # masked row, hence no NaN from the softmax (and its output is discarded anyway).
     q_pos = (sub.seq - sub.q_len)[entry_req][:, None] + local  # [E, C]
-    pos = torch.arange(sub.max_len, device=device)
-    allowed = (pos[None, None, :] <= q_pos[:, :, None]) & valid[entry_req][:, None, :]  # [E, C, L]
+    pos = pos[entry_req][:, None, :]
+    allowed = (pos <= q_pos[:, :, None]) & valid[entry_req][:, None, :]  # [E, C, L]
+    if window:  # a padded row sees the last `window` positions: never fully masked either
+        allowed &= pos > q_pos[:, :, None] - window
     req_of_tok = torch.repeat_interleave(torch.arange(n_req, device=device), sub.q_len, output_size=n_tok)
     local_tok = torch.arange(n_tok, device=device) - (torch.cumsum(sub.q_len, 0) - sub.q_len)[req_of_tok]
     out_rows = first_entry[req_of_tok] * size + local_tok
@@ -153,12 +175,22 @@ def _prefill_plan(kv: KVCache, sub: _Subset, whole: bool, dtype: torch.dtype) ->
     return _PrefillPlan(tok_rows, kv_slots[entry_req], mask, q_rows, out_rows)
 
 
-def plan_step(kv: KVCache, dtype: torch.dtype) -> NativePlan:
-    """Split the step on the host into decodes, fresh prompts and the rest; plan each (masks in ``dtype``)."""
+def _window_mask(n: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """``[n, n]`` boolean: row ``i`` sees columns ``i - window + 1 .. i``; None when ``n <= window``
+    (plain causal attention)."""
+    if not window or n <= window:
+        return None
+    i = torch.arange(n, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+
+def plan_step(kv: KVCache, dtype: torch.dtype, window: int = 0) -> NativePlan:
+    """Split the step on the host into decodes, fresh prompts and the rest; plan each (masks in
+    ``dtype``) for layers of sliding window ``window`` (0: full attention)."""
     if kv.max_q_len == 1:
-        return NativePlan(_decode_plan(kv, _subset(kv, None), whole=True), (), None)
+        return NativePlan(_decode_plan(kv, _subset(kv, None), True, window), (), None)
     if not kv.q_lens_host:  # no host facts: everything through the tiled path, one tile each
-        return NativePlan(None, (), _prefill_plan(kv, _subset(kv, None), True, dtype))
+        return NativePlan(None, (), _prefill_plan(kv, _subset(kv, None), True, dtype, window))
     q_lens, seq_lens = torch.tensor(kv.q_lens_host), torch.tensor(kv.seq_lens_host)
     starts = torch.cumsum(q_lens, 0) - q_lens
     is_decode = q_lens == 1
@@ -166,13 +198,16 @@ def plan_step(kv: KVCache, dtype: torch.dtype) -> NativePlan:
     is_tiled = ~(is_decode | is_fresh)
     decode = None
     if bool(is_decode.any()):
-        decode = _decode_plan(kv, _subset(kv, is_decode.nonzero()[:, 0]), whole=bool(is_decode.all()))
+        sub = _subset(kv, is_decode.nonzero()[:, 0])
+        decode = _decode_plan(kv, sub, bool(is_decode.all()), window)
     fresh = tuple(zip(starts[is_fresh].tolist(), q_lens[is_fresh].tolist(), strict=True))
     prefill = None
     if bool(is_tiled.any()):
         whole = bool(is_tiled.all())
-        prefill = _prefill_plan(kv, _subset(kv, None if whole else is_tiled.nonzero()[:, 0]), whole, dtype)
-    return NativePlan(decode, fresh, prefill)
+        sub = _subset(kv, None if whole else is_tiled.nonzero()[:, 0])
+        prefill = _prefill_plan(kv, sub, whole, dtype, window)
+    masks = tuple(_window_mask(n, window, kv.seq_lens.device) for _, n in fresh)
+    return NativePlan(decode, fresh, prefill, masks)
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -186,7 +221,7 @@ def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 _DECODE_F32_POSITIONS = 1024
 
 
-def _decode_attention(q, k_buf, v_buf, plan: _DecodePlan, scale: float) -> torch.Tensor:
+def _decode_attention(q, k_buf, v_buf, plan: _DecodePlan, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One query row per request: ``[b, Hq, D]``, as one bmm per (kv head, request) pair."""
     if plan.tok_rows is not None:
         q = q.index_select(0, plan.tok_rows)
@@ -201,6 +236,8 @@ def _decode_attention(q, k_buf, v_buf, plan: _DecodePlan, scale: float) -> torch
     queries = (q.view(n_req, n_kv, group, head_dim).transpose(0, 1).float() * scale).to(compute)
     queries = queries.reshape(n_kv * n_req, group, head_dim)
     scores = torch.bmm(queries, keys.to(compute).transpose(1, 2)).float()
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if plan.mask is not None:
         scores += plan.mask
     probs = torch.softmax(scores, -1).to(compute)
@@ -209,19 +246,34 @@ def _decode_attention(q, k_buf, v_buf, plan: _DecodePlan, scale: float) -> torch
     return out.reshape(n_req, n_heads, head_dim).to(q.dtype)
 
 
-def _prefill_attention(q, k_buf, v_buf, plan: _PrefillPlan, scale: float) -> torch.Tensor:
+def _sdpa(q, k, v, mask, scale: float, softcap: float, causal: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` over ``[..., heads, rows, D]``; with ``softcap`` the same in
+    plain ops (float32 scores, capped before the mask and the softmax). ``mask``: additive or boolean."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=gqa
+        )
+    if gqa:
+        k, v = (x.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for x in (k, v))
+    scores = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        n = scores.shape[-1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype)
+
+
+def _prefill_attention(
+    q, k_buf, v_buf, plan: _PrefillPlan, scale: float, softcap: float = 0.0
+) -> torch.Tensor:
     """Tiled ragged prefill through one SDPA call: ``[Tp, Hq, D]``."""
     n_entries, (n_heads, head_dim) = plan.kv_slots.shape[0], q.shape[1:]
     keys, values = _gather(k_buf, plan.kv_slots), _gather(v_buf, plan.kv_slots)
     queries = q[plan.q_rows].view(n_entries, -1, n_heads, head_dim).transpose(1, 2)  # [E, Hq, C, D]
-    out = F.scaled_dot_product_attention(
-        queries,
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=plan.mask,
-        scale=scale,
-        enable_gqa=n_heads != keys.shape[1],
-    )
+    out = _sdpa(queries, keys.to(q.dtype), values.to(q.dtype), plan.mask, scale, softcap)
     return out.transpose(1, 2).reshape(-1, n_heads, head_dim)[plan.out_rows]
 
 
@@ -230,6 +282,7 @@ class TorchNativeBackend(AttentionBackend):
 
     name = "torch_native"
     priority = 100
+    features = frozenset({"window", "softcap"})
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -241,7 +294,8 @@ class TorchNativeBackend(AttentionBackend):
         return None
 
     def prepare(self, q: torch.Tensor, kv_cache: KVCache) -> None:
-        """``plan_step`` for the step, kept in ``kv_cache.plan["torch_native"]``."""
+        """``plan_step`` for the step, kept in ``kv_cache.plan["torch_native"]`` (the plans of
+        sliding-window layers are made by their first layer, under ``"torch_native:w{window}"``)."""
         kv_cache.plan[self.name] = plan_step(kv_cache, q.dtype)
 
     def forward(
@@ -252,6 +306,9 @@ class TorchNativeBackend(AttentionBackend):
         layer_id: int,
         kv_cache: KVCache,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write ``k``/``v`` at ``out_cache_loc``, then attend: decode and prefill rows apart.
 
@@ -262,39 +319,44 @@ class TorchNativeBackend(AttentionBackend):
         k_buf.index_copy_(0, kv_cache.out_cache_loc, k.to(k_buf.dtype))
         v_buf.index_copy_(0, kv_cache.out_cache_loc, v.to(v_buf.dtype))
 
-        return self.attend_step(q, k, v, k_buf, v_buf, kv_cache, scale)
+        return self.attend_step(q, k, v, k_buf, v_buf, kv_cache, scale, window, softcap)
 
-    def attend_step(self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float) -> torch.Tensor:
+    def native_plan(self, q: torch.Tensor, kv_cache: KVCache, window: int = 0) -> NativePlan:
+        """torch_native's plan of the step for layers of window ``window``, made once per step."""
+        key = f"torch_native:w{window}" if window else self.name
+        plan = kv_cache.plan.get(key)
+        if not isinstance(plan, NativePlan):  # a direct call, without prepare(); or a subclass's plan
+            plan = kv_cache.plan[key] = plan_step(kv_cache, q.dtype, window)
+        return plan
+
+    def attend_step(
+        self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float, window: int = 0, softcap: float = 0.0
+    ) -> torch.Tensor:
         """Attention of every row of the step, once its K/V are written (subclasses may take rows over)."""
-        plan = kv_cache.plan.get(self.name)
-        if plan is None:  # a direct call, without prepare()
-            self.prepare(q, kv_cache)
-            plan = kv_cache.plan[self.name]
-        return self.attend(q, k, v, k_buf, v_buf, plan, scale)
+        return self.attend(q, k, v, k_buf, v_buf, self.native_plan(q, kv_cache, window), scale, softcap)
 
     @staticmethod
-    def attend(q, k, v, k_buf, v_buf, plan: NativePlan, scale: float) -> torch.Tensor:
+    def attend(q, k, v, k_buf, v_buf, plan: NativePlan, scale: float, softcap: float = 0.0) -> torch.Tensor:
         """Attention of the rows ``plan`` covers (K/V already written); other rows are left unset."""
         if plan.decode is not None and plan.decode.tok_rows is None:  # every row decodes
-            return _decode_attention(q, k_buf, v_buf, plan.decode, scale)
+            return _decode_attention(q, k_buf, v_buf, plan.decode, scale, softcap)
         if plan.prefill is not None and plan.prefill.tok_rows is None:  # every row is a tiled prefill row
-            return _prefill_attention(q, k_buf, v_buf, plan.prefill, scale)
+            return _prefill_attention(q, k_buf, v_buf, plan.prefill, scale, softcap)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            out.index_copy_(0, plan.decode.tok_rows, _decode_attention(q, k_buf, v_buf, plan.decode, scale))
+            decoded = _decode_attention(q, k_buf, v_buf, plan.decode, scale, softcap)
+            out.index_copy_(0, plan.decode.tok_rows, decoded)
         # A prompt with no cached prefix attends only to this step's own K/V: no gather, no
         # mask, and SDPA's causal kernel skips the blocks above the diagonal. One call per
         # prompt (a step holds few; vLLM's CPU backend does the same).
-        for start, n in plan.fresh:
+        masks = plan.fresh_masks or (None,) * len(plan.fresh)
+        for (start, n), mask in zip(plan.fresh, masks, strict=True):
             rows = slice(start, start + n)
             # [1, heads, n, D] views: SDPA's fused CPU kernel wants 4-D inputs (3-D ones take
             # the unfused math path)
             qkv = [x[rows].to(q.dtype).transpose(0, 1)[None] for x in (q, k, v)]
-            o = F.scaled_dot_product_attention(
-                *qkv, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
-            out[rows] = o[0].transpose(0, 1)
+            out[rows] = _sdpa(*qkv, mask, scale, softcap, causal=mask is None)[0].transpose(0, 1)
         if plan.prefill is not None:
-            prefill = _prefill_attention(q, k_buf, v_buf, plan.prefill, scale)
+            prefill = _prefill_attention(q, k_buf, v_buf, plan.prefill, scale, softcap)
             out.index_copy_(0, plan.prefill.tok_rows, prefill)
         return out
