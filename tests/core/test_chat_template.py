@@ -128,8 +128,8 @@ def test_no_generation_config_no_defaults(tmp_path):
         read_generation_config(tmp_path)
 
 
-def test_the_default_model_samples_as_its_model_card_says(default_model_path):
-    expected = ({"temperature": 0.2, "top_p": 0.9}, "astrai's defaults for smollm2-135m")
+def test_the_default_model_is_greedy_by_default(default_model_path):
+    expected = ({"temperature": 0.0}, "astrai's defaults for smollm2-135m")
     assert generation_defaults(None) == expected
     assert generation_defaults(str(default_model_path)) == expected  # its file, by path
 

@@ -24,11 +24,12 @@ logger = logging.getLogger(__name__)
 #: The ``generation_config.json`` keys that become request defaults (``SamplingParams`` fields).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
-#: Defaults of known models whose files carry none, by known name. SmolLM2-135M-Instruct: its model
-#: card's example samples at temperature 0.2 and top_p 0.9 (at the API's temperature 1 it drifts
-#: into other languages after a few words).
+#: Defaults of known models whose files carry none, by known name. SmolLM2-135M-Instruct (Q4_1): its
+#: model card samples at temperature 0.2 and top_p 0.9, but on this file "The" and "L'" nearly tie as
+#: the first token of "What is the capital of France?", and at 0.2 it answered in French for 5 of 12
+#: seeds (at the API's temperature 1, nearly always); greedy answers "The capital of France is Paris."
 KNOWN_DEFAULTS: dict[str, dict[str, Any]] = {
-    "smollm2-135m": {"temperature": 0.2, "top_p": 0.9},
+    "smollm2-135m": {"temperature": 0.0},
 }
 
 
