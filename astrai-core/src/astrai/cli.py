@@ -109,6 +109,11 @@ def build_parser(pm: PluginManager | None = None) -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="stream a chat completion (the model's chat template)")
     chat.add_argument("message", help="the user message")
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template over the model's: a Jinja file, or an inline Jinja string (default: the model's)",
+    )
     _add_model_args(chat, pm)
     gen = sub.add_parser("generate", help="stream a raw text continuation")
     gen.add_argument("prompt")
@@ -181,7 +186,16 @@ def _run(args: argparse.Namespace) -> int:
     from astrai.engine import EngineConfig, InferenceEngine
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    config = EngineConfig(sampling=dict(args.sampling), plugin_options=args.plugin_options.values(args))
+    template = getattr(args, "chat_template", None)
+    if template is not None:  # a missing file or a syntax error: exit 2 before the model loads
+        from astrai.model.chat_template import load_chat_template
+
+        load_chat_template(template)
+    config = EngineConfig(
+        sampling=dict(args.sampling),
+        plugin_options=args.plugin_options.values(args),
+        chat_template=template,
+    )
     engine = InferenceEngine.from_model(
         args.model, dtype=dtype, device=args.device, config=config, plugins=args.plugins, weights=args.weights
     )

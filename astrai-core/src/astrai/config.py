@@ -46,6 +46,10 @@ class EngineConfig:
     ``speculative="ngram"``: greedy requests speculate up to ``num_speculative_tokens`` tokens
     per step from their last ``ngram_min`` to ``ngram_max`` tokens (``astrai.speculative``).
     ``limits``: what one request's stop strings and ``logit_bias`` may hold (``astrai.limits``).
+    ``chat_template``: a Jinja file or inline template that replaces the checkpoint's
+    (``astrai.model.chat_template.load_chat_template``; None: the checkpoint's own).
+    ``generation_defaults``: ``SamplingParams`` values that requests leaving them out get, e.g.
+    ``{"temperature": 0.2}`` (``astrai.model.generation_config``: a checkpoint's).
     """
 
     max_batch_size: int = 64
@@ -78,6 +82,8 @@ class EngineConfig:
     limits: RequestLimits = field(
         default_factory=RequestLimits
     )  # stop strings, logit_bias: checked at submit
+    chat_template: str | None = None  # a file or an inline Jinja string; None: the checkpoint's
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # sampling values left out
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -60,7 +60,9 @@ class InferenceEngine:
 
     Plugins: the sampling strategies of the ``astrai.sampling`` entry points, and the
     hook plugins of ``plugins`` (default: ``PluginManager.discover()``, every
-    ``astrai.plugins`` entry point). Hooks: ``astrai_engine_started`` before the
+    ``astrai.plugins`` entry point). ``config.chat_template`` replaces ``tokenizer``'s template (the
+    tokenizer is changed); ``config.generation_defaults`` fill the sampling keywords a call leaves
+    out. Hooks: ``astrai_engine_started`` before the
     constructor returns, ``astrai_request_finished`` on a hook thread of the engine's
     own, ``astrai_engine_stopped`` in ``shutdown()``. Raises PluginError when
     ``config.sampling`` names a missing or broken sampling plugin.
@@ -77,6 +79,10 @@ class InferenceEngine:
         self.config = config or EngineConfig()
         self.plugins = PluginManager.discover() if plugins is None else plugins
         self.pipeline = SamplingPipeline.discover(self.config.sampling)
+        if self.config.chat_template is not None:  # before the end-of-turn token joins the EOS ids
+            from astrai.model.chat_template import load_chat_template
+
+            tokenizer.use_chat_template(load_chat_template(self.config.chat_template))
         self._stopped = False
         self._stop_lock = threading.Lock()
         mc = model.config
@@ -336,6 +342,7 @@ class InferenceEngine:
         self._hooks.post("astrai_request_finished", engine=self, request=FinishedRequest.of(req))
 
     def _params(self, sampling: dict[str, Any]) -> SamplingParams:
+        sampling = {**self.config.generation_defaults, **sampling}
         if isinstance(sampling.get("stop"), str):
             sampling = {**sampling, "stop": [sampling["stop"]]}
         plugin = {k: sampling[k] for k in sampling.keys() & self.pipeline.extra_keys if k not in _FIELDS}

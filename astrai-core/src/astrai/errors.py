@@ -66,3 +66,8 @@ class InsufficientMemory(AstraiError):
 
 class EngineNotReady(AstraiError):
     """The engine is not started yet, or its scheduler thread has died."""
+
+
+class ChatTemplateError(AstraiError):
+    """A chat template given by the user (``--chat-template``) is not there, cannot be read or does
+    not compile; the message names the file (or ``inline``) and the line."""

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PROTOCOLS", "CacheSalt", "ChatResult", "Choice", "Prepared", "ResponseBuilder"]
 __all__ += ["ToolCall", "chat_prompt_ids", "check_builder_class", "error_type_for", "load_protocols"]
-__all__ += ["new_id", "plugin_sampling", "sse", "value_or_default"]
+__all__ += ["new_id", "plugin_sampling", "sent_fields", "sse", "value_or_default"]
 
 #: vLLM's ``cache_salt`` request field, on every protocol: the prefix cache reuses a page only for a
 #: request of the same salt (and tenant); any text of 1 to 1024 characters.
@@ -105,7 +105,8 @@ class Prepared:
     with a list): choice ``k`` completes prompt ``k // n``; ``None`` means ``[prompt_ids]``.
     ``cache_salt`` (vLLM's field): the prefix cache reuses only pages of requests with the same salt
     (and the same tenant: the server adds the API key's). ``state`` is the builder's own
-    per-request scratch space.
+    per-request scratch space. ``sampling_sent``: the ``SamplingParams`` fields the client set
+    (``sent_fields``), the others take the model's generation defaults; None: no default applies.
     """
 
     request: BaseModel
@@ -122,6 +123,7 @@ class Prepared:
     model: str = "astrai"
     cache_salt: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    sampling_sent: frozenset[str] | None = None
 
 
 def value_or_default(request: BaseModel, name: str) -> Any:
@@ -132,6 +134,13 @@ def value_or_default(request: BaseModel, name: str) -> Any:
     """
     value = getattr(request, name)
     return type(request).model_fields[name].get_default(call_default_factory=True) if value is None else value
+
+
+def sent_fields(request: BaseModel) -> frozenset[str]:
+    """The top-level fields, declared or not, ``request`` sent a value for (null is none): the
+    ``Prepared.sampling_sent`` of a request model whose fields are named as ``SamplingParams``'s."""
+    declared = {n for n in request.model_fields_set if getattr(request, n, None) is not None}
+    return frozenset(declared | {k for k, v in (request.model_extra or {}).items() if v is not None})
 
 
 def plugin_sampling(request: BaseModel) -> dict[str, Any]:

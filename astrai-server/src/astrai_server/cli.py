@@ -49,6 +49,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "port", "TCP port (0: any free port)", type=int)
     _flag(p, "model", "model name, .gguf file or HF folder; default: smollm2-135m")
     _flag(p, "served_model_name", "model name reported by /v1/models")
+    _flag(p, "chat_template", "chat template over the checkpoint's: a Jinja file, or an inline Jinja string")
+    _flag(
+        p,
+        "generation_config",
+        "sampling defaults of requests that leave them out: the checkpoint's (auto), or the API's (none)",
+        choices=["auto", "none"],
+    )
     _flag(p, "device", "torch device")
     _flag(
         p,
@@ -298,6 +305,10 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     from astrai_server.loader import EngineLoader
 
     raise_descriptor_limit()  # a connection holds a descriptor; replicas, workers, the gateway inherit it
+    if settings.chat_template is not None:  # a missing file or a syntax error stops the start (exit 2)
+        from astrai.model.chat_template import load_chat_template
+
+        load_chat_template(settings.chat_template)
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config

@@ -70,6 +70,10 @@ class ServerSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     model: str | None = None  # name, .gguf file or HF folder; None: the default model
     served_model_name: str = "astrai"  # the name /v1/models lists
+    chat_template: str | None = None  # a Jinja file or inline template over the checkpoint's; None: its own
+    generation_config: Literal["auto", "none"] = (
+        "auto"  # auto: the checkpoint's sampling defaults for values a request leaves out; none: the API's
+    )
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: astrai.model.default_dtype
     weights: Literal["auto", "gguf", "dense"] = (
@@ -245,6 +249,7 @@ class ServerSettings(BaseModel):
             num_speculative_tokens=self.num_speculative_tokens,
             ngram_min=self.ngram_min,
             ngram_max=self.ngram_max,
+            chat_template=self.chat_template,
             limits=RequestLimits(self.max_stop_sequences, self.max_stop_length, self.max_logit_bias),
             grammar=GrammarConfig(
                 workers=self.grammar_workers,

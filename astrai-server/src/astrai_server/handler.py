@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from astrai.errors import EngineNotReady, RequestRejected
 from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder
+from astrai.sampling import SamplingParams
 from astrai_server.errors import public_message, status_for
 from astrai_server.tools import CLOSE, ToolCallStreamFilter, open_tool_call, parse_tool_calls
 
@@ -150,6 +151,7 @@ class ProtocolHandler:
         the grammar's size. Runs on a worker thread."""
         refuse_unknown(request, self.engine)
         prepared = self.builder.prepare(request, self.engine)
+        prepared.params = with_generation_defaults(prepared, self.engine)
         opening = open_tool_call(prepared, self.engine.tokenizer)  # a required call is a grammar too
         limits = getattr(getattr(self.engine, "config", None), "limits", None)
         if limits is not None:
@@ -229,6 +231,16 @@ def refuse_unknown(request: BaseModel, engine: Any) -> None:
                 f"unsupported parameter {key!r}: astrai does not implement it (see docs/http-api.md)",
                 param=key,
             )
+
+
+def with_generation_defaults(prepared: Prepared, engine: Any) -> SamplingParams:
+    """``prepared.params`` with the model's generation defaults (``EngineConfig.generation_defaults``)
+    for the values the client left out (``Prepared.sampling_sent``; None: none are applied)."""
+    defaults = getattr(getattr(engine, "config", None), "generation_defaults", None) or {}
+    if prepared.sampling_sent is None:
+        return prepared.params
+    left_out = {k: v for k, v in defaults.items() if k not in prepared.sampling_sent}
+    return dataclasses.replace(prepared.params, **left_out) if left_out else prepared.params
 
 
 def cache_namespace(tenant: str | None, salt: str | None) -> str | None:

@@ -47,6 +47,22 @@ def describe_failure(exc: BaseException, model: str | None) -> str:
     return f"{line} (more in the log above)" if rest.strip() else line
 
 
+def _generation_defaults(settings: ServerSettings) -> dict[str, Any]:
+    """The sampling defaults ``--generation-config`` asks for, logged once (``astrai.model.generation_config``)."""
+    if settings.generation_config == "none":
+        logger.info("generation defaults: none (--generation-config none): the API's defaults apply")
+        return {}
+    from astrai.model.generation_config import generation_defaults
+
+    defaults, source = generation_defaults(settings.model)
+    if defaults:
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        logger.info("generation defaults from %s: %s (--generation-config none: the API's)", source, shown)
+    else:
+        logger.info("generation defaults: none in the checkpoint: the API's defaults apply")
+    return defaults
+
+
 class EngineLoader:
     """Loads the engine of ``settings`` into ``app.state.engine`` on the daemon thread ``astrai-load``."""
 
@@ -82,11 +98,13 @@ class EngineLoader:
 
         s = self.settings
         try:
+            config = s.engine_config()
+            config.generation_defaults = _generation_defaults(s)
             engine = InferenceEngine.from_model(
                 s.model,
                 dtype=getattr(torch, s.dtype) if s.dtype else None,
                 device=s.device,
-                config=s.engine_config(),
+                config=config,
                 plugins=self.plugins,
                 weights=s.weights,
             )

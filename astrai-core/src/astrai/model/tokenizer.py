@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from astrai.errors import ModelNotFound, RequestRejected
+from astrai.model.byte_level import BYTE_OF_CHAR, is_byte_level
+from astrai.model.chat_template import ChatTemplate
 from astrai.model.control_tokens import ContentMarks, control_tokens
 
 if TYPE_CHECKING:
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _PROBE = "ASTRAIPROBE7319"  # an assistant message body the chat template cannot alter
+NO_TEMPLATE = "this model has no chat template (a base model?): start the server with --chat-template \
+(a Jinja file or string), or send the prompt as written to /v1/completions"
 
 
 def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -41,34 +45,14 @@ def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character each byte is written as -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 256)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-_BYTE_OF_CHAR = _bytes_to_unicode()
-
-
-def _is_byte_level(hf: PreTrainedTokenizerBase) -> bool:
-    """Whether the backend tokenizer decodes with the byte-level (GPT-2) decoder."""
-    backend = getattr(hf, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None)
-    return decoder is not None and "ByteLevel" in type(decoder).__name__ + repr(decoder)[:200]
-
-
 class Tokenizer:
     """Encode, decode and chat-template a model's text; ``hf`` is the wrapped transformers tokenizer."""
 
     def __init__(self, hf_tokenizer: PreTrainedTokenizerBase):
         self.hf = hf_tokenizer  # the wrapped transformers tokenizer
+        text = hf_tokenizer.chat_template
+        # the template in use (None: the model has none), until use_chat_template replaces it
+        self.template = ChatTemplate(str(text), "checkpoint") if text else None
         self._eos_token_ids = self._find_eos_token_ids()
         self._bytes: dict[int, bytes] = {}  # token_bytes, per id
         self._controls: tuple[str, ...] | None = None  # control_tokens(hf), once asked
@@ -144,17 +128,18 @@ class Tokenizer:
     ) -> str:
         """The prompt text the chat template makes of OpenAI-style ``messages``.
 
-        Raises RequestRejected when the model has no chat template, the template
-        rejects the conversation, or a content part is not text.
+        Raises RequestRejected when the model has no chat template (``NO_TEMPLATE``), the template
+        fails on the conversation (the message names the template's error), or a content part is
+        not text.
         """
         if not self.hf.chat_template:
-            raise RequestRejected("this model has no chat template")
+            raise RequestRejected(NO_TEMPLATE)
         try:
             return self.hf.apply_chat_template(
                 _flatten(messages), tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as e:  # jinja2 errors, including the template's own raise_exception()
-            raise RequestRejected(f"chat template failed: {e}") from e
+            raise RequestRejected(f"the chat template failed on this request: {type(e).__name__}: {e}") from e
 
     def apply_chat_template(
         self,
@@ -196,9 +181,9 @@ class Tokenizer:
         token = self.hf.convert_ids_to_tokens(token_id)
         if token is None:
             return b""
-        if token_id not in self.hf.added_tokens_decoder and _is_byte_level(self.hf):
+        if token_id not in self.hf.added_tokens_decoder and is_byte_level(self.hf):
             try:
-                return bytes(_BYTE_OF_CHAR[c] for c in token)
+                return bytes(BYTE_OF_CHAR[c] for c in token)
             except KeyError:  # not a byte-level piece after all
                 pass
         if token.startswith("<0x") and token.endswith(">") and len(token) == 6:  # SentencePiece byte fallback
@@ -226,6 +211,16 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self.hf.chat_template
+
+    def use_chat_template(self, template: ChatTemplate) -> None:
+        """Render chats with ``template`` instead of the checkpoint's (``--chat-template``).
+
+        Its end-of-turn token joins ``eos_token_ids`` (an engine built on this tokenizer stops there).
+        """
+        self.hf.chat_template = template.text
+        self.template = template
+        self._controls = None
+        self._eos_token_ids = self._find_eos_token_ids()
 
     def _find_eos_token_ids(self) -> list[int]:
         ids = [] if self.hf.eos_token_id is None else [self.hf.eos_token_id]

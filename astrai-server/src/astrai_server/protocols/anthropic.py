@@ -36,6 +36,7 @@ from astrai.protocol import (
     chat_prompt_ids,
     new_id,
     plugin_sampling,
+    sent_fields,
     sse,
     value_or_default,
 )
@@ -400,6 +401,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
             tool_call_required=required,
             max_tokens_explicit="max_tokens" in request.model_fields_set,
             cache_salt=request.cache_salt,
+            sampling_sent=sent_fields(request),
             response_id=new_id("msg_"),
             model=request.model,
             state={"one_call": one_call},

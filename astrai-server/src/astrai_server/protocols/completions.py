@@ -45,6 +45,7 @@ from astrai.protocol import (
     ResponseBuilder,
     new_id,
     plugin_sampling,
+    sent_fields,
     sse,
     value_or_default,
 )
@@ -205,6 +206,7 @@ class CompletionsResponseBuilder(ResponseBuilder):
             n=n,
             max_tokens_explicit=request.max_tokens_explicit,
             cache_salt=request.cache_salt,
+            sampling_sent=sent_fields(request),
             response_id=new_id("cmpl-"),
             model=request.model,
             state=state,

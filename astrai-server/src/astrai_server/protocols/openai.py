@@ -33,6 +33,7 @@ from astrai.protocol import (
     chat_prompt_ids,
     new_id,
     plugin_sampling,
+    sent_fields,
     sse,
     value_or_default,
 )
@@ -285,6 +286,11 @@ class ChatCompletionRequest(BaseModel):
         return sent or self.max_completion_tokens is not None
 
 
+def _template_info(template: Any) -> dict[str, str] | None:
+    """The card's ``chat_template``: where the active template comes from and its SHA-256."""
+    return None if template is None else {"source": template.source, "sha256": template.sha256}
+
+
 def _template_message(m: Message) -> dict[str, Any]:
     """A message in the Hugging Face chat-template convention (content always a string)."""
     role = "system" if m.role == "developer" else m.role
@@ -391,6 +397,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
             tool_call_required=required,
             max_tokens_explicit=request.max_tokens_explicit,
             cache_salt=request.cache_salt,
+            sampling_sent=sent_fields(request),
             response_id=new_id("chatcmpl-"),
             model=request.model,
             state=state,
@@ -416,6 +423,10 @@ class OpenAIResponseBuilder(ResponseBuilder):
             "owned_by": "astrai",
             "context_length": limit,
             "max_model_len": limit,
+            # astrai's: which chat template renders chats (None: the model has none), and the
+            # sampling values requests that leave them out get (--chat-template, --generation-config)
+            "chat_template": _template_info(getattr(getattr(engine, "tokenizer", None), "template", None)),
+            "generation_defaults": dict(getattr(engine.config, "generation_defaults", None) or {}),
         }
 
     def _models(self, engine: Any) -> dict[str, Any]:

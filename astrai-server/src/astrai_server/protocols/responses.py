@@ -31,6 +31,7 @@ from astrai.protocol import (
     chat_prompt_ids,
     new_id,
     plugin_sampling,
+    sent_fields,
     sse,
     value_or_default,
 )
@@ -349,6 +350,7 @@ class ResponsesBuilder(ResponseBuilder):
             tool_call_required=bool(tools) and request.tool_choice not in ("auto", None),
             max_tokens_explicit=request.max_output_tokens is not None,
             cache_salt=request.cache_salt,
+            sampling_sent=sent_fields(request),
             response_id=new_id("resp_"),
             model=request.model,
             state=state,
