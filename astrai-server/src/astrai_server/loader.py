@@ -35,11 +35,14 @@ def describe_failure(exc: BaseException, model: str | None) -> str:
     """One line for a failed load: the model's file and the problem (astrai's errors say both;
     anything else gets the file and its type put in front)."""
     text = str(exc).strip() if isinstance(exc, AstraiError) else f"{type(exc).__name__}: {exc}".strip()
+    from astrai.model.hub import parse_hub_id
+
     where = model or "the default model"
     try:
-        from astrai.model.resolve import resolve_model
+        from astrai.model.resolve import KNOWN_MODELS, resolve_model
 
-        where = str(resolve_model(model)[1])
+        if model is None or model.lower() in KNOWN_MODELS or not parse_hub_id(model):  # never the Hub
+            where = str(resolve_model(model)[1])
     except Exception:  # a name that does not resolve: its error says so already
         pass
     first, _, rest = text.partition("\n")
@@ -79,11 +82,13 @@ class EngineLoader:
         import torch
 
         from astrai.engine import InferenceEngine
+        from astrai.model.resolve import local_model
 
         s = self.settings
         try:
+            model = local_model(s.model, s.revision)  # a Hub id: its files, from the cache or downloaded
             engine = InferenceEngine.from_model(
-                s.model,
+                model,
                 dtype=getattr(torch, s.dtype) if s.dtype else None,
                 device=s.device,
                 config=s.engine_config(),
