@@ -248,7 +248,7 @@ def hub_error(exc: BaseException, repo: str, revision: str | None = None) -> Mod
             f"model {repo!r} is neither a local path nor a Hugging Face Hub repository: check the "
             "spelling; a private repository needs HF_TOKEN set to a token that can read it"
         )
-    if isinstance(exc, errors.LocalEntryNotFoundError) or isinstance(exc, errors.OfflineModeIsEnabled):
+    if isinstance(exc, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
         if _offline():
             return _not_cached(repo, revision)
         return ModelNotFound(
