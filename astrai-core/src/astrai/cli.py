@@ -64,8 +64,12 @@ class PluginOptions:
 
 def _add_model_args(p: argparse.ArgumentParser, pm: PluginManager) -> None:
     p.add_argument(
-        "--model", default=None, help="model name, .gguf file or HF folder (default: smollm2-135m)"
+        "--model",
+        default=None,
+        help="model name, .gguf file, HF folder or Hub id (org/name, org/name-GGUF:QUANT) "
+        "(default: smollm2-135m)",
     )
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub id (default: main)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument(
         "--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 where native, else fp32"
@@ -184,6 +188,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from astrai.engine import EngineConfig, InferenceEngine
+    from astrai.model.resolve import local_model
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     template = getattr(args, "chat_template", None)
@@ -196,8 +201,9 @@ def _run(args: argparse.Namespace) -> int:
         plugin_options=args.plugin_options.values(args),
         chat_template=template,
     )
+    model = local_model(args.model, args.revision)  # a Hub id: its files, from the cache or downloaded
     engine = InferenceEngine.from_model(
-        args.model, dtype=dtype, device=args.device, config=config, plugins=args.plugins, weights=args.weights
+        model, dtype=dtype, device=args.device, config=config, plugins=args.plugins, weights=args.weights
     )
     sampling = {
         "max_tokens": args.max_tokens,

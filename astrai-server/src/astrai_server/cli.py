@@ -45,9 +45,17 @@ def _comma_list(text: str) -> list[str]:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``ServerSettings`` field as a flag; only flags given explicitly reach the settings."""
     p.add_argument("--config", default=None, help="YAML file whose 'server:' section sets any option below")
+    p.add_argument(
+        "model_arg", nargs="?", default=None, metavar="MODEL", help="the model to serve, as --model"
+    )
     _flag(p, "host", "address to bind")
     _flag(p, "port", "TCP port (0: any free port)", type=int)
-    _flag(p, "model", "model name, .gguf file or HF folder; default: smollm2-135m")
+    _flag(
+        p,
+        "model",
+        "model name, .gguf file, HF folder or Hub id (org/name, org/name-GGUF:QUANT); default: smollm2-135m",
+    )
+    _flag(p, "revision", "branch, tag or commit of a Hub id model; default: main")
     _flag(p, "served_model_name", "model name reported by /v1/models")
     _flag(p, "chat_template", "chat template over the checkpoint's: a Jinja file, or an inline Jinja string")
     _flag(
@@ -278,6 +286,11 @@ def add_serve_command(subparsers: Any, pm: PluginManager | None = None) -> argpa
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """Settings from parsed args: YAML (``--config``) under the explicit flags. Raises ConfigError."""
     cli = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields}
+    positional = getattr(args, "model_arg", None)
+    if positional is not None:
+        if cli.get("model", positional) != positional:
+            raise ConfigError(f"two models: {positional!r} and --model {cli['model']!r}; give one")
+        cli["model"] = positional
     if "sampling" in cli:
         cli["sampling"] = dict(cli["sampling"])
     plugin_options = getattr(args, "plugin_options", None)
@@ -312,6 +325,11 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config
+        from astrai.model.resolve import local_model
+
+        # every rank loads the same files: a Hub id becomes its local copy once, here
+        model = local_model(settings.model, settings.revision)
+        settings = settings.model_copy(update={"model": model, "revision": None})
 
         check_tp_size(
             read_config(settings.model), settings.tensor_parallel_size

@@ -68,7 +68,8 @@ class ServerSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    model: str | None = None  # name, .gguf file or HF folder; None: the default model
+    model: str | None = None  # name, .gguf file, HF folder or Hub id; None: the default model
+    revision: str | None = None  # branch, tag or commit of a Hub id; None: main
     served_model_name: str = "astrai"  # the name /v1/models lists
     chat_template: str | None = None  # a Jinja file or inline template over the checkpoint's; None: its own
     generation_config: Literal["auto", "none"] = (

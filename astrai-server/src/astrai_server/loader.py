@@ -35,11 +35,14 @@ def describe_failure(exc: BaseException, model: str | None) -> str:
     """One line for a failed load: the model's file and the problem (astrai's errors say both;
     anything else gets the file and its type put in front)."""
     text = str(exc).strip() if isinstance(exc, AstraiError) else f"{type(exc).__name__}: {exc}".strip()
+    from astrai.model.hub import parse_hub_id
+
     where = model or "the default model"
     try:
-        from astrai.model.resolve import resolve_model
+        from astrai.model.resolve import KNOWN_MODELS, resolve_model
 
-        where = str(resolve_model(model)[1])
+        if model is None or model.lower() in KNOWN_MODELS or not parse_hub_id(model):  # never the Hub
+            where = str(resolve_model(model)[1])
     except Exception:  # a name that does not resolve: its error says so already
         pass
     first, _, rest = text.partition("\n")
@@ -47,14 +50,15 @@ def describe_failure(exc: BaseException, model: str | None) -> str:
     return f"{line} (more in the log above)" if rest.strip() else line
 
 
-def _generation_defaults(settings: ServerSettings) -> dict[str, Any]:
-    """The sampling defaults ``--generation-config`` asks for, logged once (``astrai.model.generation_config``)."""
+def _generation_defaults(settings: ServerSettings, model: str | None) -> dict[str, Any]:
+    """The sampling defaults ``--generation-config`` asks for, of ``model`` (the model's local name or
+    path), logged once (``astrai.model.generation_config``)."""
     if settings.generation_config == "none":
         logger.info("generation defaults: none (--generation-config none): the API's defaults apply")
         return {}
     from astrai.model.generation_config import generation_defaults
 
-    defaults, source = generation_defaults(settings.model)
+    defaults, source = generation_defaults(model)
     if defaults:
         shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
         logger.info("generation defaults from %s: %s (--generation-config none: the API's)", source, shown)
@@ -95,13 +99,15 @@ class EngineLoader:
         import torch
 
         from astrai.engine import InferenceEngine
+        from astrai.model.resolve import local_model
 
         s = self.settings
         try:
+            model = local_model(s.model, s.revision)  # a Hub id: its files, from the cache or downloaded
             config = s.engine_config()
-            config.generation_defaults = _generation_defaults(s)
+            config.generation_defaults = _generation_defaults(s, model)
             engine = InferenceEngine.from_model(
-                s.model,
+                model,
                 dtype=getattr(torch, s.dtype) if s.dtype else None,
                 device=s.device,
                 config=config,
