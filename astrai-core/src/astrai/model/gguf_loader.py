@@ -25,7 +25,7 @@ from astrai.model.architecture import get_architecture
 from astrai.model.checks import TensorInfo, check_model, derived_head_dim
 from astrai.model.config import ModelConfig
 from astrai.model.gguf_rope import rope_scaling, rope_tensors_scaling
-from astrai.model.layout import rope_heads, rope_order, to_rope_layout, unfuse
+from astrai.model.layout import fused_parts, rope_heads, rope_order, to_rope_layout, unfuse
 from astrai.model.quant import NATIVE, QuantWeight, pack, split_blocks
 
 logger = logging.getLogger(__name__)
@@ -119,9 +119,10 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 def _unfused(tensors: dict[str, TensorInfo], config: ModelConfig, path: Path) -> dict[str, TensorInfo]:
     """``tensors`` with each fused projection (``Architecture.fused_parts``) entered as its parts."""
     out: dict[str, TensorInfo] = {}
+    parts = fused_parts(config)
     for name, info in tensors.items():
         try:
-            pieces = unfuse(name, info.shape[0], config) if info.shape else None
+            pieces = unfuse(name, info.shape[0], parts) if info.shape else None
         except ModelFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from None
         if pieces is None:
@@ -228,13 +229,14 @@ def gguf_weights(
     """The state dict of a GGUF file whose header ``gguf_header`` read (see ``load_gguf``)."""
     arch = get_architecture(config.architecture, str(path))
     permute = not arch.gguf_rope_interleaved
+    parts = fused_parts(config)
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=None):
         fused, qtype = arch.hf_name(t.name), t.tensor_type.name
         if fused is None:  # RoPE tensors: read into config.rope_scaling by gguf_header
             continue
         rows = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
-        pieces = unfuse(fused, rows, config) or [(fused, slice(0, rows))]
+        pieces = unfuse(fused, rows, parts) or [(fused, slice(0, rows))]
         if quantized and stays_quantized(fused, qtype):
             blocks = split_blocks(np.asarray(t.data), qtype)
             for name, part in pieces:

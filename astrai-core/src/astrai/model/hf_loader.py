@@ -21,7 +21,7 @@ from astrai.errors import ModelFormatError, ModelNotFound
 from astrai.model.architecture import get_architecture
 from astrai.model.checks import TensorInfo, check_model, derived_head_dim
 from astrai.model.config import ModelConfig
-from astrai.model.layout import to_rope_layout, unfuse
+from astrai.model.layout import fused_parts, to_rope_layout, unfuse
 
 if TYPE_CHECKING:
     import torch
@@ -191,6 +191,7 @@ def hf_header(folder: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
         raise ModelNotFound(f"{folder}: no config.json")
     config = hf_config(folder, _read_json(folder / "config.json"))
     tensors: dict[str, TensorInfo] = {}
+    parts = fused_parts(config)
     for file, names in _shards(folder).items():
         with _open_shard(folder / file) as f:
             present = set(f.keys())
@@ -201,7 +202,7 @@ def hf_header(folder: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
                     raise ModelFormatError(f"{folder / file}: no tensor {name!r} (the index lists it there)")
                 part = f.get_slice(name)
                 shape, kind = tuple(part.get_shape()), part.get_dtype()
-                pieces = unfuse(name, shape[0], config) if shape else None
+                pieces = unfuse(name, shape[0], parts) if shape else None
                 for piece, rows in pieces or [(name, slice(0, shape[0] if shape else 0))]:
                     cut = shape if pieces is None else (rows.stop - rows.start, *shape[1:])
                     tensors[piece] = TensorInfo(name, cut, math.prod(cut) * _DTYPE_BYTES.get(kind, 4), kind)
@@ -218,6 +219,7 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
     from safetensors import safe_open
 
     shards = _shards(folder)
+    parts = fused_parts(config)
     state: dict[str, torch.Tensor] = {}
     bar = tqdm(
         total=sum(map(len, shards.values())), desc=f"Loading {folder.name}", unit="tensor", disable=None
@@ -232,7 +234,7 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some exporters save the tied copy too
                     t = f.get_tensor(name).to(dtype)
-                    pieces = unfuse(name, t.shape[0], config) if t.dim() else None
+                    pieces = unfuse(name, t.shape[0], parts) if t.dim() else None
                     for piece, rows in pieces or [(name, slice(None))]:
                         state[piece] = to_rope_layout(piece, t[rows], config)
     logger.info("loaded %d tensors from %s", len(state), folder)

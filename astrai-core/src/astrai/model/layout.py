@@ -9,6 +9,7 @@ load, which leaves every attention score unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from astrai.errors import ModelFormatError
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
     from astrai.model.config import ModelConfig
 
-__all__ = ["interleave_rope_rows", "rope_heads", "rope_order", "to_rope_layout", "unfuse"]
+__all__ = ["fused_parts", "interleave_rope_rows", "rope_heads", "rope_order", "to_rope_layout", "unfuse"]
 
 
 def rope_order(n_head: int, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
@@ -67,25 +68,33 @@ def rope_heads(name: str, config: ModelConfig) -> int | None:
     return heads.get(parts[-2])
 
 
-def unfuse(name: str, rows: int, config: ModelConfig) -> list[tuple[str, slice]] | None:
-    """``[(model name, its rows)]`` of a checkpoint tensor that fuses several of the model's
-    projections (``Architecture.fused_parts``), or None. Raises ModelFormatError when the parts'
-    rows do not add up to the tensor's."""
+def fused_parts(config: ModelConfig) -> Mapping[str, Sequence[tuple[str, int]]]:
+    """The architecture's fused projections for ``config`` (``Architecture.fused_parts``; empty for
+    most): one lookup, for ``unfuse`` to take for every tensor."""
     arch = get_architecture(config.architecture)
-    if arch.fused_parts is None or not name.startswith("model.layers."):
+    return {} if arch.fused_parts is None else arch.fused_parts(config)
+
+
+def unfuse(
+    name: str, rows: int, parts: Mapping[str, Sequence[tuple[str, int]]]
+) -> list[tuple[str, slice]] | None:
+    """``[(model name, its rows)]`` of a checkpoint tensor that fuses several of the model's
+    projections (``parts``: ``fused_parts(config)``), or None. Raises ModelFormatError when the
+    parts' rows do not add up to the tensor's."""
+    if not parts or not name.startswith("model.layers."):
         return None
     layer, _, rest = name.removeprefix("model.layers.").partition(".")
     path, _, kind = rest.rpartition(".")  # "self_attn.qkv_proj", "weight"
-    parts = arch.fused_parts(config).get(path)
-    if parts is None:
+    pieces = parts.get(path)
+    if pieces is None:
         return None
-    if sum(n for _, n in parts) != rows:
+    if sum(n for _, n in pieces) != rows:
         raise ModelFormatError(
-            f"{name} has {rows} rows, but its parts ({', '.join(p for p, _ in parts)}) make "
-            f"{sum(n for _, n in parts)} by the config"
+            f"{name} has {rows} rows, but its parts ({', '.join(p for p, _ in pieces)}) make "
+            f"{sum(n for _, n in pieces)} by the config"
         )
     out, start = [], 0
-    for part, n in parts:
+    for part, n in pieces:
         out.append((f"model.layers.{layer}.{part}.{kind}", slice(start, start + n)))
         start += n
     return out
