@@ -382,7 +382,9 @@ class BatchPolicy:
             req.tokens if req.params.prompt_logprobs is None else req.tokens[: len(req.prompt_logprobs) + 1]
         )
         hit = self.pool.match_prefix(idx, scored, req.cache_namespace)
-        need = self._reserve(req) - hit  # the whole (re)prefill, its first decode and a share of its output
+        # the whole (re)prefill, its first decode and a share of its output, less the cached pages
+        # (a hit's slots: its pages, as few as a windowed layer keeps of them)
+        need = max(self._reserve(req) - self.pool.round_up(hit), 0)
         if self.running and need + reserved > self.pool.available_tokens():
             self.pool.task_free(idx)  # only drops the references match_prefix took
             return -1

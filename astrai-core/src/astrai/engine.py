@@ -89,7 +89,10 @@ class InferenceEngine:
         param = next(model.parameters())
         kv = kv_config(self.config, mc, param.dtype)
         pool_args = (mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, kv)
-        pool_args += (param.dtype, param.device)
+        # sliding-window layers keep only their window (astrai.kvcache.layout); the ranks of a
+        # tensor-parallel model mirror one table per step, so there every layer keeps every page
+        windows = mc.windows if getattr(model, "tensor_parallel_size", 1) == 1 else ()
+        pool_args += (param.dtype, param.device, windows)
         if param.device.type == "cpu":  # see astrai.cpu_tuning for both
             tune_malloc()  # keep freed step temporaries mapped
             self.pool = run_off_thread(PagePool, *pool_args)  # zero-filling the pool uses OpenMP
@@ -168,8 +171,8 @@ class InferenceEngine:
         mc = checkpoint.config
         engine_config = config or EngineConfig()
         kv = kv_config(engine_config, mc, dtype)
-        shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype)
-        what = f"KV pool ({kv.slots(*shape)} tokens, a context of {kv.max_seq_len}"
+        shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype, mc.windows)
+        what = f"KV pool ({kv.slots(*shape)} slots, a context of {kv.max_seq_len}"
         if engine_config.max_seq_len is None:  # the model's context: say how to serve less
             what += f": the model's context length {mc.max_position_embeddings}; a max_seq_len serves less"
         what += ")"

@@ -74,6 +74,13 @@ class KVCache:
     # "softcap"; ``AttentionBackend.features``): set before the backend is resolved (the runner,
     # or the model on a direct call), so that one lacking an option is never picked.
     features: frozenset[str] = frozenset()
+    # A pool of layer groups (``astrai.kvcache.layout``: models with sliding-window layers): the
+    # step's view of each group (this one is group 0's; the others share everything but
+    # ``req_to_token`` and ``out_cache_loc``), and where layer i's K/V live: group
+    # ``layer_slots[i][0]``, index ``layer_slots[i][1]`` of ``k_buffer``. Empty: one group, layer i
+    # at index i. ``attention`` hands each layer its group's view.
+    groups: tuple[KVCache, ...] = ()
+    layer_slots: tuple[tuple[int, int], ...] = ()
     # Per-step scratch for backends: metadata a backend derives once per step (gather
     # indices, masks, block tables) and reuses in every layer, keyed by backend name.
     plan: dict[str, Any] = field(default_factory=dict)

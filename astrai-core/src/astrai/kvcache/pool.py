@@ -15,6 +15,7 @@ import torch
 from astrai.errors import CapacityExceeded
 from astrai.kvcache.allocator import Allocator
 from astrai.kvcache.cache import KVCache
+from astrai.kvcache.layout import KVLayout
 from astrai.kvcache.radix import RadixCache, RadixNode
 from astrai.kvcache.req_to_token import ReqToTokenPool
 from astrai.kvcache.step import step_kv_cache
@@ -36,6 +37,9 @@ class KVConfig:
     n_tokens: int | None = None  # paged pool size in token slots (floored to whole pages)
     memory_budget_bytes: int | None = None  # alternative to n_tokens: K+V bytes over all layers
     prefix_caching: bool = True  # radix cache; only effective when paged and page_size > 1
+    # the most positions a request computes in one step (the engine's max_prefill_tokens): what a
+    # windowed layer group holds beyond its window, for the pool's estimates (``KVLayout.pages``)
+    chunk_tokens: int = 1
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_seq_len < 1 or self.page_size < 1:
@@ -50,22 +54,34 @@ class KVConfig:
     def paged(self) -> bool:
         return self.n_tokens is not None or self.memory_budget_bytes is not None
 
-    def slots(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Token slots of the pool this configuration gives (``PagePool.size``), before it exists."""
+    def layout(self, n_layers: int, windows: Sequence[int] = ()) -> KVLayout:
+        """The layer groups of a pool of this configuration (``astrai.kvcache.layout``): by the layers'
+        ``windows`` when paged (a window reaching the whole context is none), else one group."""
+        wins = [w if 0 < w < self.max_seq_len else 0 for w in windows] if self.paged else []
+        return KVLayout.of(wins if any(wins) else [0] * n_layers)
+
+    def slots(
+        self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, windows: Sequence[int] = ()
+    ) -> int:
+        """Slots of the pool this configuration gives (``PagePool.size``), before it exists: token
+        slots; with layer groups, each holds one position of one group's layers."""
         if not self.paged:
             return self.max_batch_size * self.max_seq_len
-        n_tokens = self.n_tokens
-        if n_tokens is None:
-            per_token = KVStorage.bytes_per_token(n_layers, n_kv_heads, head_dim, dtype)
-            n_tokens = self.memory_budget_bytes // per_token
-        return n_tokens // self.page_size * self.page_size
+        layout = self.layout(n_layers, windows)
+        if self.n_tokens is not None:  # positions of every layer: as many pages for each group
+            return self.n_tokens // self.page_size * layout.n_groups * self.page_size
+        per_page = self.page_size * KVStorage.bytes_per_token(layout.group_size, n_kv_heads, head_dim, dtype)
+        return self.memory_budget_bytes // per_page * self.page_size
 
-    def nbytes(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes a ``PagePool`` of this configuration allocates: K/V storage and the req_to_token table."""
-        storage = self.slots(n_layers, n_kv_heads, head_dim, dtype) * KVStorage.bytes_per_token(
-            n_layers, n_kv_heads, head_dim, dtype
+    def nbytes(
+        self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, windows: Sequence[int] = ()
+    ) -> int:
+        """Bytes a ``PagePool`` of this configuration allocates: K/V storage and the req_to_token tables."""
+        layout = self.layout(n_layers, windows)
+        storage = self.slots(n_layers, n_kv_heads, head_dim, dtype, windows) * KVStorage.bytes_per_token(
+            layout.group_size, n_kv_heads, head_dim, dtype
         )
-        return storage + self.max_batch_size * self.max_seq_len * 4  # req_to_token: int32
+        return storage + layout.n_groups * self.max_batch_size * self.max_seq_len * 4  # int32 tables
 
 
 class PagePool:
@@ -77,6 +93,12 @@ class PagePool:
     of a request lives at ``page * page_size + pos % page_size`` where ``page`` is its
     ``pos // page_size``-th page. With page_size > 1 and prefix_caching, a RadixCache
     shares complete pages between requests.
+
+    Layer groups (``windows``: each layer's sliding window, 0 for none; see
+    ``astrai.kvcache.layout``): each page holds one group's layers, a request holds a page per
+    group for each ``page_size`` positions, and a windowed group's pages that every later query
+    of the request is past go back to the pool (``slide``, at each step's ``bind_tasks``). Sizes
+    and capacities (``size``, ``available_tokens``, ``round_up``) then count slots of such pages.
 
     Host-side only (no device sync) except the small index copies extend() and
     bind_tasks() make. Not thread-safe: one scheduler thread drives it.
@@ -91,8 +113,11 @@ class PagePool:
         config: KVConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        windows: Sequence[int] = (),
     ) -> None:
         self.config = config
+        self.layout = layout = config.layout(n_layers, windows)
+        self._windowed = [g for g, w in enumerate(layout.windows) if w]
         self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = n_layers, n_heads, n_kv_heads, head_dim
         self.dtype = dtype
         self.device = torch.device(device)
@@ -102,31 +127,34 @@ class PagePool:
         self.allocator: Allocator | None = None
         self.radix: RadixCache | None = None
         if self.paged:
-            n_tokens = config.n_tokens
-            if n_tokens is None:
-                per_token = KVStorage.bytes_per_token(n_layers, n_kv_heads, head_dim, dtype)
-                n_tokens = config.memory_budget_bytes // per_token
-            n_pages = n_tokens // self.page_size
-            if n_pages < 1:
-                raise ValueError(f"KV pool of {n_tokens} tokens holds no page of {self.page_size}")
+            n_pages = config.slots(n_layers, n_kv_heads, head_dim, dtype, windows) // self.page_size
+            if n_pages < layout.n_groups:
+                raise ValueError(f"KV pool of {config} holds no page of {self.page_size} positions")
             self.size = n_pages * self.page_size
             self.allocator = Allocator(n_pages)
             if self.page_size > 1 and config.prefix_caching:
-                self.radix = RadixCache(self.page_size, self.allocator)
-            self.req_to_token_pool = ReqToTokenPool(config.max_batch_size, self.max_ctx_len, self.device)
+                self.radix = RadixCache(self.page_size, self.allocator, layout.windows)
+            self.req_to_token_pool = ReqToTokenPool(
+                config.max_batch_size, self.max_ctx_len, self.device, groups=layout.n_groups
+            )
         else:
             self.size = config.max_batch_size * config.max_seq_len
             self.req_to_token_pool = ReqToTokenPool(
                 config.max_batch_size, self.max_ctx_len, self.device, linear_stride=config.max_seq_len
             )
-        self.storage = KVStorage(n_layers, self.size, n_kv_heads, head_dim, dtype, self.device)
+        self.storage = KVStorage(layout.group_size, self.size, n_kv_heads, head_dim, dtype, self.device)
         rows = config.max_batch_size
         self._pages = self.req_to_token_pool.pages  # paged: each row's page ids in position order
+        self._gpages = self.req_to_token_pool.group_pages  # the same, per layer group
+        # per windowed group and row: pages before this index went back (slide)
+        self._slid: dict[int, list[int]] = {g: [0] * rows for g in self._windowed}
         self._locks: list[RadixNode | None] = [None] * rows  # deepest radix node each row holds
         self._namespaces: list[Hashable] = [
             None
         ] * rows  # the radix namespace each row matches and records in
         mode = ("paged, radix" if self.radix else "paged") if self.paged else "contiguous"
+        if not layout.trivial:
+            mode += f", {layout.n_groups} layer groups of {layout.group_size}, windows {layout.windows}"
         logger.info(
             "KV pool (%s): %d slots, page_size %d, %.1f MiB",
             mode,
@@ -153,10 +181,11 @@ class PagePool:
         self.req_to_token_pool.require_live(req_idx)
         return self.req_to_token_pool.lens[req_idx]
 
-    def req_pages(self, req_idx: int) -> tuple[int, ...]:
-        """Paged mode: the request's page ids in position order (empty in contiguous mode)."""
+    def req_pages(self, req_idx: int, group: int = 0) -> tuple[int, ...]:
+        """Paged mode: the request's page ids of layer ``group`` in position order (empty in contiguous
+        mode; -1 where a windowed group's page went back)."""
         self.req_to_token_pool.require_live(req_idx)
-        return tuple(self._pages[req_idx])
+        return tuple(self._gpages[group][req_idx])
 
     def req_lock(self, req_idx: int) -> RadixNode | None:
         """The deepest radix node the request holds (it pins that node's root path), or None."""
@@ -186,16 +215,55 @@ class PagePool:
             return 0
         # token_ids[:-1]: at least one token is left to compute, so no write lands in a shared page.
         nodes = self.radix.match(token_ids, (len(token_ids) - 1) // self.page_size, namespace)
+        nodes = nodes[: self._usable(nodes)]
         if not nodes:
             return 0
-        pages = [node.page for node in nodes]
-        self.allocator.incref(pages)
+        n = len(nodes) * self.page_size
+        held = []
+        for g, window in enumerate(self.layout.windows):
+            first = self._window_page(n, window)  # a windowed group's pages before it: not needed
+            pages = [-1] * first + [node.pages[g] for node in nodes[first:]]
+            held += pages[first:]
+            self.req_to_token_pool.append_pages(req_idx, pages, self.page_size, g)
+            if window:
+                self._slid[g][req_idx] = first
+        self.allocator.incref(held)
         self.radix.lock(nodes[-1])
         self._locks[req_idx] = nodes[-1]
-        self.req_to_token_pool.append_pages(req_idx, pages, self.page_size)
-        n = len(pages) * self.page_size
         self.req_to_token_pool.lens[req_idx] = n
         return n
+
+    def _window_page(self, position: int, window: int) -> int:
+        """The first page a query at ``position`` reads in a group of ``window`` (0: all)."""
+        return max(0, position - window + 1) // self.page_size if window else 0
+
+    def _usable(self, nodes: list[RadixNode]) -> int:
+        """How many of the matched ``nodes`` a request can start after: the most that leave every
+        windowed group's pages of the first query's window in the cache."""
+        for h in range(len(nodes), 0, -1):
+            n = h * self.page_size
+            if all(
+                node.pages[g] >= 0
+                for g in self._windowed
+                for node in nodes[self._window_page(n, self.layout.windows[g]) : h]
+            ):
+                return h
+        return 0
+
+    def slide(self, req_idx: int, position: int) -> None:
+        """The request's next query is at ``position`` or later: its windowed groups' pages that no such
+        query reads go back (the radix may keep them). A no-op without windowed groups."""
+        drop = []
+        for g in self._windowed:
+            slid, upto = self._slid[g], self._window_page(position, self.layout.windows[g])
+            pages = self._gpages[g][req_idx]
+            for i in range(slid[req_idx], min(upto, len(pages))):
+                if pages[i] >= 0:
+                    drop.append(pages[i])
+                    pages[i] = -1
+            slid[req_idx] = max(slid[req_idx], upto)
+        if drop:
+            self.allocator.decref(drop)
 
     def extend(self, req_idx: int, new_len: int) -> bool:
         """Give positions ``[0, new_len)`` slots; False (nothing changed) if the pool cannot now.
@@ -211,14 +279,19 @@ class PagePool:
             return True
         if self.paged:
             pages = self._pages[req_idx]
-            need = -(-new_len // self.page_size) - len(pages)
+            need = -(-new_len // self.page_size) - len(pages)  # per group: their lists keep in step
             if need > 0:
-                short = need - self.allocator.num_free
+                groups = self.layout.n_groups
+                short = need * groups - self.allocator.num_free
                 if short > 0:
                     if self.radix is None or self.radix.evictable_pages < short:
                         return False
                     self.radix.evict(short)
-                self.req_to_token_pool.append_pages(req_idx, self.allocator.alloc(need), self.page_size)
+                new = self.allocator.alloc(need * groups)
+                for g in range(groups):
+                    self.req_to_token_pool.append_pages(
+                        req_idx, new[g * need : (g + 1) * need], self.page_size, g
+                    )
         lens[req_idx] = new_len
         return True
 
@@ -228,9 +301,9 @@ class PagePool:
         have = self.req_len(req_idx)
         if not self.paged:
             return self.max_ctx_len - have
-        return min(
-            self.round_up(have) - have + self.allocator.num_free * self.page_size, self.max_ctx_len - have
-        )
+        page = self.page_size
+        more = self.allocator.num_free // self.layout.n_groups * page  # each page of positions: one per group
+        return min(-(-have // page) * page - have + more, self.max_ctx_len - have)
 
     def truncate(self, req_idx: int, new_len: int) -> None:
         """Keep positions ``[0, new_len)`` only: the pages past them go back (a speculative draft's
@@ -243,11 +316,14 @@ class PagePool:
         if new_len < 0:
             raise ValueError(f"cannot truncate row {req_idx} to {new_len} positions")
         if self.paged:
-            pages, keep = self._pages[req_idx], -(-new_len // self.page_size)
-            dropped = pages[keep:]
+            keep = -(-new_len // self.page_size)
+            dropped = [p for group in self._gpages for p in group[req_idx][keep:] if p >= 0]
             if self.radix is not None and any(self.radix.node_of_page(p) is not None for p in dropped):
                 raise ValueError(f"row {req_idx}: truncating to {new_len} would drop pages the radix holds")
-            del pages[keep:]
+            for group in self._gpages:
+                del group[req_idx][keep:]
+            for slid in self._slid.values():
+                slid[req_idx] = min(slid[req_idx], keep)
             self.allocator.decref(dropped)
         lens[req_idx] = new_len
 
@@ -266,8 +342,9 @@ class PagePool:
             return
         n = len(token_ids) // self.page_size
         if n:
+            groups = [pages[req_idx][:n] for pages in self._gpages]
             self._locks[req_idx] = self.radix.insert(
-                token_ids, self._pages[req_idx][:n], self._locks[req_idx], self._namespaces[req_idx]
+                token_ids, groups[0], self._locks[req_idx], self._namespaces[req_idx], groups[1:]
             )
 
     def task_free(self, req_idx: int) -> None:
@@ -278,7 +355,9 @@ class PagePool:
             if lock is not None:
                 self.radix.unlock(lock)
                 self._locks[req_idx] = None
-            self.allocator.decref(self._pages[req_idx])
+            self.allocator.decref([p for group in self._gpages for p in group[req_idx] if p >= 0])
+            for slid in self._slid.values():
+                slid[req_idx] = 0
         self._namespaces[req_idx] = None
         self.req_to_token_pool.free(req_idx)
 
@@ -295,10 +374,12 @@ class PagePool:
         return self.size - self._live_positions()
 
     def round_up(self, n_tokens: int) -> int:
-        """``n_tokens`` rounded up to whole pages: the slots that many positions take
-        (contiguous: ``n_tokens``)."""
-        ps = self.page_size if self.paged else 1
-        return -(-n_tokens // ps) * ps
+        """The slots a request of ``n_tokens`` positions takes at most: whole pages (with layer groups,
+        a page per group of each ``page_size`` positions, a windowed group's up to its window:
+        ``KVLayout.pages``); contiguous: ``n_tokens``."""
+        if not self.paged:
+            return n_tokens
+        return self.layout.pages(n_tokens, self.page_size, self.config.chunk_tokens) * self.page_size
 
     def common_pages(self, a: list[int], b: list[int]) -> int:
         """Complete pages that ``a[:-1]`` (what a prefix match may cover) and ``b`` share from the start."""
@@ -321,7 +402,12 @@ class PagePool:
         if self.extend(req_idx, want):
             return want
         have = self.req_len(req_idx)
-        cap = min(want, self.round_up(have) + self.available_tokens())
+        if self.paged:  # each page of positions more takes a page per group
+            page = self.page_size
+            cap = -(-have // page) * page + self.available_tokens() // page // self.layout.n_groups * page
+        else:
+            cap = have + self.available_tokens()
+        cap = min(want, cap)
         return cap if cap > have and self.extend(req_idx, cap) else have
 
     def _live_positions(self) -> int:
@@ -331,13 +417,16 @@ class PagePool:
     @property
     def context_limit(self) -> int:
         """Positions one request may hold (prompt plus generated): ``max_seq_len``, capped by the pool."""
-        return min(self.max_ctx_len, self.size)
+        if not self.paged:
+            return min(self.max_ctx_len, self.size)
+        n_pages = self.size // self.page_size
+        return min(self.max_ctx_len, self.layout.positions(n_pages, self.page_size, self.config.chunk_tokens))
 
     def can_ever_fit(self, n_tokens: int) -> bool:
         """Whether one request of ``n_tokens`` positions fits max_seq_len and the empty pool."""
         if n_tokens > self.max_ctx_len:
             return False
-        return -(-n_tokens // self.page_size) * self.page_size <= self.size
+        return self.round_up(n_tokens) <= self.size
 
     def stats(self) -> dict:
         """``kv_tokens_total`` (slots), ``kv_tokens_cached`` (slots of pages only the radix keeps,
@@ -370,4 +459,11 @@ class PagePool:
         non-live row, ``q_len`` outside ``[1, seq_len]``, or a position without a slot.
         """
         page_size = self.page_size if self.paged else self.max_ctx_len
-        return step_kv_cache(self.req_to_token_pool, self.storage, page_size, req_indices, q_lens, seq_lens)
+        if self._windowed:  # the pages no query of this step or later reads go back first
+            for row, q, s in zip(req_indices, q_lens, seq_lens, strict=True):
+                if self.req_to_token_pool.is_live(row) and 1 <= q <= s:
+                    self.slide(row, s - q)
+        layout = None if self.layout.trivial else self.layout
+        return step_kv_cache(
+            self.req_to_token_pool, self.storage, page_size, req_indices, q_lens, seq_lens, layout
+        )

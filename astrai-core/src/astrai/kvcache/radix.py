@@ -20,11 +20,15 @@ logger = logging.getLogger(__name__)
 
 
 class RadixNode:
-    """One complete page of the cache: an edge from ``parent`` labelled by the page's tokens."""
+    """One complete page of the cache: an edge from ``parent`` labelled by the page's tokens.
+
+    ``pages[g]`` is the page of layer group ``g`` (``astrai.kvcache.layout``) holding these
+    positions; -1 where a windowed group's page was dropped (no later request may start its window
+    on it). ``page`` is group 0's: the only one of a model without local layers."""
 
     __slots__ = (
         "key",
-        "page",
+        "pages",
         "parent",
         "children",
         "depth",
@@ -35,9 +39,11 @@ class RadixNode:
         "namespace",
     )
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: RadixNode | None, node_id: int) -> None:
+    def __init__(
+        self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None, node_id: int
+    ) -> None:
         self.key = key  # exact token tuple of this page (page_size ids)
-        self.page = page  # page id in the allocator; -1 for the root
+        self.pages = pages  # page id of each layer group in the allocator; [-1] for the root
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.depth = 0 if parent is None else parent.depth + 1  # pages from the root, root = 0
@@ -49,6 +55,10 @@ class RadixNode:
         self.hash = hash(key) if parent is None else hash((parent.hash, key))
         self.id = node_id
         self.namespace: Hashable = None if parent is None else parent.namespace  # the tree it belongs to
+
+    @property
+    def page(self) -> int:
+        return self.pages[0]
 
     def token_path(self) -> tuple[int, ...]:
         """All tokens from the root down to and including this page."""
@@ -63,26 +73,35 @@ class RadixNode:
 class RadixCache:
     """Complete token pages indexed as a tree of exact token tuples (paged mode, page_size > 1).
 
-    Each non-root node holds one page and one reference on it (the radix's own).
+    Each non-root node holds one page (per layer group) and one reference on it (the radix's own).
     A child is found under its parent by the exact tuple of the page's tokens, so an
     identical page is reused only under the identical prefix.
 
     Eviction is LRU over leaves whose ``lock_count`` is 0, i.e. pages that no live
     request references, directly or through a page below them; such a page has
     refcount 1. Evicting a leaf may turn its parent into an evictable leaf.
-    ``evictable_pages`` counts every node with ``lock_count == 0``: repeated leaf
-    eviction can reclaim exactly that many pages.
+    Without windowed groups, ``evictable_pages`` counts every node with ``lock_count == 0``:
+    repeated leaf eviction can reclaim exactly that many pages.
 
     Locking is the caller's duty (PagePool): after taking references on pages of a
     path it calls ``lock`` on the deepest of them, and ``unlock`` when dropping them.
+
+    Layer groups (``windows``, one per group, 0: global; see ``astrai.kvcache.layout``): a node
+    holds a page per group. A windowed group's page held by the radix alone can go on its own,
+    even on a locked path (the requests that locked it have moved their window past it): it is
+    watched in the allocator (``Allocator.watched_single``), and eviction drops such pages and
+    evictable leaves in one least-recently-used order. ``evictable_pages`` counts both: the global
+    pages of unlocked nodes and the windowed pages only the radix holds.
     """
 
-    def __init__(self, page_size: int, allocator: Allocator) -> None:
+    def __init__(self, page_size: int, allocator: Allocator, windows: tuple[int, ...] = (0,)) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
-        self.root = RadixNode((), -1, None, 0)  # the shared namespace's (None)
+        self.windows = tuple(windows)
+        self._global = sum(1 for w in self.windows if not w)  # pages an unlocked node frees for sure
+        self.root = RadixNode((), [-1], None, 0)  # the shared namespace's (None)
         # a root per namespace; a namespace's root goes once its last page is evicted
         self._roots: dict[Hashable, RadixNode] = {None: self.root}
         self._next_id = 1
@@ -90,13 +109,18 @@ class RadixCache:
         self._node_of_page: dict[int, RadixNode] = {}
         #: bool [n_pages]: True where the radix holds a reference on the page
         self.page_mask = np.zeros(allocator.n_pages, dtype=np.bool_)
-        self.evictable_pages = 0
+        self._unlocked = 0  # non-root nodes with lock_count 0
         self._evictable_leaves: set[RadixNode] = set()
         # lazy min-heap of (last_access, id, node); an entry is stale unless the node is still an
         # evictable leaf with that last_access. Keeps eviction O(k log n), not a scan of the tree.
         self._heap: list[tuple[int, int, RadixNode]] = []
 
     # ----------------------------------------------------------------- queries
+    @property
+    def evictable_pages(self) -> int:
+        """Pages repeated ``evict`` can reclaim now (see the class doc)."""
+        return self._unlocked * self._global + self.allocator.watched_single
+
     @property
     def num_pages(self) -> int:
         return len(self._node_of_page)
@@ -161,54 +185,69 @@ class RadixCache:
         pages: Sequence[int],
         lock: RadixNode | None,
         namespace: Hashable = None,
+        more: Sequence[Sequence[int]] = (),
     ) -> RadixNode | None:
         """Insert the complete pages of one request into ``namespace``'s tree; returns its new lock node.
 
         ``pages[i]`` is the request's page holding tokens ``token_ids[i*ps:(i+1)*ps]``
-        (``len(pages)`` complete pages; any partial tail of ``token_ids`` is ignored).
+        (``len(pages)`` complete pages; any partial tail of ``token_ids`` is ignored); ``more``, the
+        pages of the other layer groups, in group order (-1 where a windowed group's page went).
         ``lock`` is the request's current lock node (deepest radix page it holds) or None.
 
         Existing nodes are kept: where the cache already has the page, the request's
-        own copy stays private (it frees it at task_free) and siblings are untouched.
-        New nodes get the radix's reference. Raises ValueError, before any change, if
-        the request's pages disagree with the tree (a page cached at another place).
+        own copy stays private (it frees it at task_free) and siblings are untouched; a windowed
+        page the node had lost is taken from the request. New nodes get the radix's reference.
+        Raises ValueError, before any change, if the request's pages disagree with the tree (a
+        page cached at another place).
         """
         ps = self.page_size
-        n = min(len(pages), len(token_ids) // ps)
+        groups = [pages, *more]
+        if len(groups) != len(self.windows):
+            raise ValueError(f"{len(groups)} page lists for {len(self.windows)} layer groups")
+        n = min(min(len(g) for g in groups), len(token_ids) // ps)
         keys = [self._key(token_ids, i) for i in range(n)]
         root = self._roots.get(namespace)
         if root is None:
             if n == 0:
                 return lock
-            root = RadixNode((), -1, None, 0)
+            root = RadixNode((), [-1], None, 0)
             root.hash, root.namespace = hash(("namespace", namespace)), namespace
         # validation pass: read-only, so a bad call changes nothing.
         node = root
         for i in range(n):
             child = node.children.get(keys[i]) if node is not None else None
-            owner = self._node_of_page.get(int(pages[i]))
-            if owner is not None and owner is not child:
-                raise ValueError(
-                    f"page {int(pages[i])} is cached under another prefix than position {i * ps}"
-                )
+            for g, group in enumerate(groups):
+                page = int(group[i])
+                if page < 0:
+                    if not self.windows[g]:
+                        raise ValueError(f"no page of global layer group {g} at position {i * ps}")
+                    continue
+                owner = self._node_of_page.get(page)
+                if owner is not None and (owner is not child or child.pages[g] != page):
+                    raise ValueError(f"page {page} is cached under another prefix than position {i * ps}")
             node = child
         self._roots[namespace] = root
         deepest = lock
         path: list[RadixNode] = []
         node = root
         for i in range(n):
-            page = int(pages[i])
+            mine = [int(group[i]) for group in groups]
             child = node.children.get(keys[i])
             if child is None:
-                child = RadixNode(keys[i], page, node, self._next_id)
+                child = RadixNode(keys[i], mine, node, self._next_id)
                 self._next_id += 1
                 node.children[keys[i]] = child
                 self._evictable_leaves.discard(node)
-                self._node_of_page[page] = child
-                self.page_mask[page] = True
-                self.allocator.incref([page])
-                self.evictable_pages += 1  # lock_count 0 until the lock below
-            if child.page == page and (deepest is None or child.depth > deepest.depth):
+                self._hold(child, [g for g, page in enumerate(mine) if page >= 0])
+                self._unlocked += 1  # lock_count 0 until the lock below
+            else:  # a windowed page the node lost, the request still has
+                lost = [g for g, page in enumerate(mine) if page >= 0 and child.pages[g] < 0]
+                for g in lost:
+                    child.pages[g] = mine[g]
+                self._hold(child, lost)
+            if (deepest is None or child.depth > deepest.depth) and any(
+                page >= 0 and page == have for page, have in zip(mine, child.pages, strict=True)
+            ):
                 deepest = child
             path.append(child)
             node = child
@@ -219,13 +258,37 @@ class RadixCache:
         self._touch(path)
         return deepest
 
+    def _hold(self, node: RadixNode, groups: list[int]) -> None:
+        """Take the radix's reference on ``node``'s pages of ``groups`` (watching the windowed ones)."""
+        pages = [node.pages[g] for g in groups]
+        if not pages:
+            return
+        for page in pages:
+            self._node_of_page[page] = node
+        self.page_mask[pages] = True
+        self.allocator.incref(pages)
+        self.allocator.watch([node.pages[g] for g in groups if self.windows[g]], True)
+
+    def _release(self, node: RadixNode, groups: list[int]) -> int:
+        """Drop the radix's reference on ``node``'s pages of ``groups``; returns the pages freed."""
+        pages = [node.pages[g] for g in groups if node.pages[g] >= 0]
+        if not pages:
+            return 0
+        self.allocator.watch([node.pages[g] for g in groups if self.windows[g] and node.pages[g] >= 0], False)
+        for g in groups:
+            node.pages[g] = -1 if self.windows[g] else node.pages[g]
+        for page in pages:
+            del self._node_of_page[page]
+        self.page_mask[pages] = False
+        return len(self.allocator.decref(pages))
+
     # ----------------------------------------------------------------- locking
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and its ancestors from eviction (one more live holder below them)."""
         while node.parent is not None:
             node.lock_count += 1
             if node.lock_count == 1:
-                self.evictable_pages -= 1
+                self._unlocked -= 1
                 self._evictable_leaves.discard(node)
             node = node.parent
 
@@ -236,7 +299,7 @@ class RadixCache:
                 raise RuntimeError(f"unlock of unlocked radix node at depth {node.depth}")
             node.lock_count -= 1
             if node.lock_count == 0:
-                self.evictable_pages += 1
+                self._unlocked += 1
                 self._refresh(node)
             node = node.parent
 
@@ -252,25 +315,28 @@ class RadixCache:
 
     # ----------------------------------------------------------------- eviction
     def evict(self, n_pages: int) -> int:
-        """Free up to ``n_pages`` pages, least recently used evictable leaf first; returns pages freed."""
+        """Free up to ``n_pages`` pages, least recently used first; returns pages freed.
+
+        Candidates are evictable leaves (every page of the node goes) and, with windowed layer
+        groups, windowed pages only the radix holds (that page alone goes; the node stays).
+        """
         freed = 0
+        dropped = self._droppable() if self._global < len(self.windows) else []
+        at = 0
         while freed < n_pages:
-            node = self._pop_lru()
-            if node is None:
+            leaf = self._peek_lru()
+            while at < len(dropped) and not self._still_droppable(dropped[at][2]):
+                at += 1
+            if at < len(dropped) and (leaf is None or dropped[at][0] <= leaf.last_access):
+                page = dropped[at][2]
+                node = self._node_of_page[page]
+                freed += self._release(node, [node.pages.index(page)])
+                at += 1
+                continue
+            if leaf is None:
                 break
-            parent = node.parent
-            assert parent is not None  # only non-root nodes are ever evictable leaves
-            del parent.children[node.key]
-            del self._node_of_page[node.page]
-            self.page_mask[node.page] = False
-            node.parent = None
-            self.evictable_pages -= 1
-            if not self.allocator.decref([node.page]):
-                raise RuntimeError(f"evicted radix page {node.page} is still referenced")
-            freed += 1
-            self._refresh(parent)
-            if parent.parent is None and not parent.children and parent is not self.root:
-                del self._roots[parent.namespace]  # an empty namespace keeps no root
+            self._evictable_leaves.remove(leaf)
+            freed += self._evict_node(leaf)
         if len(self._heap) > 2 * len(self._evictable_leaves) + 64:
             self._heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
             heapq.heapify(self._heap)
@@ -278,10 +344,36 @@ class RadixCache:
             logger.debug("radix evicted %d page(s), %d evictable left", freed, self.evictable_pages)
         return freed
 
-    def _pop_lru(self) -> RadixNode | None:
+    def _evict_node(self, node: RadixNode) -> int:
+        parent = node.parent
+        assert parent is not None  # only non-root nodes are ever evictable leaves
+        del parent.children[node.key]
+        node.parent = None
+        self._unlocked -= 1
+        held = [g for g, page in enumerate(node.pages) if page >= 0]
+        freed = self._release(node, held)
+        if freed < self._global:
+            raise RuntimeError(f"evicted radix node of pages {node.pages} is still referenced")
+        self._refresh(parent)
+        if parent.parent is None and not parent.children and parent is not self.root:
+            del self._roots[parent.namespace]  # an empty namespace keeps no root
+        return freed
+
+    def _droppable(self) -> list[tuple[int, int, int]]:
+        """``(last_access, node id, page)`` of the windowed pages only the radix holds, oldest first."""
+        alloc = self.allocator
+        pages = np.flatnonzero(alloc.watched & (alloc.refcount == 1)).tolist()
+        nodes = [self._node_of_page[p] for p in pages]
+        return sorted((n.last_access, n.id, p) for n, p in zip(nodes, pages, strict=True))
+
+    def _still_droppable(self, page: int) -> bool:
+        return bool(self.allocator.watched[page]) and int(self.allocator.refcount[page]) == 1
+
+    def _peek_lru(self) -> RadixNode | None:
+        """The least recently used evictable leaf (left in place), stale heap entries dropped."""
         while self._heap:
-            last_access, _, node = heapq.heappop(self._heap)
+            last_access, _, node = self._heap[0]
             if node in self._evictable_leaves and node.last_access == last_access:
-                self._evictable_leaves.remove(node)
                 return node
+            heapq.heappop(self._heap)
         return None

@@ -19,6 +19,11 @@ class ReqToTokenPool:
 
     Host-side state (``lens``, the free-row stack) is plain Python so that the
     scheduler never waits on the device to learn a length.
+
+    With ``groups`` > 1 (paged, layer groups: ``astrai.kvcache.layout``) each group has a table
+    of its own (``tables[g]``; ``req_to_token`` is group 0's) and page lists (``group_pages[g]``;
+    ``pages`` is group 0's), where -1 marks a windowed group's page that went back to the pool
+    (its slots in the table are stale: no window reaches them).
     """
 
     def __init__(
@@ -27,6 +32,7 @@ class ReqToTokenPool:
         max_ctx_len: int,
         device: torch.device | str,
         linear_stride: int | None = None,
+        groups: int = 1,
     ) -> None:
         if num_reqs < 1 or max_ctx_len < 1:
             raise ValueError(f"need num_reqs >= 1 and max_ctx_len >= 1, got {num_reqs}, {max_ctx_len}")
@@ -41,8 +47,12 @@ class ReqToTokenPool:
             self.req_to_token = table.to(torch.int32).to(self.device)
         #: positions of each row that have a slot (0 for rows that are not live)
         self.lens: list[int] = [0] * num_reqs
+        self.tables = [self.req_to_token]
+        for _ in range(groups - 1):
+            self.tables.append(torch.zeros((num_reqs, max_ctx_len), dtype=torch.int32, device=self.device))
         #: paged mode: each row's page ids in position order (empty for rows that are not live)
-        self.pages: list[list[int]] = [[] for _ in range(num_reqs)]
+        self.group_pages: list[list[list[int]]] = [[[] for _ in range(num_reqs)] for _ in range(groups)]
+        self.pages = self.group_pages[0]
         self._live = [False] * num_reqs
         # reversed so that alloc hands out row 0 first: deterministic, easy to read in logs.
         self._free_rows = list(range(num_reqs - 1, -1, -1))
@@ -66,7 +76,8 @@ class ReqToTokenPool:
         self.require_live(row)
         self._live[row] = False
         self.lens[row] = 0
-        self.pages[row] = []
+        for pages in self.group_pages:
+            pages[row] = []
         self._free_rows.append(row)
 
     def is_live(self, row: int) -> bool:
@@ -85,15 +96,17 @@ class ReqToTokenPool:
         """A copy of the free-row stack (for invariant checks)."""
         return list(self._free_rows)
 
-    def append_pages(self, row: int, new_pages: list[int], page_size: int) -> None:
-        """Paged mode: give ``row`` the next ``len(new_pages)`` pages and write their slots."""
-        first = len(self.pages[row]) * page_size
-        self.pages[row].extend(new_pages)
-        page_t = torch.tensor(new_pages, dtype=torch.int64)
+    def append_pages(self, row: int, new_pages: list[int], page_size: int, group: int = 0) -> None:
+        """Paged mode: give ``row`` the next ``len(new_pages)`` pages of ``group`` and write their slots
+        (a page of -1, one a windowed group does without, gets page 0's: stale, never read)."""
+        pages = self.group_pages[group][row]
+        first = len(pages) * page_size
+        pages.extend(new_pages)
+        page_t = torch.tensor(new_pages, dtype=torch.int64).clamp_(min=0)
         slots = (page_t.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)
-        self.write(row, first, slots)
+        self.write(row, first, slots, group)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+    def write(self, row: int, start: int, slots: torch.Tensor, group: int = 0) -> None:
         """Set ``req_to_token[row, start:start+len(slots)]``, clipped at ``max_ctx_len``.
 
         ``slots`` is a 1-D integer tensor on any device; the copy is the only
@@ -101,4 +114,4 @@ class ReqToTokenPool:
         """
         end = min(start + slots.numel(), self.max_ctx_len)
         if end > start:
-            self.req_to_token[row, start:end] = slots[: end - start].to(self.req_to_token.device)
+            self.tables[group][row, start:end] = slots[: end - start].to(self.req_to_token.device)

@@ -36,6 +36,16 @@ def kv_config(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtyp
     )
     if n_tokens is None and budget is None:
         n_tokens = max(seq, min(config.max_batch_size * seq, DEFAULT_KV_MEMORY_BYTES // per_token))
-    slots = (n_tokens if n_tokens is not None else budget // per_token) // config.page_size * config.page_size
-    seq = max(1, min(seq, slots))  # no slot at all: PagePool says so
-    return KVConfig(config.max_batch_size, seq, config.page_size, n_tokens, budget, config.prefix_caching)
+    chunk = max(1, config.max_prefill_tokens)
+    kv = KVConfig(
+        config.max_batch_size, seq, config.page_size, n_tokens, budget, config.prefix_caching, chunk
+    )
+    # a request never holds more positions than the pool has for one (a longer req_to_token row or
+    # rotary table would never be read); sliding-window layers hold only their window of them
+    shape = (model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype)
+    n_pages = kv.slots(*shape, model_config.windows) // config.page_size
+    fits = kv.layout(model_config.num_hidden_layers, model_config.windows).positions(
+        n_pages, config.page_size, chunk
+    )
+    kv.max_seq_len = max(1, min(seq, fits))  # no slot at all: PagePool says so
+    return kv

@@ -3,6 +3,7 @@ its storage and the layout's page size (this module sits under the pool: it neve
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -11,6 +12,7 @@ import torch
 from astrai.kvcache.cache import KVCache
 
 if TYPE_CHECKING:
+    from astrai.kvcache.layout import KVLayout
     from astrai.kvcache.req_to_token import ReqToTokenPool
     from astrai.kvcache.storage import KVStorage
 
@@ -19,6 +21,7 @@ class _Layers(NamedTuple):
     table: ReqToTokenPool
     storage: KVStorage
     page_size: int
+    layout: KVLayout | None
 
 
 def step_kv_cache(
@@ -28,10 +31,12 @@ def step_kv_cache(
     req_indices: Sequence[int],
     q_lens: Sequence[int],
     seq_lens: Sequence[int],
+    layout: KVLayout | None = None,
 ) -> KVCache:
     """``PagePool.bind_tasks``: checks the step against the request table, then builds its ``KVCache``
-    (``page_size``: the slots' layout, ``KVCache.page_size``)."""
-    pool = _Layers(table, storage, page_size)
+    (``page_size``: the slots' layout, ``KVCache.page_size``; ``layout``: the pool's layer groups,
+    None for one group of every layer)."""
+    pool = _Layers(table, storage, page_size, layout)
     rows, ql, sl = [int(r) for r in req_indices], [int(q) for q in q_lens], [int(s) for s in seq_lens]
     b = len(rows)
     if b == 0 or len(ql) != b or len(sl) != b:
@@ -62,8 +67,8 @@ def step_kv_cache(
     ints = torch.cat([kv_indptr, qo_indptr]).to(torch.int32).to(pool.storage.device)
     req_pool_indices, seq_lens_d, tok_rows, tok_pos_d = torch.split(longs, [b, b, t, t])
     kv_indptr_d, qo_indptr_d = torch.split(ints, [b + 1, b + 1])
-    out_cache_loc = pool.table.req_to_token[tok_rows, tok_pos_d].to(torch.int64)
-    return _kv_cache(pool, req_pool_indices, seq_lens_d, out_cache_loc, kv_indptr_d, qo_indptr_d, ql, sl)
+    kv = _kv_cache(pool, req_pool_indices, seq_lens_d, kv_indptr_d, qo_indptr_d, ql, sl)
+    return _with_slots(pool, kv, tok_rows, tok_pos_d)
 
 
 def _bind_decode(pool: _Layers, rows: list[int], sl: list[int]) -> KVCache:
@@ -74,22 +79,39 @@ def _bind_decode(pool: _Layers, rows: list[int], sl: list[int]) -> KVCache:
     for i, s in enumerate(sl):
         kv_indptr[i + 1] = kv_indptr[i] + s
     longs = torch.tensor([rows, sl, [s - 1 for s in sl]], dtype=torch.int64).to(pool.storage.device)
-    out_cache_loc = pool.table.req_to_token[longs[0], longs[2]].to(torch.int64)
     ints = torch.tensor([*kv_indptr, *range(b + 1)], dtype=torch.int32).to(
         pool.storage.device
     )  # kv_indptr, qo_indptr
     kv_indptr_d, qo_indptr_d = torch.split(ints, [b + 1, b + 1])
-    return _kv_cache(pool, longs[0], longs[1], out_cache_loc, kv_indptr_d, qo_indptr_d, [1] * b, sl)
+    kv = _kv_cache(pool, longs[0], longs[1], kv_indptr_d, qo_indptr_d, [1] * b, sl)
+    return _with_slots(pool, kv, longs[0], longs[2])
 
 
-def _kv_cache(pool: _Layers, req_pool_indices, seq_lens, out_cache_loc, kv_indptr, qo_indptr, ql, sl):
+def _with_slots(pool: _Layers, kv: KVCache, tok_rows: torch.Tensor, tok_pos: torch.Tensor) -> KVCache:
+    """``kv`` with each new token's slot; with layer groups, a ``KVCache`` per group in ``kv.groups``
+    (``kv`` is group 0's), each with its group's table and slots (``KVCache.layer_slots``)."""
+    kv.out_cache_loc = pool.table.req_to_token[tok_rows, tok_pos].to(torch.int64)
+    if pool.layout is None:
+        return kv
+    groups = [kv]
+    for table in pool.table.tables[1:]:
+        groups.append(
+            dataclasses.replace(
+                kv, req_to_token=table, out_cache_loc=table[tok_rows, tok_pos].to(torch.int64), plan={}
+            )
+        )
+    kv.groups, kv.layer_slots = tuple(groups), pool.layout.slots
+    return kv
+
+
+def _kv_cache(pool: _Layers, req_pool_indices, seq_lens, kv_indptr, qo_indptr, ql, sl):
     return KVCache(
         k_buffer=pool.storage.k_buffer,
         v_buffer=pool.storage.v_buffer,
         req_to_token=pool.table.req_to_token,
         req_pool_indices=req_pool_indices,
         seq_lens=seq_lens,
-        out_cache_loc=out_cache_loc,
+        out_cache_loc=seq_lens,  # (its slots: _with_slots)
         max_len=max(sl),
         kv_indptr=kv_indptr,
         qo_indptr=qo_indptr,

@@ -194,7 +194,24 @@ class BackendRegistry:
         softcap: float = 0.0,
     ) -> torch.Tensor:
         """``select(q, kv_cache).forward(...)``; see ``AttentionBackend.forward``."""
-        return _forward(self.select(q, kv_cache), q, k, v, layer_id, kv_cache, scale, window, softcap)
+        backend = self.select(q, kv_cache)
+        layer_id, kv_cache = _layer_view(backend, q, layer_id, kv_cache)
+        return _forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap)
+
+
+def _layer_view(backend: AttentionBackend, q: torch.Tensor, layer_id: int, kv_cache: KVCache):
+    """``(index in k_buffer, KVCache)`` of layer ``layer_id``: its layer group's view of the step
+    (``KVCache.layer_slots``), prepared for ``backend`` on its first use; the step itself and
+    ``layer_id`` for a pool of one group."""
+    if not getattr(kv_cache, "layer_slots", None):  # (a test's stand-in may have none)
+        return layer_id, kv_cache
+    group, index = kv_cache.layer_slots[layer_id]
+    view = kv_cache.groups[group]
+    if view.backend is not backend:
+        view.features = kv_cache.features
+        backend.prepare(q, view)
+        view.backend = backend
+    return index, view
 
 
 def _lacks(backend: AttentionBackend, kv_cache: KVCache) -> str | None:
@@ -276,6 +293,7 @@ def attention(
     backend = kv_cache.backend
     if backend is None:
         backend = bind_step(kv_cache, q)
+    layer_id, kv_cache = _layer_view(backend, q, layer_id, kv_cache)
     return _forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap)
 
 
