@@ -12,7 +12,8 @@ dequantized values, under its config as llama.cpp reads the file).
   astrai-backend-cpu's AVX512-BF16 ``quant_linear`` kernel) and kept in blocks
   (``astrai.model.quant``, here on its torch reference), equal transformers' on the dequantized
   weights to the same tolerance, far tighter than what quantizing moved them; greedy tokens of the
-  kept Q4_0 weights through the engine equal transformers' while its top two are clear.
+  kept Q4_0 weights through the engine equal transformers' while its top two are clear;
+  ``load_model`` serves a Q4_0 file with the tokenizer its metadata holds.
 
 Not here: K-quants (gguf-py 0.19 cannot quantize to Q4_K or Q6_K, and these checkpoints' rows of
 64 and 128 are shorter than a K-quant block of 256; ``test_loaders`` reads K-quant blocks), and the
@@ -112,3 +113,15 @@ def test_quantized_gguf_greedy_matches_transformers_through_the_engine(
         want, clear = clear_prefix(ref, prompt, 24)
         assert clear >= 8, f"transformers' greedy path is a near tie after {clear} tokens"
         assert result.output_ids[:clear] == want[:clear]
+
+
+def test_load_model_serves_a_quantized_family_gguf_with_its_tokenizer(family_gguf):
+    """``load_model``, as ``astrai serve`` calls it: float32 asks for dense weights ("auto" keeps blocks
+    only for bfloat16 on the quantized kernels), the tokenizer and end ids from the file's metadata."""
+    from astrai.model import load_model
+
+    path, ref = family_gguf("gemma3", "Q4_0")
+    model, tokenizer = load_model(str(path), torch.float32, weights="auto")
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+    assert model.config.eos_token_ids == [1] and tokenizer.decode(tokenizer.encode("the heat")) == "the heat"
+    _assert_logits(model, ref, prompts(1, seed=5)[0])
