@@ -91,7 +91,7 @@ def _llama(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
     full, _ = _rope(hp)
     if full.get("rope_type") != "llama3":
         return {}
-    # generate_extra_tensors: each frequency's divisor, in float32 frequencies and Python floats
+    # generate_extra_tensors: each frequency's divisor, in its arithmetic (float32 tensors, Python floats)
     freqs = 1.0 / (full["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor, low, high = (
         full.get("factor", 8.0),
@@ -100,16 +100,16 @@ def _llama(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
     )
     old = full.get("original_max_position_embeddings", 8192)
     divisors = []
-    for freq in freqs.tolist():
+    for freq in freqs:
         wavelen = 2 * math.pi / freq
         if wavelen < old / high:
-            divisors.append(1.0)
+            divisors.append(1)
         elif wavelen > old / low:
             divisors.append(factor)
         else:
             smooth = (old / wavelen - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
-    return {"rope_freqs.weight": np.array(divisors, np.float32)}
+    return {"rope_freqs.weight": torch.tensor(divisors, dtype=torch.float32).numpy()}
 
 
 def _qwen3(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
