@@ -130,6 +130,36 @@ def tiny_tokenizer():
     return CharTokenizer()
 
 
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> (safetensors folder, the transformers model in float32) of every family
+    (``families.FAMILIES``), built once."""
+    from families import build_checkpoints
+
+    return build_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def family_gguf(checkpoints, tmp_path_factory):
+    """``family_gguf(family, qtype=None)`` -> (GGUF file, transformers model of what it holds): the
+    family's checkpoint written as llama.cpp's converter writes it (``gguf_families``), its 2-D tensors
+    quantized to ``qtype`` (a ``GGMLQuantizationType`` name; None: F32), once per session."""
+    from gguf import GGMLQuantizationType
+    from gguf_families import reference, write_gguf
+
+    written: dict[tuple[str, str | None], tuple] = {}
+
+    def get(family: str, qtype: str | None = None) -> tuple:
+        if (family, qtype) not in written:
+            folder, hf = checkpoints[family]
+            path = tmp_path_factory.mktemp("gguf") / f"{family}-{qtype or 'F32'}.gguf"
+            held = write_gguf(folder, path, None if qtype is None else GGMLQuantizationType[qtype])
+            written[family, qtype] = (path, reference(hf, held))
+        return written[family, qtype]
+
+    return get
+
+
 @pytest.fixture
 def one_torch_thread():
     """Run the test with one intra-op thread, then restore the setting.

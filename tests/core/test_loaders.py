@@ -315,12 +315,24 @@ def test_synthetic_gguf_every_type(tmp_path, arch, dtype):
         }
 
 
-def test_gguf_rope_freqs_that_are_not_llama3_are_refused(tmp_path):
+def test_gguf_rope_freqs_that_no_llama3_defaults_give_are_applied_as_divisors(tmp_path):
+    """llama.cpp divides each RoPE frequency by its ``rope_freqs`` entry whatever computed it (Llama 3's
+    scaling with another original context, say): so does astrai; a tensor of the wrong length is refused."""
+    from astrai.extension import RotaryEmbedding
+
     rope_freqs = llama_cpp_rope_freqs(factor=8.0)
     rope_freqs[-3] *= 1.5  # no llama3 parameter set gives this
     write_tiny_gguf(tmp_path / "odd.gguf", "llama", np.random.default_rng(1), rope_freqs)
-    with pytest.raises(ModelNotFound, match="rope_freqs"):
-        load_gguf(tmp_path / "odd.gguf", torch.float32)
+    config, _ = load_gguf(tmp_path / "odd.gguf", torch.float32)
+    assert config.rope_scaling == {"rope_type": "freq_factors", "freq_factors": rope_freqs.tolist()}
+    table = RotaryEmbedding(64, 16, 5000.0, config.rope_scaling).freqs_cis  # [position, pair, cos/sin]
+    inv_freq = 1.0 / 5000.0 ** (np.arange(0, 64, 2) / 64) / rope_freqs.astype(np.float64)
+    angles = np.arange(16)[:, None] * inv_freq[None, :]
+    np.testing.assert_allclose(table[..., 0].numpy(), np.cos(angles), atol=1e-6)
+    np.testing.assert_allclose(table[..., 1].numpy(), np.sin(angles), atol=1e-6)
+    write_tiny_gguf(tmp_path / "short.gguf", "llama", np.random.default_rng(1), rope_freqs[:-1])
+    with pytest.raises(ModelFormatError, match="rope_freqs.*31.*32 positive divisors"):
+        load_gguf(tmp_path / "short.gguf", torch.float32)
 
 
 def test_gguf_unsupported_type_names_tensor(tmp_path):

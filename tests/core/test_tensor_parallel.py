@@ -5,7 +5,8 @@ cannot take are refused with the valid ones), then a 2- and a 4-way model (4 ran
 head each, the 2 KV heads replicated) against a single-process reference: logits step by step
 through the same pool layout, in float32 and bfloat16, and greedy tokens through the engine.
 A worker that dies makes the engine unhealthy and fails the requests in flight (no hang), and an
-idle engine outlives its collective time-out (the scheduler's heartbeat).
+idle engine outlives its collective time-out (the scheduler's heartbeat). Gemma 3, Phi-3 and Qwen3
+split two ways from their GGUF files give one process's logits.
 """
 
 from __future__ import annotations
@@ -196,3 +197,26 @@ def test_an_idle_engine_outlives_its_collective_timeout(tiny_model, tiny_tokeniz
         assert result.output_ids == want.output_ids
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen3"])
+def test_a_two_way_split_of_a_family_gguf_gives_the_single_process_logits(family_gguf, family):
+    """Each worker reads the family's GGUF file (``gguf_families``), rank 0 its tokenizer too: Gemma 3's
+    per-head q/k norms, local RoPE base, windows and scaled embeddings, Phi-3's fused tensors cut apart
+    before the split and its partial rotary, Qwen3's q/k norms; float32 logits of a prefill and three
+    decode steps equal one process's."""
+    from families import load_astrai
+
+    path, _ = family_gguf(family)
+    alone = load_astrai(path)
+    model, tokenizer = load_tensor_parallel(str(path), torch.float32, "cpu", 2, timeout=60)
+    try:
+        assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (2, 1)
+        assert tokenizer.decode(tokenizer.encode("the heat")) == "the heat"
+        expected, decoded = _steps(alone, alone.config, torch.float32)
+        got, _ = _steps(model, model.config, torch.float32, decoded)
+        for e, g in zip(expected, got, strict=True):
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    finally:
+        model.close()
+    assert all(p.returncode == 0 for p in model.procs)

@@ -237,7 +237,8 @@ def gguf_weights(
             continue
         rows = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
         pieces = unfuse(fused, rows, parts) or [(fused, slice(0, rows))]
-        if quantized and stays_quantized(fused, qtype):
+        # by the model's names: a fused tensor (Phi-3's attn_qkv) stays quantized as its parts do
+        if quantized and all(stays_quantized(name, qtype) for name, _ in pieces):
             blocks = split_blocks(np.asarray(t.data), qtype)
             for name, part in pieces:
                 codes, scales, mins = (None if b is None else b[part] for b in blocks)

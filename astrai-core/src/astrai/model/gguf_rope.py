@@ -1,6 +1,7 @@
 """RoPE scaling from a GGUF file: its ``{arch}.rope.scaling.*`` keys, or the tensors llama.cpp's
 converter writes instead of the parameters (Llama 3's ``rope_freqs``, Phi-3's LongRoPE
-``rope_factors_long`` and ``rope_factors_short``), as HF's ``rope_scaling`` dict."""
+``rope_factors_long`` and ``rope_factors_short``), as HF's ``rope_scaling`` dict (or as the divisors
+themselves, ``{"rope_type": "freq_factors"}``, where no llama3 parameters give them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from astrai.errors import ModelNotFound
+from astrai.errors import ModelFormatError
 from astrai.model.config import ModelConfig
 
 __all__ = ["llama3_rope_factors", "rope_scaling", "rope_tensors_scaling"]
@@ -52,17 +53,26 @@ def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) ->
     return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid))
 
 
-def _llama3_scaling(rope_freqs: np.ndarray, config: ModelConfig, path: Path) -> dict[str, Any]:
-    """Recover llama3 ``rope_scaling`` from llama.cpp's ``rope_freqs`` tensor.
+def _rope_freqs_scaling(rope_freqs: np.ndarray, config: ModelConfig, path: Path) -> dict[str, Any]:
+    """``rope_scaling`` from llama.cpp's ``rope_freqs`` tensor (one divisor per rotated frequency).
 
-    The converter stores only the computed divisors; their maximum is the factor,
-    and the other parameters are checked by recomputing every divisor.
+    The converter stores only the divisors Llama 3's scaling computed. Where the usual parameters
+    (``_LLAMA3_DEFAULTS``, the largest divisor as the factor) give every divisor, that is the llama3
+    scaling they came from; otherwise (another original context, say) the divisors themselves
+    (``freq_factors``), which is what llama.cpp applies whatever computed them. Raises
+    ModelFormatError when there is not one positive divisor per rotated frequency.
     """
+    pairs = (config.rotary_dim or config.head_dim) // 2
+    if rope_freqs.shape != (pairs,) or not np.all(np.isfinite(rope_freqs) & (rope_freqs > 0)):
+        raise ModelFormatError(
+            f"{path}: 'rope_freqs.weight' has shape {list(rope_freqs.shape)}; RoPE needs {pairs} positive "
+            "divisors (one per rotated frequency)"
+        )
     scaling = {"rope_type": "llama3", "factor": float(rope_freqs.max()), **_LLAMA3_DEFAULTS}
     expected = llama3_rope_factors(config.head_dim, config.rope_theta, scaling)
-    if rope_freqs.shape != expected.shape or not np.allclose(rope_freqs, expected, rtol=1e-4):
-        raise ModelNotFound(f"{path}: 'rope_freqs.weight' does not match llama3 RoPE scaling; not supported")
-    return scaling
+    if expected.shape == rope_freqs.shape and np.allclose(rope_freqs, expected, rtol=1e-4):
+        return scaling
+    return {"rope_type": "freq_factors", "freq_factors": rope_freqs.astype(np.float64).tolist()}
 
 
 def rope_tensors_scaling(
@@ -71,7 +81,7 @@ def rope_tensors_scaling(
     """``rope_scaling`` from the file's RoPE tensors (by name; ``key(name, default)`` reads the
     ``{arch}.`` keys that go with them)."""
     if "rope_freqs.weight" in rope:
-        return _llama3_scaling(rope["rope_freqs.weight"], config, path)
+        return _rope_freqs_scaling(rope["rope_freqs.weight"], config, path)
     if "rope_factors_long.weight" not in rope:
         return config.rope_scaling
     original = int(key("rope.scaling.original_context_length", config.max_position_embeddings))

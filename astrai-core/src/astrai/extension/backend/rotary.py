@@ -52,6 +52,11 @@ def _inv_freq(dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) ->
         return _hf_inv_freq(kind, dim, theta, rope_scaling, long=False)[0]
     if kind == "linear":
         return inv_freq / float(rope_scaling["factor"])
+    if kind == "freq_factors":  # llama.cpp's rope_freqs tensor: each frequency's own divisor
+        factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise AstraiError(f"{len(factors)} freq_factors for {len(inv_freq)} rotary frequencies")
+        return inv_freq / factors
     if kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
         # interpolated smoothly (HF transformers' _compute_llama3_parameters).
@@ -65,7 +70,8 @@ def _inv_freq(dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) ->
             wavelen < old_len / high, inv_freq, torch.where(wavelen > old_len / low, inv_freq / factor, mixed)
         )
     raise AstraiError(
-        f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, {', '.join(_FROM_TRANSFORMERS)})"
+        f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, freq_factors, "
+        f"{', '.join(_FROM_TRANSFORMERS)})"
     )
 
 
@@ -83,9 +89,11 @@ class RotaryEmbedding(nn.Module):
 
     ``freqs_cis``: non-persistent buffer ``[max_len, dim/2, 2]`` float32, the
     ``[cos, sin]`` of ``pos * inv_freq[i]`` (angles computed in float64).
-    ``rope_scaling``: None, ``{"rope_type": "linear", "factor"}`` or
+    ``rope_scaling``: None, ``{"rope_type": "linear", "factor"}``,
     ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}`` (HF's ``"type"`` key is accepted too).
+    "original_max_position_embeddings"}``, ``{"rope_type": "freq_factors", "freq_factors": [dim/2]}``
+    (llama.cpp's ``rope_freqs``: each frequency divided by its factor), or transformers' ``yarn`` and
+    ``longrope`` (HF's ``"type"`` key is accepted too).
     Raises ``AstraiError`` for an odd ``dim`` or another scaling type.
     """
 
