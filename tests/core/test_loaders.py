@@ -741,6 +741,17 @@ def _checked_hf_folder(tmp_path, **config):
         ({"vocab_size": 65}, r"vocab_size is 65, but model\.embed_tokens\.weight has shape \[64, 64\]"),
         ({"max_position_embeddings": -1}, r"max_position_embeddings is -1: it must be positive"),
         ({"hidden_size": "big"}, r"config\.json: invalid literal"),
+        ({"sliding_window": -4}, r"sliding_window is -4: a window must be positive"),
+        (
+            {"sliding_window": 4, "layer_types": ["sliding_attention"]},
+            r"layer_types names 1 layers, but the model has 2",
+        ),
+        (
+            {"sliding_window": 4, "layer_types": ["sliding_attention", "linear_attention"]},
+            r"layer_types has \['linear_attention'\]: astrai serves",
+        ),
+        ({"partial_rotary_factor": 0.01}, r"rotary_dim is 0: rotated dims must be even"),
+        ({"final_logit_softcapping": -1.0}, r"final_logit_softcapping is -1.0: it must be a positive number"),
     ],
     ids=[
         "layers",
@@ -751,6 +762,11 @@ def _checked_hf_folder(tmp_path, **config):
         "vocab",
         "context",
         "not-a-number",
+        "window",
+        "layer-types-count",
+        "layer-types-kind",
+        "rotary-dim",
+        "softcap",
     ],
 )
 def test_hf_config_that_contradicts_the_tensors_is_refused_naming_the_field(tmp_path, config, message):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +86,30 @@ def _expected_shapes(config: ModelConfig, path: Path) -> dict[str, tuple[int, ..
     return None if shapes_of is None else dict(shapes_of(config))
 
 
+def _check_family_fields(config: ModelConfig, fail: Callable[[str, str], None]) -> None:
+    """The fields of windows, partial rotary and soft-caps, where a family has them."""
+    rotary = config.rotary_dim
+    if rotary is not None and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
+        fail(
+            "rotary_dim",
+            f"is {rotary}: rotated dims must be even, positive and at most head_dim {config.head_dim}",
+        )
+    window = config.sliding_window
+    if window is not None and window < 0:
+        fail("sliding_window", f"is {window}: a window must be positive (or absent)")
+    types = config.layer_types
+    if types is not None:
+        if len(types) != config.num_hidden_layers:
+            fail("layer_types", f"names {len(types)} layers, but the model has {config.num_hidden_layers}")
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            fail("layer_types", f"has {unknown}: astrai serves sliding_attention and full_attention layers")
+    for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        value = getattr(config, field)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            fail(field, f"is {value}: it must be a positive number")
+
+
 def check_model(
     config: ModelConfig, tensors: Mapping[str, TensorInfo], path: Path, fields: Mapping[str, str]
 ) -> None:
@@ -110,6 +134,7 @@ def check_model(
         )
     if head_dim % 2:
         fail("head_dim", f"is {head_dim}: rotary embeddings need an even head dim")
+    _check_family_fields(config, fail)
     blocks = {int(m.group(1)) for name in tensors if (m := _LAYER.match(name))}
     if blocks != set(range(config.num_hidden_layers)):
         fail(

@@ -63,6 +63,55 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None) -> tuple[fl
     return theta, params
 
 
+#: where an image-text checkpoint (Gemma 3 4B and up, Mistral 3) keeps its language model's tensors,
+#: and the name each has in a text checkpoint
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("language_model.", ""),
+)
+#: the other towers of such a checkpoint: not loaded (astrai serves its text model)
+_OTHER_TOWERS = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _text_name(name: str) -> str | None:
+    """A tensor's name in the text model it belongs to; None for another tower's tensor."""
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, text in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return text + name[len(prefix) :]
+    return name
+
+
+def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of an image-text checkpoint's ``config.json`` (its ``text_config``,
+    with the ids and tying the outer config states); ``cfg`` itself for a text model."""
+    inner = cfg.get("text_config")
+    if not isinstance(inner, dict) or "hidden_size" in cfg:
+        return cfg
+    text = dict(inner)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if key not in text and key in cfg:
+            text[key] = cfg[key]
+    if "model_type" not in text:
+        raise ModelNotFound(
+            f"an image-text config of model_type {cfg.get('model_type')!r} without a text model_type"
+        )
+    logger.info(
+        "%s is an image-text checkpoint: serving its %s text model (its other towers are not loaded)",
+        cfg.get("model_type"),
+        text["model_type"],
+    )
+    return text
+
+
 def _normalized(cfg: dict[str, Any]) -> dict[str, Any]:
     """``config.json`` as transformers' config class for its ``model_type`` reads it (defaults filled,
     ``layer_types`` and per-layer-type ``rope_parameters`` derived from older spellings), for the
@@ -114,6 +163,7 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
     no ``astrai.models`` entry point provides, or a missing required key; ModelFormatError for
     a size that is not a number (the sizes' own checks are ``check_model``'s).
     """
+    cfg = text_model_config(cfg)
     arch = cfg.get("model_type")
     architecture = get_architecture(arch, f"{folder}: model_type")
     try:
@@ -195,17 +245,20 @@ def hf_header(folder: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
     for file, names in _shards(folder).items():
         with _open_shard(folder / file) as f:
             present = set(f.keys())
-            for name in names:
-                if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved
+            for stored in names:
+                name = _text_name(stored)
+                if name is None or name.endswith("rotary_emb.inv_freq"):  # (a buffer older ones saved)
                     continue
-                if name not in present:
-                    raise ModelFormatError(f"{folder / file}: no tensor {name!r} (the index lists it there)")
-                part = f.get_slice(name)
+                if stored not in present:
+                    raise ModelFormatError(
+                        f"{folder / file}: no tensor {stored!r} (the index lists it there)"
+                    )
+                part = f.get_slice(stored)
                 shape, kind = tuple(part.get_shape()), part.get_dtype()
                 pieces = unfuse(name, shape[0], parts) if shape else None
                 for piece, rows in pieces or [(name, slice(0, shape[0] if shape else 0))]:
                     cut = shape if pieces is None else (rows.stop - rows.start, *shape[1:])
-                    tensors[piece] = TensorInfo(name, cut, math.prod(cut) * _DTYPE_BYTES.get(kind, 4), kind)
+                    tensors[piece] = TensorInfo(stored, cut, math.prod(cut) * _DTYPE_BYTES.get(kind, 4), kind)
     if "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
     elif config.tie_word_embeddings:
@@ -227,13 +280,14 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
     with bar:
         for file, names in shards.items():
             with safe_open(folder / file, framework="pt") as f:
-                for name in names:
+                for stored in names:
                     bar.update()
-                    if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved
+                    name = _text_name(stored)
+                    if name is None or name.endswith("rotary_emb.inv_freq"):  # (a buffer older ones saved)
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some exporters save the tied copy too
-                    t = f.get_tensor(name).to(dtype)
+                    t = f.get_tensor(stored).to(dtype)
                     pieces = unfuse(name, t.shape[0], parts) if t.dim() else None
                     for piece, rows in pieces or [(name, slice(None))]:
                         state[piece] = to_rope_layout(piece, t[rows], config)
