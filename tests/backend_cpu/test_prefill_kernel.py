@@ -1,4 +1,5 @@
-"""``astrai_cpu::prefill_attention``: causal attention of fresh prompts, against float64 and SDPA."""
+"""``astrai_cpu::prefill_attention``: causal attention of fresh prompts, against float64 and SDPA; in
+sliding windows too."""
 
 from __future__ import annotations
 
@@ -51,16 +52,19 @@ def scattered_pool(keys: list[torch.Tensor], values: list[torch.Tensor], seed=0)
     return k_buf, v_buf, table
 
 
-def kernel(q, k_buf, v_buf, table, chunks, scale):
+def kernel(q, k_buf, v_buf, table, chunks, scale, window=0):
     """``chunks``: (req_to_token row, first row of q, rows, prefix) per request."""
     cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*chunks, strict=True)]
-    return torch.ops.astrai_cpu.prefill_attention(q, k_buf, v_buf, table, *cols, scale)
+    return torch.ops.astrai_cpu.prefill_attention(q, k_buf, v_buf, table, *cols, scale, window)
 
 
-def attention(q, k, v, prefix, dtype):
-    """Rows of q at positions prefix.. over keys/values 0..: the float64 (or SDPA bf16) reference."""
+def attention(q, k, v, prefix, dtype, window=0):
+    """Rows of q at positions prefix.. over keys/values 0.. (in a sliding window: the last ``window``
+    positions up to their own): the float64 (or SDPA bf16) reference."""
     n, total = q.shape[0], k.shape[0]
     allowed = torch.arange(total)[None, :] <= (prefix + torch.arange(n))[:, None]
+    if window:
+        allowed &= torch.arange(total)[None, :] > (prefix + torch.arange(n))[:, None] - window
     return F.scaled_dot_product_attention(
         *(x.to(dtype).transpose(0, 1)[None] for x in (q, k, v)),
         attn_mask=allowed,
@@ -87,6 +91,45 @@ def test_matches_float64_as_closely_as_sdpa(n, prefix, hq, hkv, d):
     assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
 
 
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize(
+    ("n", "prefix", "window"),
+    [
+        (40, 0, 1),
+        (40, 0, 8),
+        (100, 0, 33),
+        (257, 0, 64),
+        (9, 100, 20),
+        (40, 32, 40),
+        (100, 500, 100),
+        (33, 64, 97),
+    ],
+)
+def test_windowed_matches_float64_as_closely_as_sdpa(n, prefix, window, hq, hkv, d):
+    """Sliding windows: of one position, inside a 32-key block, across blocks, starting in the cached
+    prefix (only the keys from the first one row 0 sees are packed)."""
+    q, k, v = qkv_slices(prefix + n, hq, hkv, d, seed=n + window + d + prefix)
+    k_buf, v_buf, table = scattered_pool([k], [v])
+    got = kernel(q[prefix:], k_buf, v_buf, table, [(0, 0, n, prefix)], d**-0.5, window)
+    want = attention(q[prefix:], k, v, prefix, torch.float64, window)
+    err = (got.double() - want).abs().max().item()
+    sdpa_err = (
+        (attention(q[prefix:], k, v, prefix, torch.bfloat16, window).double() - want).abs().max().item()
+    )
+    assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
+
+
+def test_a_window_wider_than_every_request_is_no_window():
+    shapes = [(0, 37), (64, 16), (200, 9)]  # (prefix, rows)
+    qs, ks, vs = zip(*(qkv_slices(p + n, 9, 3, 64, seed=i) for i, (p, n) in enumerate(shapes)), strict=True)
+    k_buf, v_buf, table = scattered_pool(list(ks), list(vs), seed=2)
+    q = torch.cat([qq[p:] for qq, (p, _) in zip(qs, shapes, strict=True)])
+    chunks = [(0, 0, 37, 0), (1, 37, 16, 64), (2, 53, 9, 200)]
+    plain = kernel(q, k_buf, v_buf, table, chunks, 0.125)
+    assert torch.equal(kernel(q, k_buf, v_buf, table, chunks, 0.125, window=209), plain)
+    assert not torch.equal(kernel(q, k_buf, v_buf, table, chunks, 0.125, window=208), plain)
+
+
 def test_a_ragged_step_is_each_chunk_alone():
     """Chunks of several requests (fresh and after a prefix) in one call: each is, bit for bit,
     its own call; rows of q that no chunk lists are left to the caller."""
@@ -100,10 +143,11 @@ def test_a_ragged_step_is_each_chunk_alone():
     for i, (p, n) in enumerate(shapes):
         chunks.append((i, row, n, p))
         row += n
-    together = kernel(q, k_buf, v_buf, table, chunks, 0.125)
-    for i, (r, q0, n, p) in enumerate(chunks):
-        alone = kernel(q[q0 : q0 + n], k_buf, v_buf, table, [(r, 0, n, p)], 0.125)
-        assert torch.equal(together[q0 : q0 + n], alone), i
+    for window in (0, 24):
+        together = kernel(q, k_buf, v_buf, table, chunks, 0.125, window)
+        for i, (r, q0, n, p) in enumerate(chunks):
+            alone = kernel(q[q0 : q0 + n], k_buf, v_buf, table, [(r, 0, n, p)], 0.125, window)
+            assert torch.equal(together[q0 : q0 + n], alone), (window, i)
 
 
 def test_a_row_never_sees_later_keys():
@@ -125,6 +169,8 @@ def test_refuses_what_it_does_not_compute():
         kernel(q32, *scattered_pool([k32], [v32]), [(0, 0, 4, 0)], 0.125)
     with pytest.raises(RuntimeError, match="multiple of Hkv"):
         kernel(q[:, :3], k_buf, v_buf, table, [(0, 0, 4, 0)], 0.125)
+    with pytest.raises(RuntimeError, match="window must be in"):
+        kernel(q, k_buf, v_buf, table, [(0, 0, 4, 0)], 0.125, window=-1)
     with pytest.raises(RuntimeError, match="outside q or req_to_token"):
         kernel(q, k_buf, v_buf, table, [(0, 2, 4, 0)], 0.125)
     table[0, 1] = 10_000
