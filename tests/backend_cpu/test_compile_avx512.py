@@ -4,7 +4,8 @@ That code (the prefill kernel, the bf16 GEMM and quantized linears, paged decode
 built only where the CPU has the instructions (``-march=native``), so on other machines neither the
 build nor the other tests see it. ``python -m astrai_backend_cpu.compile_check`` compiles it with the
 build's flags for a Sapphire Rapids target; it does not run it (that needs such a CPU: the tests of
-the prefill kernel, the linears and the decode stack run there).
+the prefill kernel, the linears and the decode stack run there; the prefill kernel's also run here
+on an emulation of its intrinsics, ``test_prefill_kernel.py``).
 """
 
 from __future__ import annotations
