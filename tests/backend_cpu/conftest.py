@@ -62,3 +62,34 @@ def in_force(cpu_kernels):
     from astrai.extension.backend.policy import get_registry
 
     return get_registry().kernels.for_device("cpu")
+
+
+@pytest.fixture(scope="session")
+def avx512_emulated(tmp_path_factory):
+    """``torch.ops.astrai_cpu_avx512_emu``: csrc/prefill.cpp's AVX512-BF16 kernel compiled for this
+    machine with its intrinsics emulated (``avx512_emu/``), so that it runs on any x86-64 CPU; skips
+    without a C++ compiler or off x86-64."""
+    import os
+    import platform
+    import shutil
+
+    import torch
+    from torch.utils.cpp_extension import load
+
+    from astrai_backend_cpu.build import CXX_FLAGS, SOURCES
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("the AVX-512 emulation builds with a C++ compiler for x86-64")
+    emu = Path(__file__).parent / "avx512_emu"
+    load(
+        name="astrai_cpu_avx512_emu",
+        sources=[str(emu / "prefill_emu.cpp")],
+        extra_include_paths=[str(emu), str(SOURCES[0].parent)],
+        # the build's flags for this machine's baseline (its -march=native would not matter: the
+        # kernel's instructions are emulated), warnings about 512-bit vectors' ABI off
+        extra_cflags=[f for f in CXX_FLAGS if not f.startswith("-march")] + ["-Wno-psabi"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path_factory.mktemp("avx512-emu")),
+        is_python_module=False,
+    )
+    return torch.ops.astrai_cpu_avx512_emu

@@ -48,6 +48,56 @@ def test_mixed_step_decodes_on_the_kernel_the_rest_on_prefill_attention_or_torch
         assert plan.native.fresh == ((1, 23),) and plan.native.prefill is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [1, 50, 128, 200, 5000])
+def test_windowed_decode_rows_match_the_reference(dtype, window):
+    """A sliding window (of one position, inside the kernel's 128-position work items, across them,
+    wider than every request): paged_decode from each request's first position in it."""
+    prefix = [0, 126, 127, 128, 299, 40, 7]
+    kv = run_and_check(
+        [1] * 7, prefix, 2, 3, 64, dtype, seed=window, layers=(0, 1), backend=CpuBackend(), window=window
+    )
+    assert kv.plan["cpu"].tok_rows is None  # every row on the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (16, 0.0), (100, 0.0), (0, 2.0), (16, 2.0)])
+def test_windowed_and_softcapped_mixed_steps_match_the_reference(dtype, window, softcap):
+    """Decode rows on paged_decode (a window's first positions), the others on prefill_attention
+    (AVX512-BF16 builds: it takes the window) or torch_native's windowed plans; soft-capped layers as
+    torch_native."""
+    q_lens, prefix = [1, 23, 1, 70, 1, 1, 5, 1], [30, 0, 200, 9, 0, 61, 4, 7]
+    run_and_check(
+        q_lens,
+        prefix,
+        2,
+        3,
+        64,
+        dtype,
+        seed=window + 10,
+        layers=(0, 1),
+        backend=CpuBackend(),
+        window=window,
+        softcap=softcap,
+    )
+
+
+def test_a_window_start_is_a_table_row_that_starts_there():
+    """paged_decode from ``starts[b]`` is, bit for bit, the same request with its table row cut
+    there: work items are counted from the first position attended."""
+    gen = torch.Generator().manual_seed(6)
+    kv, _ = make_step([1] * 4, [700, 5, 129, 300], 3, 64, torch.bfloat16, gen)
+    q = torch.randn(4, 9, 64, generator=gen).bfloat16()
+    starts = (kv.seq_lens - 200).clamp(min=0)
+    args = (kv.k_buffer[0], kv.v_buffer[0])
+    windowed = paged_decode(q, *args, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, 0.125, starts)
+    for b in range(4):
+        row, s = int(kv.req_pool_indices[b]), int(starts[b])
+        cut = kv.req_to_token[row : row + 1, s:].contiguous()
+        alone = paged_decode(q[b : b + 1], *args, cut, torch.tensor([0]), kv.seq_lens[b : b + 1] - s, 0.125)
+        assert torch.equal(alone[0], windowed[b])
+
+
 def test_prefill_only_step_is_torch_native():
     kv = run_and_check([12, 30], [0, 9], 1, 3, 64, torch.float32, seed=3, backend=CpuBackend())
     assert kv.plan["cpu"].native.decode is None

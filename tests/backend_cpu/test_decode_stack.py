@@ -29,9 +29,10 @@ pytestmark = [
 ]
 
 
-def bf16_model(layers=3, bias=False, fuse=True, seed=0, dtype=torch.bfloat16):
-    """A seeded random tiny Llama, projections fused and (bf16) linears packed as load_model leaves them."""
-    cfg = dataclasses.replace(tiny_config(), num_hidden_layers=layers, attention_bias=bias)
+def bf16_model(layers=3, bias=False, fuse=True, seed=0, dtype=torch.bfloat16, **options):
+    """A seeded random tiny Llama, projections fused and (bf16) linears packed as load_model leaves them;
+    ``options``: more ``ModelConfig`` fields (a sliding window)."""
+    cfg = dataclasses.replace(tiny_config(), num_hidden_layers=layers, attention_bias=bias, **options)
     model = build_model(cfg, dtype)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -146,6 +147,44 @@ def test_bit_for_bit_the_layers_result(spy, batch, bias, paged):
     rows, tokens = prefill(model, pool, prompts)
     lens = [len(p) for p in prompts]
     for _ in range(3):  # a few steps, the last ones on K/V the stack itself wrote
+        got, want = both_ways(model, pool, rows, tokens, lens, spy)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        tokens, lens = got[0].argmax(-1).tolist(), [n + 1 for n in lens]
+    release(pool, rows)
+
+
+WINDOWS = {
+    # Mistral: every layer in one window
+    "mistral-window-24": {"architecture": "mistral", "sliding_window": 24},
+    # Ministral: windowed and global layers, a window of one position
+    "ministral-window-1": {
+        "architecture": "ministral",
+        "sliding_window": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
+    "ministral-window-40": {
+        "architecture": "ministral",
+        "sliding_window": 40,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+    },
+}
+
+
+@pytest.mark.parametrize("options", list(WINDOWS.values()), ids=list(WINDOWS))
+def test_sliding_windows_bit_for_bit_the_layers_result(spy, options):
+    """Windowed layers: paged_decode from each request's first position in the layer's window, as the
+    cpu backend's decode rows (prompts of up to 150 tokens reach past it)."""
+    model = bf16_model(**options)
+    assert model.decoder_stack().windows == tuple(
+        a.window for a in (lay.self_attn for lay in model.model.layers)
+    )
+    pool = new_pool(model)
+    gen = torch.Generator().manual_seed(len(options))
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in (1, 23, 24, 25, 150)]
+    rows, tokens = prefill(model, pool, prompts)
+    lens = [len(p) for p in prompts]
+    for _ in range(3):
         got, want = both_ways(model, pool, rows, tokens, lens, spy)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)

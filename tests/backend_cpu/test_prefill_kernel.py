@@ -1,4 +1,11 @@
-"""``astrai_cpu::prefill_attention``: causal attention of fresh prompts, against float64 and SDPA."""
+"""``astrai_cpu::prefill_attention``: causal attention of fresh prompts, against float64 and SDPA; in
+sliding windows too.
+
+The kernel is AVX512-BF16 code: each kernel test runs on the build (``avx512``, on CPUs with those
+instructions) and on ``emulated``, the same source compiled for this machine with its intrinsics
+emulated in C++ (``avx512_emu/``), which runs anywhere (slowly) and checks the kernel's logic, not
+the compiler's code for the real instructions.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +22,29 @@ from astrai.kvcache import KVConfig, PagePool, assert_nothing_held
 from astrai.model import build_model
 from astrai.model.cpu_linear import prepack_linears
 
-pytestmark = [
-    pytest.mark.usefixtures("cpu_kernels"),
-    pytest.mark.skipif(
-        not torch.cpu._is_avx512_bf16_supported(),
-        reason="the prefill kernel is built for AVX512-BF16; this CPU has none (SDPA runs instead)",
-    ),
-]
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+no_avx512_bf16 = pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(),
+    reason="the prefill kernel is built for AVX512-BF16; this CPU has none (SDPA runs instead)",
+)
+
+
+@pytest.fixture(params=["avx512", "emulated"])
+def kernel(request):
+    """``kernel(q, k_buf, v_buf, table, chunks, scale, window=0)`` on the build's prefill_attention or
+    on the emulated one; ``chunks``: (req_to_token row, first row of q, rows, prefix) per request."""
+    if request.param == "avx512":
+        if not torch.cpu._is_avx512_bf16_supported():
+            pytest.skip("the prefill kernel is built for AVX512-BF16; this CPU has none (SDPA runs instead)")
+        op = torch.ops.astrai_cpu.prefill_attention
+    else:
+        op = request.getfixturevalue("avx512_emulated").prefill_attention
+
+    def call(q, k_buf, v_buf, table, chunks, scale, window=0):
+        cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*chunks, strict=True)]
+        return op(q, k_buf, v_buf, table, *cols, scale, window)
+
+    return call
 
 
 def qkv_slices(n, hq, hkv, d, seed):
@@ -51,16 +74,13 @@ def scattered_pool(keys: list[torch.Tensor], values: list[torch.Tensor], seed=0)
     return k_buf, v_buf, table
 
 
-def kernel(q, k_buf, v_buf, table, chunks, scale):
-    """``chunks``: (req_to_token row, first row of q, rows, prefix) per request."""
-    cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*chunks, strict=True)]
-    return torch.ops.astrai_cpu.prefill_attention(q, k_buf, v_buf, table, *cols, scale)
-
-
-def attention(q, k, v, prefix, dtype):
-    """Rows of q at positions prefix.. over keys/values 0..: the float64 (or SDPA bf16) reference."""
+def attention(q, k, v, prefix, dtype, window=0):
+    """Rows of q at positions prefix.. over keys/values 0.. (in a sliding window: the last ``window``
+    positions up to their own): the float64 (or SDPA bf16) reference."""
     n, total = q.shape[0], k.shape[0]
     allowed = torch.arange(total)[None, :] <= (prefix + torch.arange(n))[:, None]
+    if window:
+        allowed &= torch.arange(total)[None, :] > (prefix + torch.arange(n))[:, None] - window
     return F.scaled_dot_product_attention(
         *(x.to(dtype).transpose(0, 1)[None] for x in (q, k, v)),
         attn_mask=allowed,
@@ -74,7 +94,7 @@ def attention(q, k, v, prefix, dtype):
     ("n", "prefix"),
     [(1, 0), (7, 0), (8, 0), (9, 0), (31, 0), (33, 0), (257, 0), (2, 16), (40, 32), (9, 100), (100, 5)],
 )
-def test_matches_float64_as_closely_as_sdpa(n, prefix, hq, hkv, d):
+def test_matches_float64_as_closely_as_sdpa(kernel, n, prefix, hq, hkv, d):
     """One chunk of n rows after `prefix` cached positions, K/V scattered over the pool."""
     q, k, v = qkv_slices(prefix + n, hq, hkv, d, seed=n * hq + d + prefix)
     k_buf, v_buf, table = scattered_pool([k], [v])
@@ -87,7 +107,46 @@ def test_matches_float64_as_closely_as_sdpa(n, prefix, hq, hkv, d):
     assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
 
 
-def test_a_ragged_step_is_each_chunk_alone():
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize(
+    ("n", "prefix", "window"),
+    [
+        (40, 0, 1),
+        (40, 0, 8),
+        (100, 0, 33),
+        (257, 0, 64),
+        (9, 100, 20),
+        (40, 32, 40),
+        (100, 500, 100),
+        (33, 64, 97),
+    ],
+)
+def test_windowed_matches_float64_as_closely_as_sdpa(kernel, n, prefix, window, hq, hkv, d):
+    """Sliding windows: of one position, inside a 32-key block, across blocks, starting in the cached
+    prefix (only the keys from the first one row 0 sees are packed)."""
+    q, k, v = qkv_slices(prefix + n, hq, hkv, d, seed=n + window + d + prefix)
+    k_buf, v_buf, table = scattered_pool([k], [v])
+    got = kernel(q[prefix:], k_buf, v_buf, table, [(0, 0, n, prefix)], d**-0.5, window)
+    want = attention(q[prefix:], k, v, prefix, torch.float64, window)
+    err = (got.double() - want).abs().max().item()
+    sdpa_err = (
+        (attention(q[prefix:], k, v, prefix, torch.bfloat16, window).double() - want).abs().max().item()
+    )
+    assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
+
+
+def test_a_window_wider_than_every_request_is_no_window(kernel):
+    shapes = [(0, 37), (64, 16), (200, 9)]  # (prefix, rows)
+    qs, ks, vs = zip(*(qkv_slices(p + n, 9, 3, 64, seed=i) for i, (p, n) in enumerate(shapes)), strict=True)
+    k_buf, v_buf, table = scattered_pool(list(ks), list(vs), seed=2)
+    q = torch.cat([qq[p:] for qq, (p, _) in zip(qs, shapes, strict=True)])
+    chunks = [(0, 0, 37, 0), (1, 37, 16, 64), (2, 53, 9, 200)]
+    plain = kernel(q, k_buf, v_buf, table, chunks, 0.125)
+    assert torch.equal(kernel(q, k_buf, v_buf, table, chunks, 0.125, window=209), plain)
+    assert not torch.equal(kernel(q, k_buf, v_buf, table, chunks, 0.125, window=208), plain)
+
+
+def test_a_ragged_step_is_each_chunk_alone(kernel):
     """Chunks of several requests (fresh and after a prefix) in one call: each is, bit for bit,
     its own call; rows of q that no chunk lists are left to the caller."""
     shapes = [(0, 37), (64, 16), (5, 1), (0, 130), (200, 9)]  # (prefix, rows)
@@ -100,13 +159,14 @@ def test_a_ragged_step_is_each_chunk_alone():
     for i, (p, n) in enumerate(shapes):
         chunks.append((i, row, n, p))
         row += n
-    together = kernel(q, k_buf, v_buf, table, chunks, 0.125)
-    for i, (r, q0, n, p) in enumerate(chunks):
-        alone = kernel(q[q0 : q0 + n], k_buf, v_buf, table, [(r, 0, n, p)], 0.125)
-        assert torch.equal(together[q0 : q0 + n], alone), i
+    for window in (0, 24):
+        together = kernel(q, k_buf, v_buf, table, chunks, 0.125, window)
+        for i, (r, q0, n, p) in enumerate(chunks):
+            alone = kernel(q[q0 : q0 + n], k_buf, v_buf, table, [(r, 0, n, p)], 0.125, window)
+            assert torch.equal(together[q0 : q0 + n], alone), (window, i)
 
 
-def test_a_row_never_sees_later_keys():
+def test_a_row_never_sees_later_keys(kernel):
     """Causal and block-exact: the first m rows of a prompt are, bit for bit, the m-row prompt's."""
     q, k, v = qkv_slices(70, 9, 3, 64, seed=1)
     k_buf, v_buf, table = scattered_pool([k], [v])
@@ -115,7 +175,7 @@ def test_a_row_never_sees_later_keys():
         assert torch.equal(kernel(q[:m], k_buf, v_buf, table, [(0, 0, m, 0)], 0.125), whole[:m])
 
 
-def test_refuses_what_it_does_not_compute():
+def test_refuses_what_it_does_not_compute(kernel):
     q, k, v = qkv_slices(4, 4, 2, 64, seed=0)
     k_buf, v_buf, table = scattered_pool([k], [v])
     with pytest.raises(RuntimeError, match="bf16 only"):
@@ -125,6 +185,8 @@ def test_refuses_what_it_does_not_compute():
         kernel(q32, *scattered_pool([k32], [v32]), [(0, 0, 4, 0)], 0.125)
     with pytest.raises(RuntimeError, match="multiple of Hkv"):
         kernel(q[:, :3], k_buf, v_buf, table, [(0, 0, 4, 0)], 0.125)
+    with pytest.raises(RuntimeError, match="window must be in"):
+        kernel(q, k_buf, v_buf, table, [(0, 0, 4, 0)], 0.125, window=-1)
     with pytest.raises(RuntimeError, match="outside q or req_to_token"):
         kernel(q, k_buf, v_buf, table, [(0, 2, 4, 0)], 0.125)
     table[0, 1] = 10_000
@@ -132,6 +194,7 @@ def test_refuses_what_it_does_not_compute():
         kernel(q, k_buf, v_buf, table, [(0, 0, 4, 0)], 0.125)
 
 
+@no_avx512_bf16
 def test_model_prefill_on_the_kernels_is_as_close_to_float32_as_torch_native():
     """A bf16 model with head dim 64: a ragged step of fresh prompts, then one of chunks after them
     (and a decode row). Its logits under ``cpu`` (the kernels) are as close to the same weights'

@@ -74,8 +74,8 @@ class Emulator:
     def __init__(self, lib_path: Path) -> None:
         self.lib = ctypes.CDLL(str(lib_path))
         # argument types, one letter each: i int, l int64, p pointer, f float (see emu/capi.cpp)
-        self.lib.emu_paged_decode.argtypes = _argtypes("ipllpllpllppplppppppiiiiiiif")
-        self.lib.emu_paged_prefill.argtypes = _argtypes("ipllppplpppppplliiiif")
+        self.lib.emu_paged_decode.argtypes = _argtypes("ipllpllpllppplppppppiiiiiiifif")
+        self.lib.emu_paged_prefill.argtypes = _argtypes("ipllppplpppppplliiiifif")
         self.lib.emu_rotary.argtypes = _argtypes("ipllppllliii")
         self.lib.emu_last_error.restype = ctypes.c_char_p
 
@@ -101,6 +101,8 @@ class Emulator:
         ml_part,
         out,
         scale,
+        window=0,
+        softcap=0.0,
     ):
         k, v = k_buffer[layer_id], v_buffer[layer_id]
         err = self.lib.emu_paged_decode(
@@ -132,6 +134,8 @@ class Emulator:
             num_splits,
             o_part.shape[2],
             scale,
+            window,
+            softcap,
         )
         self._check(err, "attn_paged_decode")
         return out
@@ -150,6 +154,8 @@ class Emulator:
         q_tile_to_index,
         scale,
         out=None,
+        window=0,
+        softcap=0.0,
     ):
         out = torch.empty_like(q) if out is None else out
         k, v = k_buffer[layer_id], v_buffer[layer_id]
@@ -175,6 +181,8 @@ class Emulator:
             k.shape[1],
             q.shape[2],
             scale,
+            window,
+            softcap,
         )
         self._check(err, "attn_paged_prefill")
         return out

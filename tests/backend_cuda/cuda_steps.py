@@ -16,7 +16,7 @@ import torch
 
 from astrai.kvcache.cache import KVCache
 from astrai_backend_cuda import reference
-from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, PREFILL_Q_TILE, decode_split_range
+from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, PREFILL_Q_TILE, decode_split_range, window_start
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -122,13 +122,23 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_decode(
-    impl, kv: KVCache, q, k, v, num_splits: int, max_len: int | None = None, layer: int = 1
+    impl,
+    kv: KVCache,
+    q,
+    k,
+    v,
+    num_splits: int,
+    max_len: int | None = None,
+    layer: int = 1,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> dict:
     """``impl.attn_paged_decode`` against the reference on clones of one step; returns error stats.
 
     Poisons every partial slot and the output first: slots ``< num_splits`` must be written,
     those above left alone. Asserts the pool writes are exact, the partials within
-    PARTIAL_TOL, empty splits (0, -inf), and the output within ``output_bound``.
+    PARTIAL_TOL, empty splits (0, -inf), and the output within ``output_bound``. ``window`` and
+    ``softcap`` go to both (0: off).
     """
     max_len = kv.max_len if max_len is None else max_len
     mine, ref = clone_step(kv), clone_step(kv)
@@ -153,6 +163,8 @@ def check_decode(
             s.decode_ml_part,
             s.decode_out,
             scale,
+            window,
+            softcap,
         )
     assert _same(mine.k_buffer, ref.k_buffer) and _same(mine.v_buffer, ref.v_buffer), "pool writes differ"
     o_m, o_r = mine.decode_o_part[:, :, :num_splits].cpu(), ref.decode_o_part[:, :, :num_splits].cpu()
@@ -173,8 +185,9 @@ def check_decode(
     return {"o_part": o_err, "ml_part": ml_err, "out": out_err}
 
 
-def check_prefill(impl, kv: KVCache, q, k, v, layer: int = 0) -> dict:
-    """``impl.attn_paged_prefill`` (K/V written first) against the reference; every row must be written."""
+def check_prefill(impl, kv: KVCache, q, k, v, layer: int = 0, window: int = 0, softcap: float = 0.0) -> dict:
+    """``impl.attn_paged_prefill`` (K/V written first) against the reference; every row must be written.
+    ``window`` and ``softcap`` go to both (0: off)."""
     kv = clone_step(kv)
     kv.k_buffer[layer].index_copy_(0, kv.out_cache_loc, k)
     kv.v_buffer[layer].index_copy_(0, kv.out_cache_loc, v)
@@ -195,6 +208,8 @@ def check_prefill(impl, kv: KVCache, q, k, v, layer: int = 0) -> dict:
             kv.q_tile_to_index,
             scale,
             out,
+            window,
+            softcap,
         )
         outs.append(out.float().cpu())
     assert not outs[0].isnan().any(), "a query row was not written"
@@ -213,17 +228,24 @@ def check_rotary(impl, x: torch.Tensor, freqs: torch.Tensor, in_place: bool) -> 
     return {"out": err}
 
 
-def split_partial(kv: KVCache, q, layer: int, b: int, h: int, start: int, end: int, scale: float):
-    """Float64 ``(o, lse)`` of query head ``h`` of request ``b`` over positions ``[start, end)``."""
+def split_partial(
+    kv: KVCache, q, layer: int, b: int, h: int, start: int, end: int, scale: float, softcap: float = 0.0
+):
+    """Float64 ``(o, lse)`` of query head ``h`` of request ``b`` over positions ``[start, end)``, scores
+    soft-capped when ``softcap > 0``."""
     row = int(kv.req_pool_indices[b])
     slots = kv.req_to_token[row, start:end].long()
     group = q.shape[1] // kv.k_buffer.shape[2]
     keys = kv.k_buffer[layer, slots, h // group].double()
     vals = kv.v_buffer[layer, slots, h // group].double()
     scores = keys @ q[b, h].double() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     return torch.softmax(scores, 0) @ vals, torch.logsumexp(scores, 0)
 
 
-def split_ranges(max_len: int, num_splits: int, seq_len: int) -> list[tuple[int, int]]:
-    """Each split's ``[start, end)`` (see ``plan.decode_split_range``)."""
-    return [decode_split_range(max_len, num_splits, s, seq_len) for s in range(num_splits)]
+def split_ranges(max_len: int, num_splits: int, seq_len: int, window: int = 0) -> list[tuple[int, int]]:
+    """Each split's ``[start, end)`` (see ``plan.decode_split_range``) in a sliding window of ``window``
+    (0: none)."""
+    first = window_start(seq_len, window)
+    return [decode_split_range(max_len, num_splits, s, seq_len, first) for s in range(num_splits)]

@@ -4,7 +4,9 @@ Each case runs on the CPU emulator (the kernel sources compiled with g++, the wa
 instructions emulated) and, when a GPU is present, on the real ops. Sizes are chosen not to
 be multiples of the tiles (32 positions in decode, 64 in prefill), and to reach every
 branch: GQA groups from 1 to 16, both head dims and storage types, one split (output
-written directly) and many (combine pass), empty splits, prefix hits.
+written directly) and many (combine pass), empty splits, prefix hits; and sliding windows
+(shorter than a tile, across tiles, wider than the sequence, of one position) with soft-capped
+scores, where a prefill row may see nothing of the first K/V tiles its Q tile loads.
 """
 
 from __future__ import annotations
@@ -39,6 +41,29 @@ def test_decode(kernels, case):
     check_decode(impl, kv, q, k, v, splits, max_len)
 
 
+# id: (prefix_lens, n_heads, n_kv_heads, head_dim, dtype, num_splits, max_len (None: max(seq_lens)),
+#      window, softcap)
+DECODE_WINDOWED = {
+    "window-below-a-tile-one-split": ([0, 37, 300], 9, 3, 64, BF16, 1, 20, 20, 0.0),
+    "window-split-in-three": ([0, 37, 300], 9, 3, 64, BF16, 3, 100, 100, 0.0),
+    "window-splits-from-max-len-many-empty": ([5, 200, 130], 4, 2, 128, BF16, 4, None, 70, 0.0),
+    "window-of-one-position": ([12, 0, 64], 4, 1, 64, FP16, 2, 1, 1, 0.0),
+    "window-wider-than-every-request": ([31, 95], 8, 2, 64, BF16, 2, 96, 500, 0.0),
+    "softcap": ([31, 95, 0], 4, 2, 64, BF16, 2, None, 0, 2.0),
+    "window-and-softcap-group16-fp16": ([70, 33, 250], 16, 1, 128, FP16, 3, 90, 90, 1.5),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_WINDOWED.values()), ids=list(DECODE_WINDOWED))
+def test_decode_windowed(kernels, case):
+    impl, device = kernels
+    prefix, n_heads, n_kv, head_dim, dtype, splits, max_len, window, softcap = case
+    kv, q, k, v = make_step(
+        [1] * len(prefix), prefix, n_heads, n_kv, head_dim, dtype, seed=len(prefix) + window, device=device
+    )
+    check_decode(impl, kv, q, k, v, splits, max_len, window=window, softcap=softcap)
+
+
 def test_decode_strided_new_kv(kernels):
     """new_k/new_v as views of a fused qkv projection (token stride > heads * head_dim)."""
     impl, device = kernels
@@ -63,6 +88,30 @@ def test_prefill(kernels, case):
     q_lens, prefix, n_heads, n_kv, head_dim, dtype = case
     kv, q, k, v = make_step(q_lens, prefix, n_heads, n_kv, head_dim, dtype, seed=sum(q_lens), device=device)
     check_prefill(impl, kv, q, k, v)
+
+
+# id: (q_lens, prefix_lens, n_heads, n_kv_heads, head_dim, dtype, window, softcap)
+PREFILL_WINDOWED = {
+    # rows 64..127 see 20 positions: their first K/V tile (from position 45's) is all masked for the
+    # later rows, whose running max stays -inf through it
+    "fresh-window-below-a-tile": ([130, 5], [0, 0], 4, 2, 64, BF16, 20, 0.0),
+    "prefix-hits-window-across-tiles": ([33, 130], [64, 200], 2, 1, 64, BF16, 70, 0.0),
+    "window-of-a-tile-gqa4-d128": ([65, 3, 100], [0, 100, 300], 8, 2, 128, BF16, 64, 0.0),
+    "window-of-one-position": ([70, 2], [10, 0], 4, 4, 64, FP16, 1, 0.0),
+    "window-wider-than-the-request": ([40, 9], [20, 0], 2, 2, 64, BF16, 1000, 0.0),
+    "softcap": ([70, 1, 5], [0, 40, 0], 4, 2, 64, BF16, 0, 2.0),
+    "window-and-softcap-mixed-decode-rows-fp16": ([1, 1, 20, 90], [50, 3, 0, 77], 4, 4, 128, FP16, 8, 3.0),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFILL_WINDOWED.values()), ids=list(PREFILL_WINDOWED))
+def test_prefill_windowed(kernels, case):
+    impl, device = kernels
+    q_lens, prefix, n_heads, n_kv, head_dim, dtype, window, softcap = case
+    kv, q, k, v = make_step(
+        q_lens, prefix, n_heads, n_kv, head_dim, dtype, seed=sum(q_lens) + window, device=device
+    )
+    check_prefill(impl, kv, q, k, v, window=window, softcap=softcap)
 
 
 def test_prefill_writes_only_listed_tiles(kernels):

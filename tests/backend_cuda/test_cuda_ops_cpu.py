@@ -112,12 +112,13 @@ class CpuCudaBackend(CudaBackend):
         return 132, 3
 
 
-def tiny_llama():
-    """A seeded random 2-layer Llama in bf16 with head_dim 64 and GQA (4 q / 2 kv heads)."""
+def tiny_llama(architecture="llama", **options):
+    """A seeded random 2-layer Llama in bf16 with head_dim 64 and GQA (4 q / 2 kv heads); ``options``:
+    more ``ModelConfig`` fields."""
     from astrai.model import ModelConfig, build_model
 
     config = ModelConfig(
-        architecture="llama",
+        architecture=architecture,
         vocab_size=256,
         hidden_size=256,
         intermediate_size=512,
@@ -129,6 +130,7 @@ def tiny_llama():
         bos_token_id=0,
         eos_token_ids=[1],
         name="tiny-d64",
+        **options,
     )
     gen = torch.Generator().manual_seed(99)
     model = build_model(config, torch.float32)
@@ -136,6 +138,8 @@ def tiny_llama():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+            elif architecture.startswith("gemma"):  # Gemma's norms are (1 + weight)
+                p.zero_()
         model.lm_head.weight.mul_(8.0)  # wide logit gaps: greedy does not hinge on rounding
     return model.to(torch.bfloat16)
 
@@ -187,9 +191,38 @@ def greedy_run(model, prompts, late_prompt, steps=6, forced=None):
     return tokens, logits_seen
 
 
-def test_cuda_backend_drives_a_model_like_torch_native(cpu_ops, monkeypatch):
+WINDOWED = {
+    "llama": {},
+    # every layer in a window of 16 positions: prompts of 33 and 70 tokens reach past it
+    "mistral-window-16": {"architecture": "mistral", "sliding_window": 16},
+    # a sliding layer (window 24) and a global one, scores soft-capped in both
+    "gemma2-window-and-softcap": {
+        "architecture": "gemma2",
+        "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 30.0,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+}
+
+
+@pytest.mark.parametrize("options", list(WINDOWED.values()), ids=list(WINDOWED))
+def test_cuda_backend_drives_a_model_like_torch_native(cpu_ops, monkeypatch, options):
+    """Prefill, decode and mixed steps; sliding-window and soft-capped layers run on the kernels
+    (their window and soft-cap reach the ops), not on a fallback."""
     monkeypatch.setattr(policy, "_registry", BackendRegistry([CpuCudaBackend, TorchNativeBackend]))
-    model = tiny_llama()
+    model = tiny_llama(**options)
+    layer_options = {(a.window, a.softcap) for a in (layer.self_attn for layer in model.model.layers)}
+    seen = []
+    for name in ("attn_paged_decode", "attn_paged_prefill"):
+        real = getattr(ops, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, kwargs["window"], kwargs["softcap"]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (5, 70, 33)]
     late = torch.randint(2, 256, (20,), generator=gen).tolist()
@@ -204,3 +237,5 @@ def test_cuda_backend_drives_a_model_like_torch_native(cpu_ops, monkeypatch):
         clear = top2[:, 0] - top2[:, 1] > 2 * tol
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     assert sum(len(t) for t in tokens) == 3 * 7 + 4
+    for name in ("attn_paged_decode", "attn_paged_prefill"):  # every layer ran on the kernels
+        assert {(w, c) for op, w, c in seen if op == name} == layer_options, name

@@ -46,13 +46,13 @@ class IdTokenizer:
         return "".join(chr(0x41 + i % 26) for i in ids if not (skip_special_tokens and i == 1))
 
 
-@pytest.fixture(scope="session")
-def tiny_half_model():
-    """A seeded random 2-layer Llama in float16 (hidden 64, 4 q / 2 kv heads of 16, vocab 300)."""
+def _tiny_half_model(architecture="llama", **options):
+    """A seeded random 2-layer model in float16 (hidden 64, 4 q / 2 kv heads of 16, vocab 300);
+    ``options``: more ``ModelConfig`` fields."""
     from astrai.model import ModelConfig, build_model
 
     config = ModelConfig(
-        architecture="llama",
+        architecture=architecture,
         vocab_size=300,
         hidden_size=64,
         intermediate_size=128,
@@ -64,6 +64,7 @@ def tiny_half_model():
         bos_token_id=0,
         eos_token_ids=[1],
         name="tiny-fp16",
+        **options,
     )
     gen = torch.Generator().manual_seed(4321)
     model = build_model(config, torch.float16)
@@ -71,8 +72,30 @@ def tiny_half_model():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+            elif architecture.startswith("gemma"):  # Gemma's norms are (1 + weight)
+                p.zero_()
         model.lm_head.weight.mul_(8.0)  # wide logit gaps: greedy tokens survive fp16 summation order
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_half_model():
+    """A seeded random 2-layer Llama in float16 (hidden 64, 4 q / 2 kv heads of 16, vocab 300)."""
+    return _tiny_half_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_windowed_half_model():
+    """The same sizes as Gemma 2: a layer in a sliding window of 100 positions, a global one, scores
+    soft-capped (the prompts of ``test_engine_flash`` reach past the window)."""
+    return _tiny_half_model(
+        "gemma2",
+        sliding_window=100,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0,
+        hidden_act="gelu_pytorch_tanh",
+    )
 
 
 @pytest.fixture

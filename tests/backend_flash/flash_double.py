@@ -8,7 +8,11 @@ dims) and implements what the backend relies on: paged K/V through ``block_table
 in-place append of ``k``/``v`` at ``cache_seqlens``, ragged batches through
 ``cu_seqlens``, grouped-query heads (query head ``h`` reads KV head ``h // group``),
 and the causal mask aligned to the bottom-right corner (query ``i`` of ``n_q`` sees key
-``j`` of ``n_k`` iff ``j <= i + n_k - n_q``; a row that sees nothing outputs zeros).
+``j`` of ``n_k`` iff ``j <= i + n_k - n_q``; a row that sees nothing outputs zeros). Sliding
+windows: with ``window_size=(left, right)`` query ``i`` sees keys ``i + n_k - n_q - left .. i +
+n_k - n_q + right`` inclusive (a negative side: no limit; ``causal`` sets ``right`` to 0, as
+flash_api.cpp does). ``softcap > 0``: the scaled scores become ``softcap * tanh(s / softcap)``
+(flash_api.cpp folds softmax_scale / softcap into the tanh and scales by softcap after).
 Options the backend does not use raise NotImplementedError. Slow (a loop over requests)
 and float32 inside: a reference, not a kernel.
 """
@@ -56,14 +60,31 @@ def _positions(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> tuple[to
     return blocks, pos % page
 
 
-def _attend(q, keys, values, scale: float, causal: bool) -> torch.Tensor:
+def _check_window(window_size) -> tuple[int, int]:
+    left, right = window_size  # flash-attn unpacks a pair of ints
+    _check(isinstance(left, int) and isinstance(right, int), "window_size must be a pair of ints")
+    return left, right
+
+
+def _attend(q, keys, values, scale: float, causal: bool, window_size=(-1, -1), softcap=0.0) -> torch.Tensor:
     """q [n_q, H, D] over keys/values [n_k, Hkv, D] -> [n_q, H, D] float32."""
     n_q, n_k, group = q.shape[0], keys.shape[0], q.shape[1] // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    left, right = window_size
     if causal:
-        allowed = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+        right = 0
+    diagonal = torch.arange(n_q)[:, None] + (n_k - n_q)  # the key aligned with each query
+    cols = torch.arange(n_k)[None, :]
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool)
+    if right >= 0:
+        allowed &= cols <= diagonal + right
+    if left >= 0:
+        allowed &= cols >= diagonal - left
+    if not bool(allowed.all()):
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row outputs zeros
     return torch.einsum("hqk,khd->qhd", probs, values)
@@ -103,11 +124,10 @@ def flash_attn_with_kvcache(
         rotary_cos=(rotary_cos, None),
         cache_batch_idx=(cache_batch_idx, None),
         cache_leftpad=(cache_leftpad, None),
-        window_size=(tuple(window_size), (-1, -1)),
-        softcap=(softcap, 0.0),
         alibi_slopes=(alibi_slopes, None),
         return_softmax_lse=(return_softmax_lse, False),
     )
+    window_size = _check_window(window_size)
     if block_table is None:
         raise NotImplementedError("flash double: only the paged cache (block_table) is implemented")
     _check_common(q, k_cache, v_cache, block_table)
@@ -133,7 +153,7 @@ def flash_attn_with_kvcache(
             k_cache[blocks[start:], offsets[start:]] = k[b]
             v_cache[blocks[start:], offsets[start:]] = v[b]
         keys, values = k_cache[blocks, offsets], v_cache[blocks, offsets]
-        out[b] = _attend(q[b], keys, values, scale, causal).to(q.dtype)
+        out[b] = _attend(q[b], keys, values, scale, causal, window_size, softcap).to(q.dtype)
     return out
 
 
@@ -160,11 +180,10 @@ def flash_attn_varlen_func(
     cu_seqlens_q/k (B + 1,) int32. Returns (total_q, H, D)."""
     _unsupported(
         dropout_p=(dropout_p, 0.0),
-        window_size=(tuple(window_size), (-1, -1)),
-        softcap=(softcap, 0.0),
         alibi_slopes=(alibi_slopes, None),
         return_attn_probs=(return_attn_probs, False),
     )
+    window_size = _check_window(window_size)
     _check_common(q, k, v, block_table)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check(cu.dtype == torch.int32 and cu.is_contiguous(), f"{name} must be contiguous int32")
@@ -192,7 +211,7 @@ def flash_attn_varlen_func(
         else:
             blocks, offsets = _positions(k, block_table[b], k_lens[b])
             keys, values = k[blocks, offsets], v[blocks, offsets]
-        out[q0:q1] = _attend(q[q0:q1], keys, values, scale, causal).to(q.dtype)
+        out[q0:q1] = _attend(q[q0:q1], keys, values, scale, causal, window_size, softcap).to(q.dtype)
     return out
 
 

@@ -103,20 +103,22 @@ def torch_native_twin(kv):
     return dataclasses.replace(kv, k_buffer=kv.k_buffer.clone(), v_buffer=kv.v_buffer.clone(), plan={})
 
 
-def compare_with_torch_native(backend, kv, n_heads, gen, layers=(0, 1)):
+def compare_with_torch_native(backend, kv, n_heads, gen, layers=(0, 1), window=0, softcap=0.0):
     """Run ``backend`` and TorchNativeBackend on the same step, layer after layer; assert they agree.
 
     Both the outputs (bf16/fp16 tolerance: torch_native rounds its prefill probabilities to the
     model dtype, flash-attn keeps them in float32) and the pools after the K/V write (exactly).
+    ``window``/``softcap``: the layers' sliding window and soft-cap (0: none), given to both.
     """
+    options = {"window": window, "softcap": softcap} if window or softcap else {}
     native, native_kv = TorchNativeBackend(), torch_native_twin(kv)
     dtype = kv.k_buffer.dtype
     scale = kv.k_buffer.shape[-1] ** -0.5
     for layer in layers:
         q, k, v = random_qkv(kv, n_heads, gen, dtype)
         assert backend.supports(q, kv) is None
-        out = backend.forward(q, k, v, layer, kv, scale)
-        want = native.forward(q, k, v, layer, native_kv, scale)
+        out = backend.forward(q, k, v, layer, kv, scale, **options)
+        want = native.forward(q, k, v, layer, native_kv, scale, **options)
         assert out.shape == want.shape and out.dtype == dtype
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
         assert torch.equal(kv.k_buffer, native_kv.k_buffer) and torch.equal(kv.v_buffer, native_kv.v_buffer)

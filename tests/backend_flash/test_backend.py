@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import flash_double
 import pytest
 import torch
 from flash_steps import compare_with_torch_native, make_pool, ragged_step, random_qkv, scatter
 
 from astrai_backend_flash import FlashAttnBackend
+from astrai_backend_flash.backend import layer_options
 
 pytestmark = pytest.mark.usefixtures("flash_double")
 
@@ -85,3 +87,52 @@ def test_a_row_that_sees_only_itself_outputs_its_value():
     q, k, v = random_qkv(kv, 2, gen, torch.bfloat16)
     out = FlashAttnBackend().forward(q, k, v, 0, kv, 0.125)
     torch.testing.assert_close(out[0], v[0].expand(2, 64))
+
+
+# id: (q_lens, prefix_lens, hits, window, softcap): each of the backend's modes with sliding windows
+# (of one position, inside a page, across flash-attn's 256-position blocks) and soft-capped scores
+WINDOWED = {
+    "decode-window-100": ([1] * 5, [0, 255, 256, 700, 17], (2,), 100, 0.0),
+    "decode-window-1-softcap": ([1] * 3, [300, 5, 0], (), 1, 2.0),
+    "fresh-window-40": ([40, 1, 260], [0, 0, 0], (), 40, 0.0),
+    "fresh-softcap": ([40, 1, 260], [0, 0, 0], (), 0, 1.5),
+    "paged-window-300-prefix-hits": ([1, 37, 1, 300, 5, 64], [900, 0, 3, 256, 255, 512], (3, 5), 300, 0.0),
+    "paged-window-8-softcap": ([1, 37, 200, 9], [600, 0, 256, 40], (2,), 8, 3.0),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOWED.values()), ids=list(WINDOWED))
+def test_windowed_and_softcapped_layers_match_torch_native(case):
+    q_lens, prefix, hits, window, softcap = case
+    gen = torch.Generator().manual_seed(len(q_lens) + window)
+    pool = make_pool(256, 48, 2, 64, torch.bfloat16, gen)
+    scatter(pool, gen)
+    kv, _ = ragged_step(pool, q_lens, prefix, gen, hits)
+    compare_with_torch_native(FlashAttnBackend(), kv, 4, gen, window=window, softcap=softcap)
+    mode = "decode" if max(q_lens) == 1 else "fresh" if not any(prefix) else "paged"
+    assert kv.plan["flash"].mode == mode
+
+
+def test_layer_options_are_flash_attn_keywords():
+    assert layer_options(0, 0.0) == {}  # a plain layer calls flash-attn exactly as before
+    assert layer_options(4096, 0.0) == {"window_size": (4095, 0)}  # itself and 4095 before it
+    assert layer_options(1, 50.0) == {"window_size": (0, 0), "softcap": 50.0}
+    assert FlashAttnBackend.features == {"window", "softcap"}
+
+
+def test_double_windows_as_flash_attn_documents():
+    """Query ``i`` of ``n_q`` sees keys ``i + n_k - n_q - left .. i + n_k - n_q`` (causal): with equal
+    scores its output is the mean of those keys' one-hot values."""
+    n_q, n_k, left = 3, 7, 2
+    q = torch.zeros(n_q, 1, 8, dtype=torch.bfloat16)
+    k = torch.zeros(n_k, 1, 8, dtype=torch.bfloat16)
+    v = torch.eye(n_k, 8, dtype=torch.bfloat16)[:, None, :]
+    cu_q, cu_k = torch.tensor([0, n_q], dtype=torch.int32), torch.tensor([0, n_k], dtype=torch.int32)
+    out = flash_double.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, n_q, n_k, causal=True, window_size=(left, 0)
+    )
+    for i in range(n_q):
+        seen = range(i + n_k - n_q - left, i + n_k - n_q + 1)
+        want = torch.zeros(8)
+        want[list(seen)] = 1 / len(seen)
+        torch.testing.assert_close(out[i, 0].float(), want, atol=1e-2, rtol=0)

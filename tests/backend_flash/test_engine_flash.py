@@ -49,8 +49,15 @@ def run(engine):
     return [r.output_ids for r in [first, *batch]]
 
 
-@pytest.mark.parametrize("paged", [True, False], ids=["paged256", "contiguous"])
-def test_engine_greedy_tokens_match_torch_native(make_engine, tiny_half_model, paged):
+@pytest.mark.parametrize(
+    ("model", "paged"),
+    [("tiny_half_model", True), ("tiny_half_model", False), ("tiny_windowed_half_model", True)],
+    ids=["paged256", "contiguous", "gemma2-window-softcap-paged256"],
+)
+def test_engine_greedy_tokens_match_torch_native(make_engine, request, model, paged):
+    """The windowed model's engine runs flash (it declares the layers' window and soft-cap): an explicit
+    backend without them would raise."""
+    tiny_half_model = request.getfixturevalue(model)
     config = {
         "max_batch_size": 8,
         "max_seq_len": 512,

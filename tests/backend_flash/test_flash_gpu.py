@@ -47,3 +47,25 @@ def test_kernels_match_torch_native(dtype, head_dim):
         for row in rows:
             pool.task_free(row)
     assert modes == ["paged", "decode", "fresh"]
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(100, 0.0), (1, 0.0), (300, 2.0)], ids=["w100", "w1", "w300-cap2"]
+)
+def test_window_and_softcap_match_torch_native(window, softcap):
+    """flash-attn's window_size=(window - 1, 0) and softcap, in each mode, as torch_native's window and
+    soft-cap (the double was written from their docstrings)."""
+    gen = torch.Generator().manual_seed(window)
+    pool = make_pool(256, 64, 2, 128, torch.bfloat16, gen, device="cuda")
+    scatter(pool, gen)
+    backend = FlashAttnBackend()
+    steps = [
+        ([1, 37, 1, 300, 5, 64], [900, 0, 3, 256, 255, 512], (3, 5)),
+        ([1] * 5, [0, 255, 256, 700, 17], ()),
+        ([40, 1, 260], [0, 0, 0], ()),
+    ]
+    for q_lens, prefix_lens, hits in steps:
+        kv, rows = ragged_step(pool, q_lens, prefix_lens, gen, hits)
+        compare_with_torch_native(backend, kv, 6, gen, window=window, softcap=softcap)
+        for row in rows:
+            pool.task_free(row)

@@ -49,23 +49,43 @@ def make_step(q_lens, prefix_lens, n_kv_heads, head_dim, dtype, gen, n_layers=2)
     return kv, slots
 
 
-def reference(q, k, v, k_old, v_old, slots, q_lens, prefix_lens, scale):
-    """Per request, in float64: cached prefix (read before the call) + new K/V, causal with offset."""
+def reference(q, k, v, k_old, v_old, slots, q_lens, prefix_lens, scale, window=0, softcap=0.0):
+    """Per request, in float64: cached prefix (read before the call) + new K/V, causal with offset;
+    in a sliding window (``window > 0``) position ``p`` sees ``p - window + 1 .. p``; ``softcap > 0``:
+    scores through ``softcap * tanh(s / softcap)``."""
     group = q.shape[1] // k.shape[1]
     outs, row = [], 0
     for s, n, p in zip(slots, q_lens, prefix_lens, strict=True):
         keys = torch.cat([k_old[s[:p]], k[row : row + n]]).double().repeat_interleave(group, dim=1)
         vals = torch.cat([v_old[s[:p]], v[row : row + n]]).double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[row : row + n].double(), keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         allowed = torch.arange(p + n)[None, :] <= (p + torch.arange(n))[:, None]
+        if window:
+            allowed &= torch.arange(p + n)[None, :] > (p + torch.arange(n))[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals))
         row += n
     return torch.cat(outs)
 
 
-def run_and_check(q_lens, prefix_lens, n_kv_heads, group, head_dim, dtype, seed, layers=(1,), backend=None):
-    """``backend`` (default ``TorchNativeBackend()``) against ``reference``; returns the KVCache."""
+def run_and_check(
+    q_lens,
+    prefix_lens,
+    n_kv_heads,
+    group,
+    head_dim,
+    dtype,
+    seed,
+    layers=(1,),
+    backend=None,
+    window=0,
+    softcap=0.0,
+):
+    """``backend`` (default ``TorchNativeBackend()``) against ``reference``, the layers given ``window``
+    and ``softcap`` when set; returns the KVCache."""
+    options = {"window": window, "softcap": softcap} if window or softcap else {}
     gen = torch.Generator().manual_seed(seed)
     kv, slots = make_step(q_lens, prefix_lens, n_kv_heads, head_dim, dtype, gen)
     backend = backend or TorchNativeBackend()
@@ -79,8 +99,10 @@ def run_and_check(q_lens, prefix_lens, n_kv_heads, group, head_dim, dtype, seed,
         k = torch.randn(t, n_kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(t, n_kv_heads, head_dim, generator=gen).to(dtype)
         k_before, v_before = kv.k_buffer.clone(), kv.v_buffer.clone()
-        out = backend.forward(q, k, v, layer, kv, scale)
-        want = reference(q, k, v, k_before[layer], v_before[layer], slots, q_lens, prefix_lens, scale)
+        out = backend.forward(q, k, v, layer, kv, scale, **options)
+        want = reference(
+            q, k, v, k_before[layer], v_before[layer], slots, q_lens, prefix_lens, scale, window, softcap
+        )
         assert out.shape == (t, n_kv_heads * group, head_dim) and out.dtype == dtype
         torch.testing.assert_close(out.double(), want, **tol)
         # K/V landed exactly at out_cache_loc of this layer, and nowhere else.

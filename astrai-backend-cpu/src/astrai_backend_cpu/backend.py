@@ -6,7 +6,10 @@ cores it takes about half the time of torch_native's gather + bmm at batch 8-32 
 fifth at batch 1 (``benchmarks/README.md``). Prefill rows (fresh prompts and chunks after a cached
 prefix) in bf16 with head dim 64 or 128 go to ``astrai_cpu::prefill_attention`` (AVX512-BF16
 builds), which reads each request's K/V from the pool too (4-5x SDPA on a fresh 512-token
-prompt); other dtypes and head dims take torch_native's paths.
+prompt); other dtypes and head dims take torch_native's paths. Both kernels take a sliding window
+(``paged_decode`` as each request's first position, ``prefill_attention`` as the window); where
+the build has no prefill kernel (no AVX512-BF16) windowed prefill rows take torch_native's windowed
+plans. Soft-capped layers run as torch_native.
 """
 
 from __future__ import annotations
@@ -127,8 +130,9 @@ class CpuBackend(TorchNativeBackend):
         self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float, window: int = 0, softcap: float = 0.0
     ) -> torch.Tensor:
         """After torch_native's K/V write: decode rows on ``paged_decode`` (a sliding window as the
-        first position each request attends), the others on ``prefill_attention`` where it runs and
-        the layer has no window, else as torch_native. Soft-capped layers run as torch_native."""
+        first position each request attends), the others on ``prefill_attention`` where it runs (it
+        takes the window), else as torch_native (its windowed plans). Soft-capped layers run as
+        torch_native."""
         if softcap:  # no kernel caps its scores
             return super().attend_step(q, k, v, k_buf, v_buf, kv_cache, scale, window, softcap)
         plan = kv_cache.plan.get(self.name)
@@ -142,9 +146,9 @@ class CpuBackend(TorchNativeBackend):
             )
             if plan.tok_rows is None:  # a pure decode step
                 return decoded
-        if plan.chunks is not None and not window:
+        if plan.chunks is not None:
             out = torch.ops.astrai_cpu.prefill_attention(
-                q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale
+                q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale, window
             )
         else:
             native = (

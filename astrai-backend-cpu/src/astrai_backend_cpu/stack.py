@@ -9,7 +9,9 @@ It runs a step only when the layer-by-layer path would run it on these same kern
 tokens that all decode (no more than its linears' kernels take: ``DecoderLayersKernel``), the step's attention
 backend this plugin's own (``KVCache.backend``), and a model whose ``decoder_stack()``
 describes stock layers with fused projections on bf16 ``PackedLinear``s or GGUF weights kept
-quantized; otherwise it returns ``None`` and the model runs its layers.
+quantized (sliding-window layers included: each layer's window goes to the stack, which starts
+their ``paged_decode`` at each request's first position in it, as the backend's decode rows do);
+otherwise it returns ``None`` and the model runs its layers.
 
 "Tokens that all decode" takes in a speculative verify step whose other rows decode: the CPU
 backend's plan (``backend._cpu_plan``) then lays every token out as a decode row over the
@@ -128,5 +130,6 @@ class DecoderLayersKernel:
             packed,
             biases,
             layouts,
+            list(spec.windows),
         )
         return stack, frozenset(kinds)

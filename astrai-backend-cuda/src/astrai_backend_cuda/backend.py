@@ -7,6 +7,8 @@ size); other steps write K/V with ``index_copy_`` and run ``attn_paged_prefill``
 ``prepare`` fills the ``KVCache`` fields only these kernels read, once per step: the
 prefill tile maps (one host-to-device copy), or slices of split-K scratch allocated once
 per pool. Nothing is gathered, nothing is allocated in decode, the device is never synchronised.
+Sliding-window layers and soft-capped scores (``features``) run on the same kernels, which take
+the layer's window and soft-cap.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class CudaBackend(AttentionBackend):
 
     name = "cuda"
     priority = 10
+    #: Both kernels take a sliding window and a soft-cap (``AttentionBackend.features``).
+    features = frozenset({"window", "softcap"})
     #: Device type of the tensors the ops accept.
     device_type = "cuda"
 
@@ -108,13 +112,25 @@ class CudaBackend(AttentionBackend):
         layer_id: int,
         kv_cache: KVCache,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Decode steps: one fused launch, result in ``kv_cache.decode_out``; others: write, then prefill."""
+        """Decode steps: one fused launch, result in ``kv_cache.decode_out``; others: write, then prefill.
+
+        A sliding-window layer's decode splits its window (``min(max_len, window)`` positions at most),
+        with a split count of its own, chosen once per step and window (``kv_cache.plan["cuda:w<W>"]``).
+        """
         kv = kv_cache
         if q.shape[0] == kv.req_pool_indices.shape[0]:  # T == B: every request brings one token
             if self.name not in kv.plan or kv.decode_o_part is None:  # a direct call, without prepare()
                 self.prepare(q, kv)
-            splits = kv.plan[self.name]
+            max_len, splits = kv.max_len, kv.plan[self.name]
+            if window and window < max_len:
+                max_len, key = window, f"{self.name}:w{window}"
+                if key not in kv.plan:
+                    kv.plan[key] = self._decode_splits(q, kv, max_len)
+                splits = kv.plan[key]
             return ops.attn_paged_decode(
                 q,
                 k,
@@ -126,12 +142,14 @@ class CudaBackend(AttentionBackend):
                 kv.req_pool_indices,
                 kv.seq_lens,
                 kv.out_cache_loc,
-                kv.max_len,
+                max_len,
                 splits,
                 kv.decode_o_part,
                 kv.decode_ml_part,
                 kv.decode_out,
                 scale,
+                window=window,
+                softcap=softcap,
             )
         if kv.q_tile_to_batch is None:  # a direct call, without prepare()
             self.prepare(q, kv)
@@ -149,14 +167,22 @@ class CudaBackend(AttentionBackend):
             kv.q_tile_to_batch,
             kv.q_tile_to_index,
             scale,
+            window=window,
+            softcap=softcap,
         )
 
-    def _decode_splits(self, q: torch.Tensor, kv: KVCache) -> int:
-        """The step's split count, from host facts and the (cached) size of the device."""
+    def _decode_splits(self, q: torch.Tensor, kv: KVCache, max_len: int | None = None) -> int:
+        """The step's split count over ``max_len`` positions at most (default ``kv.max_len``), from host
+        facts and the (cached) size of the device."""
         n_kv = kv.k_buffer.shape[2]
         num_sms, blocks_per_sm = self._device_slots(q, q.shape[1] // n_kv)
         return decode_num_splits(
-            kv.req_pool_indices.shape[0], n_kv, kv.max_len, num_sms, blocks_per_sm, kv.decode_o_part.shape[2]
+            kv.req_pool_indices.shape[0],
+            n_kv,
+            kv.max_len if max_len is None else max_len,
+            num_sms,
+            blocks_per_sm,
+            kv.decode_o_part.shape[2],
         )
 
     def _decode_scratch(

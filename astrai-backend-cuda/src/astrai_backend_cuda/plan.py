@@ -25,18 +25,26 @@ HEAD_DIMS = (64, 128)
 MAX_GROUP = 16
 
 
+def window_start(seq_len: int, window: int) -> int:
+    """The first position a request of ``seq_len`` attends in a sliding window of ``window`` (0: none)."""
+    return max(0, seq_len - window) if window else 0
+
+
 def decode_chunk(max_len: int, num_splits: int) -> int:
     """Positions per split: ``ceil(max_len / num_splits)`` rounded up to ``DECODE_TILE``."""
     return math.ceil(math.ceil(max_len / num_splits) / DECODE_TILE) * DECODE_TILE
 
 
-def decode_split_range(max_len: int, num_splits: int, split: int, seq_len: int) -> tuple[int, int]:
-    """``[start, end)`` positions of ``split`` for a request of ``seq_len``; empty when start >= end.
+def decode_split_range(
+    max_len: int, num_splits: int, split: int, seq_len: int, first: int = 0
+) -> tuple[int, int]:
+    """``[start, end)`` positions of ``split`` for a request of ``seq_len`` attending positions ``first``
+    onwards (a sliding window's first; 0 without one); empty when start >= end.
 
     The last split runs to ``seq_len``, so every position is covered whatever ``max_len`` is.
     """
     chunk = decode_chunk(max_len, num_splits)
-    start = split * chunk
+    start = first + split * chunk
     end = seq_len if split == num_splits - 1 else min(seq_len, start + chunk)
     return start, end
 

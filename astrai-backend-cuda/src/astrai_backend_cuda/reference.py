@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from astrai_backend_cuda.plan import PREFILL_Q_TILE, decode_split_range
+from astrai_backend_cuda.plan import PREFILL_Q_TILE, decode_split_range, window_start
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float):
-    """Float32 attention of ``q [n, Hq, D]`` over ``keys``/``values [L, Hkv, D]`` where ``allowed [n, L]``.
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+):
+    """Float32 attention of ``q [n, Hq, D]`` over ``keys``/``values [L, Hkv, D]`` where ``allowed [n, L]``,
+    scores soft-capped (``softcap * tanh(s / softcap)``) when ``softcap > 0``.
 
     Returns ``(o [n, Hq, D], lse [n, Hq])``; a row with nothing allowed gets ``o = 0``, ``lse = -inf``.
     """
@@ -25,6 +33,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: 
     k = keys.float().repeat_interleave(group, dim=1)
     v = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->nhl", q.float(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
     m = scores.amax(-1, keepdim=True)
     p = torch.exp(scores - torch.where(torch.isinf(m), 0.0, m))
@@ -50,6 +60,8 @@ def attn_paged_decode(
     ml_part,
     out,
     scale,
+    window=0,
+    softcap=0.0,
 ) -> torch.Tensor:
     """Reference of ``ops.attn_paged_decode``: pool write, split-K partials, combine into ``out``."""
     k_layer, v_layer = k_buffer[layer_id], v_buffer[layer_id]
@@ -60,10 +72,11 @@ def attn_paged_decode(
         slots = req_to_token[rows[b], :seq_len].long()
         keys, values = k_layer[slots], v_layer[slots]
         pos = torch.arange(seq_len, device=q.device)
+        first = window_start(seq_len, window)
         for s in range(num_splits):
-            start, end = decode_split_range(max_len, num_splits, s, seq_len)
+            start, end = decode_split_range(max_len, num_splits, s, seq_len, first)
             allowed = ((pos >= start) & (pos < end))[None, :]
-            o, lse = _attend(q[b : b + 1], keys, values, allowed, scale)
+            o, lse = _attend(q[b : b + 1], keys, values, allowed, scale, softcap)
             o_part[b, :, s] = o[0]
             ml_part[b, :, s] = lse[0]
     lse = ml_part[:, :, :num_splits]
@@ -85,8 +98,11 @@ def attn_paged_prefill(
     q_tile_to_index,
     scale,
     out=None,
+    window=0,
+    softcap=0.0,
 ) -> torch.Tensor:
-    """Reference of ``ops.attn_paged_prefill``: causal attention tile by tile, offset ``kv_len - q_len``."""
+    """Reference of ``ops.attn_paged_prefill``: causal attention tile by tile, offset ``kv_len - q_len``
+    (in a sliding window, a row at position ``p`` sees ``p - window + 1 .. p``)."""
     out = torch.empty_like(q) if out is None else out
     k_layer, v_layer = k_buffer[layer_id], v_buffer[layer_id]
     qo, kv, rows = qo_indptr.tolist(), kv_indptr.tolist(), req_pool_indices.tolist()
@@ -97,8 +113,12 @@ def attn_paged_prefill(
             continue  # outside the contract: the kernel writes nothing either
         positions = torch.arange(kv_len - q_len + r0, kv_len - q_len + r1, device=q.device)
         slots = req_to_token[rows[b], : int(positions[-1]) + 1].long()
-        allowed = torch.arange(len(slots), device=q.device)[None, :] <= positions[:, None]
-        o, _ = _attend(q[q_start + r0 : q_start + r1], k_layer[slots], v_layer[slots], allowed, scale)
+        cols = torch.arange(len(slots), device=q.device)[None, :]
+        allowed = cols <= positions[:, None]
+        if window:
+            allowed &= cols > positions[:, None] - window
+        rows_q = q[q_start + r0 : q_start + r1]
+        o, _ = _attend(rows_q, k_layer[slots], v_layer[slots], allowed, scale, softcap)
         out[q_start + r0 : q_start + r1] = o.to(out.dtype)
     return out
 

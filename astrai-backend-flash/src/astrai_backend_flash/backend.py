@@ -11,6 +11,11 @@ A step is one of three shapes (see ``plan.FlashPlan``):
   then ``flash_attn_varlen_func`` over the pool through the block table
   (``cu_seqlens_k = kv_indptr``); causal masks align to the bottom right, so a new token
   at position ``p`` sees positions ``0..p``.
+
+A sliding-window layer passes ``window_size=(window - 1, 0)`` (flash-attn's query at position
+``p`` then sees keys ``p - (window - 1) .. p``, HF's ``sliding_window``) and a soft-capped one
+``softcap`` (flash-attn caps the scaled scores, ``softcap * tanh(s / softcap)``), in every mode;
+layers without them call flash-attn exactly as before.
 """
 
 from __future__ import annotations
@@ -36,6 +41,20 @@ def layout_page_size(kv_cache: KVCache) -> int:
     return getattr(kv_cache, "page_size", 1)
 
 
+def layer_options(window: int, softcap: float) -> dict:
+    """flash-attn's keywords for a layer's sliding window and soft-cap (none when it has neither).
+
+    ``window_size=(left, right)``: with ``causal`` a query at position ``p`` sees keys ``p - left ..
+    p``, so a window of ``window`` positions (itself included) is ``left = window - 1``.
+    """
+    options: dict = {}
+    if window:
+        options["window_size"] = (window - 1, 0)
+    if softcap:
+        options["softcap"] = float(softcap)
+    return options
+
+
 class FlashAttnBackend(AttentionBackend):
     """Attention through flash-attn 2's paged kernels; see ``AttentionBackend.forward``.
 
@@ -46,6 +65,8 @@ class FlashAttnBackend(AttentionBackend):
 
     name = "flash"
     priority = 20
+    #: flash-attn's ``window_size`` and ``softcap`` (``AttentionBackend.features``).
+    features = frozenset({"window", "softcap"})
 
     def __init__(self) -> None:
         self._kernels = flash_kernels.resolve()
@@ -92,11 +113,15 @@ class FlashAttnBackend(AttentionBackend):
         layer_id: int,
         kv_cache: KVCache,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write ``k``/``v`` at ``out_cache_loc`` and attend: ``q [T, Hq, D]`` -> ``[T, Hq, D]``.
 
         Reads the plan ``prepare`` made (a direct call without it plans here).
         """
+        options = layer_options(window, softcap)
         plan = kv_cache.plan.get(self.name)
         if plan is None:
             plan = kv_cache.plan[self.name] = build_plan(kv_cache)
@@ -113,13 +138,16 @@ class FlashAttnBackend(AttentionBackend):
                 block_table=plan.block_table,
                 softmax_scale=scale,
                 causal=True,
+                **options,
             )
             return out.view(n_tok, n_heads, head_dim)
         k_buf.index_copy_(0, kv_cache.out_cache_loc, k)
         v_buf.index_copy_(0, kv_cache.out_cache_loc, v)
         if plan.mode == "fresh":
             qo, max_q = kv_cache.qo_indptr, kv_cache.max_q_len
-            return self._kernels.varlen_func(q, k, v, qo, qo, max_q, max_q, softmax_scale=scale, causal=True)
+            return self._kernels.varlen_func(
+                q, k, v, qo, qo, max_q, max_q, softmax_scale=scale, causal=True, **options
+            )
         return self._kernels.varlen_func(
             q,
             paged_view(k_buf),
@@ -131,4 +159,5 @@ class FlashAttnBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
             block_table=plan.block_table,
+            **options,
         )

@@ -9,7 +9,8 @@
 // result is bit for bit the layer-by-layer one on the same kernels.
 //
 // Built once per model from its weights (the linears already packed for linear_packed, or GGUF
-// weights kept quantized, for quant_linear), then
+// weights kept quantized, for quant_linear) and each layer's sliding window (Mistral, Ministral:
+// paged_decode then starts each request at the first position its window holds), then
 // called once per decode step with the step's pool view. The GIL is released for the call.
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -43,13 +44,16 @@ struct DecodeStack : torch::CustomClassHolder {
   // per packed weight, 7 integers: zeros for the linear_pack layout, else the quant_linear layout
   // (quant.cpp: n, k, bits, group, has_min, f16_scales, signed) of GGUF weights kept quantized
   std::vector<std::vector<int64_t>> layouts;
+  // per layer: its sliding window (0: every position), a request attending from seq_len - window;
+  // empty: no layer has one
+  std::vector<int64_t> windows;
 
   DecodeStack(int64_t n_heads_, int64_t n_kv_heads_, int64_t head_dim_, int64_t intermediate_, double eps_,
               double scale_, std::vector<at::Tensor> norms_, std::vector<at::Tensor> packed_,
-              std::vector<at::Tensor> qkv_bias_, std::vector<int64_t> layouts_)
+              std::vector<at::Tensor> qkv_bias_, std::vector<int64_t> layouts_, std::vector<int64_t> windows_)
       : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(head_dim_), intermediate(intermediate_),
         n_layers(static_cast<int64_t>(norms_.size()) / 2), eps(eps_), scale(scale_), norms(std::move(norms_)),
-        packed(std::move(packed_)), qkv_bias(std::move(qkv_bias_)) {
+        packed(std::move(packed_)), qkv_bias(std::move(qkv_bias_)), windows(std::move(windows_)) {
     TORCH_CHECK(layouts_.empty() || layouts_.size() == 7 * packed.size(),
                 "DecodeStack: no layouts, or 7 integers per packed weight");
     for (size_t i = 0; i < packed.size(); ++i) {
@@ -63,6 +67,9 @@ struct DecodeStack : torch::CustomClassHolder {
                     packed.size() == static_cast<size_t>(4 * n_layers) &&
                     (qkv_bias.empty() || qkv_bias.size() == static_cast<size_t>(n_layers)),
                 "DecodeStack: 2 norms and 4 packed weights per layer, and no qkv bias or one per layer");
+    TORCH_CHECK(windows.empty() || windows.size() == static_cast<size_t>(n_layers),
+                "DecodeStack: no windows, or one per layer");
+    for (const int64_t w : windows) TORCH_CHECK(w >= 0, "DecodeStack: a window must be >= 0 (0: none)");
     for (const auto& t : norms) {
       TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(0) == hidden(),
                   "DecodeStack: norm weights must be contiguous bf16 [hidden]");
@@ -107,6 +114,15 @@ struct DecodeStack : torch::CustomClassHolder {
       TORCH_CHECK(lp[b] >= 0 && lp[b] < size, "DecodeStack.forward: out_loc outside the pool");
     }
     x = x.contiguous();
+    // each window's first positions (seq_len - window, from 0), made once per step and window
+    std::vector<std::pair<int64_t, at::Tensor>> starts;
+    const auto starts_for = [&](int64_t window) -> c10::optional<at::Tensor> {
+      if (window <= 0) return c10::nullopt;
+      for (const auto& [w, t] : starts)
+        if (w == window) return t;
+      starts.emplace_back(window, at::clamp_min(seq_lens.to(at::kLong) - window, 0));
+      return starts.back().second;
+    };
     for (int64_t l = 0; l < n_layers; ++l) {
       const size_t w = 4 * l;
       const c10::optional<at::Tensor> bias = qkv_bias.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_bias[l]);
@@ -123,8 +139,9 @@ struct DecodeStack : torch::CustomClassHolder {
         std::memcpy(kp + lp[b] * kv_row, qkp + b * n_qk + Hq * D, kv_row * sizeof(at::BFloat16));
         std::memcpy(vp + lp[b] * kv_row, qkvp + b * width + n_qk, kv_row * sizeof(at::BFloat16));
       }
+      const c10::optional<at::Tensor> first = starts_for(windows.empty() ? 0 : windows[l]);
       const at::Tensor o = traced("astrai_cpu::paged_decode", [&] {
-        return paged_decode(qk.narrow(1, 0, Hq).contiguous(), k_buf, v_buf, req_to_token, rows, seq_lens, scale);
+        return paged_decode(qk.narrow(1, 0, Hq).contiguous(), k_buf, v_buf, req_to_token, rows, seq_lens, scale, first);
       });
       const at::Tensor attn = linear(w + 1, o.view({B, Hq * D}), hidden(), c10::nullopt);
       // residual add fused with the next norm; SwiGLU MLP; residual add
@@ -143,6 +160,6 @@ struct DecodeStack : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.class_<astrai_cpu::DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>())
       .def("forward", &astrai_cpu::DecodeStack::forward);
 }

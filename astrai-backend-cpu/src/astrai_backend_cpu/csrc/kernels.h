@@ -42,6 +42,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const a
 bool has_prefill_attention();
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                              const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
-                             const at::Tensor& q_lens, const at::Tensor& prefix_lens, double scale);
+                             const at::Tensor& q_lens, const at::Tensor& prefix_lens, double scale,
+                             int64_t window = 0);
 
 }  // namespace astrai_cpu

@@ -5,7 +5,10 @@
 // prefix_lens[b] + q_lens[b] - 1 of the request; its keys and values are positions 0 .. of that
 // request, read from k_buffer/v_buffer [size, Hkv, D] through req_to_token[rows[b]] (this step's
 // own K/V are in the pool already). A fresh prompt is the chunk with prefix 0; a chunk after a
-// cached prefix attends to the prefix too. Query i attends to positions up to its own.
+// cached prefix attends to the prefix too. Query i attends to positions up to its own; in a
+// sliding window (window > 0) only the last `window` of them (position p sees p - window + 1 ..
+// p, HF's sliding_window), so only the keys from the first one the chunk's row 0 sees (rounded
+// down to a block) are packed, and a work item starts at the block of its first row's first key.
 // Grouped-query: query head h reads KV head h / (Hq / Hkv).
 //
 // Both products run on AVX512-BF16 dot instructions, 16 outputs x a pair of bf16 per
@@ -41,7 +44,8 @@ constexpr int64_t BLOCK = 32;  // keys per softmax block: two tiles of 16
 // One prefill chunk as prefill_attention checked it (outside the #if: the checks run on every build).
 struct Chunk {
   int64_t q0, n, start, keys, offset;  // first row of q, rows, prefix, keys (prefix + rows), offset in the packs
-  const int32_t* slots;
+  int64_t k0;                          // the first key packed (a multiple of BLOCK; 0 without a window)
+  const int32_t* slots;                // the request's slots from position 0
 };
 
 #if defined(__AVX512BF16__)
@@ -103,10 +107,11 @@ void pack_kv(const at::BFloat16* k_pool, const at::BFloat16* v_pool, int64_t W, 
 }
 
 // One item: rows r0 .. r0 + ROWS - 1 (those below n are stored) of one query head of a chunk whose
-// row 0 is at position `start`; q and out point at that head of the chunk's row 0.
+// row 0 is at position `start`; q and out point at that head of the chunk's row 0. kp/vp hold keys
+// k0 onwards (k0 a multiple of BLOCK). window > 0: a row at position p sees p - window + 1 .. p only.
 template <int D>
 void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, int64_t r0, const at::BFloat16* kp,
-                 const at::BFloat16* vp, float scale, at::BFloat16* out, int64_t ldo) {
+                 const at::BFloat16* vp, int64_t k0, int64_t window, float scale, at::BFloat16* out, int64_t ldo) {
   constexpr int NT = D / 16;                  // 16-wide tiles of an output row
   constexpr int HALF = NT >= 8 ? 2 : 4;       // rows per p.v pass: HALF x NT accumulators
   alignas(64) at::BFloat16 qb[ROWS][D];       // the rows, zero past n
@@ -124,17 +129,21 @@ void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, i
     l[r] = 0.f;
   }
   const int64_t last = start + std::min(n, r0 + ROWS) - 1;  // the last key any stored row sees
+  // a row at position p sees keys > p - span (no limit without a window); the first block holds the
+  // first key row r0 sees
+  const int64_t span = window > 0 ? window : int64_t{1} << 40;
+  const int64_t b_first = std::max(k0, (start + r0 - span + 1) / BLOCK * BLOCK);
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t b0 = 0; b0 <= last; b0 += BLOCK) {
+  for (int64_t b0 = b_first; b0 <= last; b0 += BLOCK) {
     // scores of the block: s[r][t] holds keys b0 + 16 t .. + 15 of row r
     __m512 s[ROWS][2];
     for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-    const at::BFloat16* k0 = kp + (b0 / 16) * (D / 2) * 32;
-    const at::BFloat16* k1 = k0 + (D / 2) * 32;
+    const at::BFloat16* kt0 = kp + ((b0 - k0) / 16) * (D / 2) * 32;
+    const at::BFloat16* kt1 = kt0 + (D / 2) * 32;
     for (int p = 0; p < D / 2; ++p) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(k0 + p * 32);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(k1 + p * 32);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(kt0 + p * 32);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(kt1 + p * 32);
       for (int r = 0; r < ROWS; ++r) {
         int32_t pair;
         std::memcpy(&pair, qb[r] + 2 * p, sizeof(pair));
@@ -143,18 +152,25 @@ void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, i
         s[r][1] = _mm512_dpbf16_ps(s[r][1], w1, x);
       }
     }
-    // online softmax; keys after the row are masked (causal; also every padded key)
+    // online softmax; keys after the row are masked (causal; also every padded key), and keys
+    // before its window
     for (int r = 0; r < ROWS; ++r) {
-      const __m512i row = _mm512_set1_epi32(static_cast<int32_t>(start + r0 + r - b0));  // its last key, in block lanes
-      const __mmask16 keep0 = _mm512_cmple_epi32_mask(lanes, row);
-      const __mmask16 keep1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(16)), row);
+      const int64_t own = start + r0 + r - b0;  // its last key, in block lanes
+      const __m512i row = _mm512_set1_epi32(static_cast<int32_t>(own));
+      const __m512i lo = _mm512_set1_epi32(static_cast<int32_t>(std::max<int64_t>(own - span, -1)));
+      const __m512i lanes1 = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
+      const __mmask16 keep0 = _mm512_cmple_epi32_mask(lanes, row) & _mm512_cmpgt_epi32_mask(lanes, lo);
+      const __mmask16 keep1 = _mm512_cmple_epi32_mask(lanes1, row) & _mm512_cmpgt_epi32_mask(lanes1, lo);
       const __m512 v0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep0, _mm512_mul_ps(s[r][0], vscale));
       const __m512 v1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep1, _mm512_mul_ps(s[r][1], vscale));
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(v0, v1)));
-      const __m512 vm = _mm512_set1_ps(m_new);
+      // a row may see no key of this block yet (its window starts in a later one): m stays -inf,
+      // its probabilities 0 (masked), and the exponents are taken from 0 instead of -inf - -inf
+      const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+      const __m512 vm = _mm512_set1_ps(m_ref);
       const __m512 p0 = _mm512_maskz_mov_ps(keep0, astrai_cpu::exp_ps(_mm512_sub_ps(v0, vm)));
       const __m512 p1 = _mm512_maskz_mov_ps(keep1, astrai_cpu::exp_ps(_mm512_sub_ps(v1, vm)));
-      const float alpha = std::exp(m[r] - m_new);  // 0 for the first block (m = -inf)
+      const float alpha = std::exp(m[r] - m_ref);  // 0 while m = -inf
       l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
       m[r] = m_new;
       if (alpha != 1.f) {
@@ -164,7 +180,7 @@ void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, i
       _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys in order, rounded to bf16
     }
     // o += p . v over the block's 16 pairs of keys
-    const at::BFloat16* vb = vp + (b0 / 2) * NT * 32;
+    const at::BFloat16* vb = vp + ((b0 - k0) / 2) * NT * 32;
     for (int r = 0; r < ROWS; r += HALF) {
       __m512 acc[HALF][NT];
       for (int i = 0; i < HALF; ++i)
@@ -197,10 +213,11 @@ struct Item {
 
 template <int D>
 void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, const std::vector<Chunk>& chunks,
-             double scale, at::Tensor& out) {
+             int64_t window, double scale, at::Tensor& out) {
   const int64_t Hq = q.size(1), Hkv = k_buffer.size(1), group = Hq / Hkv, W = Hkv * D;
   const int64_t B = static_cast<int64_t>(chunks.size());
-  const int64_t total = chunks.empty() ? 0 : chunks.back().offset + (chunks.back().keys + BLOCK - 1) / BLOCK * BLOCK;
+  const auto packed_keys = [](const Chunk& c) { return (c.keys - c.k0 + BLOCK - 1) / BLOCK * BLOCK; };
+  const int64_t total = chunks.empty() ? 0 : chunks.back().offset + packed_keys(chunks.back());
   auto packed = at::empty({2, Hkv, total * D}, q.options());
   auto* kp = packed.data_ptr<at::BFloat16>();
   auto* vp = kp + Hkv * total * D;
@@ -209,15 +226,18 @@ void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& c = chunks[i / Hkv];
-      const int64_t g = i % Hkv, padded = (c.keys + BLOCK - 1) / BLOCK * BLOCK;
-      pack_kv<D>(k_pool + g * D, v_pool + g * D, W, c.slots, c.keys, padded, kp + (g * total + c.offset) * D,
-                 vp + (g * total + c.offset) * D);
+      const int64_t g = i % Hkv;
+      pack_kv<D>(k_pool + g * D, v_pool + g * D, W, c.slots + c.k0, c.keys - c.k0, packed_keys(c),
+                 kp + (g * total + c.offset) * D, vp + (g * total + c.offset) * D);
     }
   });
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t r0 = 0; r0 < chunks[b].n; r0 += ROWS)
-      for (int64_t h = 0; h < Hq; ++h) items.push_back({b, r0, h, chunks[b].start + std::min(chunks[b].n, r0 + ROWS)});
+    for (int64_t r0 = 0; r0 < chunks[b].n; r0 += ROWS) {
+      const int64_t keys = chunks[b].start + std::min(chunks[b].n, r0 + ROWS);  // up to its last row's
+      const int64_t seen = window > 0 ? std::min(keys, window + ROWS - 1) : keys;
+      for (int64_t h = 0; h < Hq; ++h) items.push_back({b, r0, h, seen});
+    }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
   const int64_t n_items = static_cast<int64_t>(items.size()), ldq = q.stride(0), ldo = Hq * D;
   const auto* qp = q.data_ptr<at::BFloat16>();
@@ -229,7 +249,8 @@ void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& 
       const Chunk& c = chunks[it.chunk];
       const int64_t g = it.head / group;
       attend_rows<D>(qp + c.q0 * ldq + it.head * D, ldq, c.n, c.start, it.r0, kp + (g * total + c.offset) * D,
-                     vp + (g * total + c.offset) * D, static_cast<float>(scale), op + c.q0 * ldo + it.head * D, ldo);
+                     vp + (g * total + c.offset) * D, c.k0, window, static_cast<float>(scale),
+                     op + c.q0 * ldo + it.head * D, ldo);
     }
   });
 }
@@ -249,8 +270,9 @@ bool has_prefill_attention() {
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                              const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
-                             const at::Tensor& q_lens, const at::Tensor& prefix_lens, double scale) {
+                             const at::Tensor& q_lens, const at::Tensor& prefix_lens, double scale, int64_t window) {
   TORCH_CHECK(has_prefill_attention(), "prefill_attention: built without AVX512-BF16");
+  TORCH_CHECK(window >= 0 && window <= (int64_t{1} << 30), "prefill_attention: window must be in [0, 2^30] (0: none)");
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes() && q.size(2) == k_buffer.size(2) &&
                   k_buffer.size(1) > 0 && q.size(1) % k_buffer.size(1) == 0,
               "prefill_attention: q [T, Hq, D], k_buffer/v_buffer [size, Hkv, D] with Hq a multiple of Hkv");
@@ -281,15 +303,16 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, co
     for (int64_t key = 0; key < keys; ++key)
       TORCH_CHECK(slots[key] >= 0 && slots[key] < size, "prefill_attention: chunk ", b, " has a slot outside the pool");
     if (n[b] == 0) continue;
-    chunks.push_back({q0[b], n[b], pre[b], keys, offset, slots});
-    offset += (keys + BLOCK - 1) / BLOCK * BLOCK;
+    const int64_t k0 = window > 0 ? std::max<int64_t>(pre[b] - window + 1, 0) / BLOCK * BLOCK : 0;
+    chunks.push_back({q0[b], n[b], pre[b], keys, offset, k0, slots});
+    offset += (keys - k0 + BLOCK - 1) / BLOCK * BLOCK;
   }
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 #if defined(__AVX512BF16__)
   if (q.size(2) == 64) {
-    prefill<64>(q, k_buffer, v_buffer, chunks, scale, out);
+    prefill<64>(q, k_buffer, v_buffer, chunks, window, scale, out);
   } else {
-    prefill<128>(q, k_buffer, v_buffer, chunks, scale, out);
+    prefill<128>(q, k_buffer, v_buffer, chunks, window, scale, out);
   }
 #endif
   return out;
@@ -300,7 +323,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, co
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("has_prefill_attention() -> bool", &astrai_cpu::has_prefill_attention);
   m.def("prefill_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, "
-        "Tensor q_starts, Tensor q_lens, Tensor prefix_lens, float scale) -> Tensor");
+        "Tensor q_starts, Tensor q_lens, Tensor prefix_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("prefill_attention", &astrai_cpu::prefill_attention); }

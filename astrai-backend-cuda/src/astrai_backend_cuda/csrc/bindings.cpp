@@ -67,11 +67,17 @@ void check_req_to_token(const Tensor& req_to_token, const Tensor& q) {
   TORCH_CHECK(req_to_token.stride(1) == 1, "req_to_token rows must be contiguous");
 }
 
+// A sliding window (0: none) and a soft-cap (0: none) of the attention ops.
+void check_window(int64_t window, double softcap) {
+  TORCH_CHECK(0 <= window && window <= (int64_t{1} << 30), "window ", window, " outside [0, 2^30]");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: off), got ", softcap);
+}
+
 void attn_paged_decode(const Tensor& q, const Tensor& new_k, const Tensor& new_v, const Tensor& k_buffer,
                        const Tensor& v_buffer, int64_t layer_id, const Tensor& req_to_token,
                        const Tensor& req_pool_indices, const Tensor& seq_lens, const Tensor& out_cache_loc,
                        int64_t max_len, int64_t num_splits, const Tensor& o_part, const Tensor& ml_part,
-                       const Tensor& out, double scale) {
+                       const Tensor& out, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "q must be a [B, n_heads, head_dim] CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const astrai::DType dtype = storage_type(q, "q");
@@ -105,6 +111,7 @@ void attn_paged_decode(const Tensor& q, const Tensor& new_k, const Tensor& new_v
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be a contiguous [B, n_heads, head_dim]");
   TORCH_CHECK(1 <= num_splits && num_splits <= max_splits, "num_splits ", num_splits, " outside [1, ", max_splits, "]");
   TORCH_CHECK(1 <= max_len && max_len <= req_to_token.size(1), "max_len ", max_len, " outside [1, max_ctx_len]");
+  check_window(window, softcap);
 
   astrai::DecodeArgs a{};
   a.q = q.data_ptr();
@@ -134,13 +141,15 @@ void attn_paged_decode(const Tensor& q, const Tensor& new_k, const Tensor& new_v
   a.num_splits = static_cast<int>(num_splits);
   a.max_splits = static_cast<int>(max_splits);
   a.scale = static_cast<float>(scale);
+  a.window = static_cast<int>(window);
+  a.softcap = static_cast<float>(softcap);
   check_launch(astrai::paged_decode(a, dtype, c10::cuda::getCurrentCUDAStream()), "attn_paged_decode");
 }
 
 void attn_paged_prefill(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer, int64_t layer_id,
                         const Tensor& req_to_token, const Tensor& req_pool_indices, const Tensor& qo_indptr,
                         const Tensor& kv_indptr, const Tensor& q_tile_to_batch, const Tensor& q_tile_to_index,
-                        double scale, const Tensor& out) {
+                        double scale, const Tensor& out, int64_t window, double softcap) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "q must be a [T, n_heads, head_dim] CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const astrai::DType dtype = storage_type(q, "q");
@@ -162,6 +171,7 @@ void attn_paged_prefill(const Tensor& q, const Tensor& k_buffer, const Tensor& v
   check_tensor(out, q, q.scalar_type(), 3, "out");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
   check_rows(out, "out");
+  check_window(window, softcap);
 
   astrai::PrefillArgs a{};
   a.q = q.data_ptr();
@@ -184,6 +194,8 @@ void attn_paged_prefill(const Tensor& q, const Tensor& k_buffer, const Tensor& v
   a.n_kv_heads = static_cast<int>(k_buffer.size(2));
   a.head_dim = static_cast<int>(q.size(2));
   a.scale = static_cast<float>(scale);
+  a.window = static_cast<int>(window);
+  a.softcap = static_cast<float>(softcap);
   check_launch(astrai::paged_prefill(a, dtype, c10::cuda::getCurrentCUDAStream()), "attn_paged_prefill");
 }
 
@@ -240,11 +252,12 @@ TORCH_LIBRARY(astrai, m) {
   m.def(
       "attn_paged_decode(Tensor q, Tensor new_k, Tensor new_v, Tensor(a!) k_buffer, Tensor(b!) v_buffer, "
       "int layer_id, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor out_cache_loc, "
-      "int max_len, int num_splits, Tensor(c!) o_part, Tensor(d!) ml_part, Tensor(e!) out, float scale) -> ()");
+      "int max_len, int num_splits, Tensor(c!) o_part, Tensor(d!) ml_part, Tensor(e!) out, float scale, "
+      "int window=0, float softcap=0.) -> ()");
   m.def(
       "attn_paged_prefill(Tensor q, Tensor k_buffer, Tensor v_buffer, int layer_id, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor qo_indptr, Tensor kv_indptr, Tensor q_tile_to_batch, "
-      "Tensor q_tile_to_index, float scale, Tensor(a!) out) -> ()");
+      "Tensor q_tile_to_index, float scale, Tensor(a!) out, int window=0, float softcap=0.) -> ()");
   m.def("rotary_emb(Tensor x, Tensor freqs, Tensor(a!) out) -> ()");
   // Occupancy of the decode kernel on the current device (sizes the split-K grid); no tensors.
   m.def("paged_decode_blocks_per_sm(ScalarType dtype, int head_dim, int group) -> int", &paged_decode_blocks_per_sm);

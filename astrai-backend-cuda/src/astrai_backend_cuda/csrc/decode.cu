@@ -3,9 +3,11 @@
 //
 // Grid (num_splits, n_kv_heads, batch); a block of 4 warps serves the `group` query heads that
 // share one KV head, so each K/V row is loaded once for all of them (GQA). The block's split is a
-// range of positions, streamed in tiles of 32 tokens through a multi-stage cp.async pipeline
+// range of the positions the request attends (all of them, or a sliding window's last `window`),
+// streamed in tiles of 32 tokens through a multi-stage cp.async pipeline
 // (rows gathered by slot, 16-byte copies); per tile:
-//   scores   4 threads per token, each a quarter of the row, reduced with two shuffles;
+//   scores   4 threads per token, each a quarter of the row, reduced with two shuffles (then
+//            soft-capped when softcap > 0);
 //   softmax  one warp per head, one lane per token: online max / sum in float32 (base-2 exponent);
 //   P.V      each thread owns 8 output dims of up to four heads and a subset of the tile's tokens.
 // The block writes its normalised partial output and log-sum-exp; the combine kernel merges splits.
@@ -67,7 +69,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int seq_len = static_cast<int>(a.seq_lens[b]);
   const int chunk = ceil_div(ceil_div(a.max_len, a.num_splits), kTile) * kTile;
-  const int start = split * chunk;
+  const int first = a.window > 0 ? imax(0, seq_len - a.window) : 0;  // the first position attended
+  const int start = first + split * chunk;
   const int end = split == a.num_splits - 1 ? seq_len : imin(seq_len, start + chunk);
   const int64_t bh0 = int64_t(b) * a.n_heads + int64_t(hkv) * group;  // (b, first head of the group)
 
@@ -89,8 +92,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
     *reinterpret_cast<uint4*>(v_cache + dst) = *reinterpret_cast<const uint4*>(new_v + tid * 8);
   }
 
-  // Queries of the group, pre-multiplied by scale * log2(e): scores come out in base-2 units.
+  // Queries of the group, pre-multiplied by scale * log2(e): scores come out in base-2 units, and so
+  // does the soft-cap (softcap * tanh(s / softcap) of a score s is cap * tanh(s2 / cap) of s2 = s log2 e).
   const float qscale = a.scale * kLog2e;
+  const float cap = a.softcap * kLog2e, inv_cap = a.softcap > 0.f ? 1.f / cap : 0.f;
   const T* q = static_cast<const T*>(a.q) + b * a.q_stride_t + int64_t(hkv) * group * a.q_stride_h;
   for (int i = tid; i < group * S::kChunks; i += kThreads) {
     const int g = i / S::kChunks, c = i % S::kChunks;
@@ -169,7 +174,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
     const T* vt = vs + (i % S::kStages) * S::kStageElems;
     const int n_valid = imin(kTile, end - (start + i * kTile));
 
-    {  // scores: sp[g][tt] = q_g . k_tt (base-2 units), -inf past the split's end
+    {  // scores: sp[g][tt] = q_g . k_tt (base-2 units, soft-capped), -inf past the split's end
       float kf[S::kSliceChunks][8];
 #pragma unroll
       for (int j = 0; j < S::kSliceChunks; ++j)
@@ -185,6 +190,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
         }
         dot += __shfl_xor_sync(kFullMask, dot, 1);
         dot += __shfl_xor_sync(kFullMask, dot, 2);
+        if (inv_cap > 0.f) dot = cap * tanhf(dot * inv_cap);
         if (sl == 0) sp[g * kTile + tt] = tt < n_valid ? dot : -INFINITY;
       }
     }
@@ -320,7 +326,7 @@ int blocks_per_sm(int group) {
 
 cudaError_t paged_decode(const DecodeArgs& a, DType dtype, cudaStream_t stream) {
   if (a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads || a.n_heads / a.n_kv_heads > kMaxDecodeGroup ||
-      a.num_splits < 1 || a.num_splits > a.max_splits || a.max_len < 1)
+      a.num_splits < 1 || a.num_splits > a.max_splits || a.max_len < 1 || a.window < 0 || !(a.softcap >= 0.f))
     return cudaErrorInvalidValue;
   if (a.batch == 0) return cudaSuccess;
   const bool bf16 = dtype == DType::kBFloat16;

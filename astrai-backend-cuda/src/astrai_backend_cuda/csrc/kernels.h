@@ -40,10 +40,12 @@ struct DecodeArgs {
   float* ml_part;                   // [B, Hq, max_splits], contiguous: log-sum-exp of each split
   void* out;                        // [B, Hq, D], contiguous
   int batch, n_heads, n_kv_heads, head_dim;
-  int max_len;     // >= 1; sets the split length (any value is correct, max(seq_lens) is fastest)
+  int max_len;     // >= 1; sets the split length (any value is correct; the longest range attended is fastest)
   int num_splits;  // 1 .. max_splits
   int max_splits;
   float scale;
+  int window;     // > 0: request b attends positions seq_len - window .. seq_len - 1 only (sliding window)
+  float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
 };
 
 cudaError_t paged_decode(const DecodeArgs& args, DType dtype, cudaStream_t stream);
@@ -67,6 +69,8 @@ struct PrefillArgs {
   int64_t out_stride_t, out_stride_h;
   int num_q_tiles, n_heads, n_kv_heads, head_dim;
   float scale;
+  int window;     // > 0: the row at position p sees positions p - window + 1 .. p only (sliding window)
+  float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
 };
 
 cudaError_t paged_prefill(const PrefillArgs& args, DType dtype, cudaStream_t stream);

@@ -3,7 +3,9 @@
 // Grid (n_heads, num_q_tiles): one block per (head, 64-row Q tile); q_tile_to_batch and
 // q_tile_to_index name the tile's request and its tile index within the request. Request b's row j
 // sits at position kv_len - q_len + j (a request resuming after a prefix hit attends to its cached
-// positions) and sees positions 0 .. its own. Four warps own 16 query rows each. K/V tiles of 64
+// positions) and sees positions 0 .. its own, or in a sliding window (window > 0) the last `window`
+// of them: the tile's K/V loop then starts at the tile holding its row 0's first. Scores may be
+// soft-capped (softcap > 0). Four warps own 16 query rows each. K/V tiles of 64
 // positions are gathered by slot through req_to_token with cp.async (double-buffered, slots fetched
 // a tile ahead) into XOR-swizzled shared memory; S = Q K^T and O += P V run on tensor cores
 // (mma.m16n8k16 with ldmatrix), the online softmax in float32 registers (FlashAttention-2 style).
@@ -59,6 +61,10 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
   if (rows <= 0 || first_pos < 0) return;       // a tile map or lengths outside the contract
   const int kv_end = first_pos + rows;          // the tile's last row sees positions < kv_end
   const int n_kv_tiles = ceil_div(kv_end, kTileK);
+  // A row at position p sees positions > p - win (win: no limit without a window); the K/V loop
+  // starts at the tile of the first position row 0 sees.
+  const int win = a.window > 0 ? a.window : (1 << 30);
+  const int j0 = imax(0, first_pos - win + 1) / kTileK;
   const int hkv = hq / (a.n_heads / a.n_kv_heads);
   const int64_t slot_stride = int64_t(a.n_kv_heads) * D;
   const int32_t* r2t = a.req_to_token + a.req_pool_indices[b] * a.req_to_token_stride;
@@ -94,14 +100,16 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
       cp_async_16(vd + tile_off<D>(r, lc), v_cache + off, valid);
     }
   };
-  fetch_slots(0);
-  issue_kv(0);
+  fetch_slots(j0);
+  issue_kv(j0);
   cp_async_commit();
-  fetch_slots(1);
+  fetch_slots(j0 + 1);
 
   const int g = lane / 4, t4 = lane % 4;  // mma fragment coordinates
   const int wrow = warp * 16;              // this warp's first row of the tile
   const float sl2 = a.scale * kLog2e;
+  // the soft-cap in base-2 units: softcap * tanh(s / softcap) of a score s is cap * tanh(s2 / cap), s2 = s log2 e
+  const float cap = a.softcap * kLog2e, inv_cap = a.softcap > 0.f ? 1.f / cap : 0.f;
   uint32_t qf[D / 16][4];
   float o[D / 8][4];
 #pragma unroll
@@ -111,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
   float m_run[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, base-2 units
   float l_run[2] = {0.f, 0.f};              // this lane's part of the row sums
 
-  for (int j = 0; j < n_kv_tiles; ++j) {
+  for (int j = j0; j < n_kv_tiles; ++j) {
     if (j + 1 < n_kv_tiles) {
       issue_kv(j + 1);
       fetch_slots(j + 2);
@@ -119,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
     cp_async_commit();
     cp_async_wait<1>();  // Q and K/V tile j have landed
     __syncthreads();
-    if (j == 0) {
+    if (j == j0) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
         ldmatrix_x4(qf[kk], qs + tile_off<D>(wrow + (lane % 8) + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
@@ -143,18 +151,24 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
       }
     }
 
-    // Scale to base 2; mask positions after a row's own (and past kv_end) where the tile reaches them.
-    const bool masked = (j + 1) * kTileK - 1 > first_pos + wrow || (j + 1) * kTileK > kv_end;
+    // Scale to base 2 and soft-cap; mask positions after a row's own (and past kv_end), and before
+    // its window, where the tile reaches them.
+    const bool masked = (j + 1) * kTileK - 1 > first_pos + wrow || (j + 1) * kTileK > kv_end ||
+                        j * kTileK <= first_pos + wrow + 15 - win;
 #pragma unroll
     for (int n = 0; n < kTileK / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int kv = j * kTileK + n * 8 + 2 * t4 + (e & 1);
         const int pos = first_pos + wrow + g + 8 * (e >> 1);
-        s[n][e] = (masked && (kv > pos || kv >= kv_end)) ? -INFINITY : s[n][e] * sl2;
+        const float x = s[n][e] * sl2;
+        s[n][e] = (masked && (kv > pos || kv >= kv_end || kv <= pos - win)) ? -INFINITY
+                  : inv_cap > 0.f                                          ? cap * tanhf(x * inv_cap)
+                                                                           : x;
       }
 
-    // Online softmax per row; tile 0 holds position 0, visible to every row, so m is finite.
+    // Online softmax per row. Without a window, tile 0 holds position 0, visible to every row, so m
+    // is finite; in a window a row may see nothing of this tile yet (m stays -inf: exponents from 0).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
@@ -163,7 +177,8 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
       const float m_new = fmaxf(m_run[r], mx);
-      const float alpha = exp2f(m_run[r] - m_new);
+      const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run[r] - m_ref);
       m_run[r] = m_new;
       l_run[r] *= alpha;
 #pragma unroll
@@ -173,8 +188,8 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
       }
 #pragma unroll
       for (int n = 0; n < kTileK / 8; ++n) {
-        s[n][2 * r] = exp2f(s[n][2 * r] - m_new);
-        s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - m_new);
+        s[n][2 * r] = exp2f(s[n][2 * r] - m_ref);
+        s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - m_ref);
         l_run[r] += s[n][2 * r] + s[n][2 * r + 1];
       }
     }
@@ -231,7 +246,7 @@ cudaError_t run_prefill(const PrefillArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t paged_prefill(const PrefillArgs& a, DType dtype, cudaStream_t stream) {
-  if (a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads) return cudaErrorInvalidValue;
+  if (a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads || a.window < 0 || !(a.softcap >= 0.f)) return cudaErrorInvalidValue;
   if (a.num_q_tiles == 0) return cudaSuccess;
   const bool bf16 = dtype == DType::kBFloat16;
   switch (a.head_dim) {

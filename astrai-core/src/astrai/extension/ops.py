@@ -55,6 +55,8 @@ def attn_paged_decode(
     ml_part: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention (one new token per request) straight from the paged pool, split-K.
 
@@ -75,6 +77,11 @@ def attn_paged_decode(
     are contiguous with ``1 <= num_splits <= S``; entries of splits ``>= num_splits``
     are left alone. The combine writes ``out [B, Hq, D]`` (model dtype, contiguous):
     the ``exp(ml_part)``-weighted mean of the partials, returned.
+
+    ``window > 0`` (a sliding-window layer): request ``b`` attends only positions
+    ``seq_lens[b] - window .. seq_lens[b] - 1`` (those from 0 when shorter); the splits then cut
+    that range, so ``max_len`` is best ``min(max(seq_lens), window)``. ``softcap > 0``: each scaled
+    score ``s`` becomes ``softcap * tanh(s / softcap)`` (``ml_part`` is over the capped scores).
     Raises ``KernelUnavailable`` when the op is not registered.
     """
     op = _op("attn_paged_decode")
@@ -95,6 +102,8 @@ def attn_paged_decode(
         ml_part,
         out,
         scale,
+        window,
+        softcap,
     )
     return out
 
@@ -112,6 +121,8 @@ def attn_paged_prefill(
     q_tile_to_index: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Ragged-batch causal attention over the paged pool (prefill, or mixed steps).
 
@@ -125,7 +136,9 @@ def attn_paged_prefill(
     ([num_q_tiles] int32, tiles of ``PREFILL_Q_TILE`` rows) map a tile to its
     request and to its tile index within that request; only rows of listed tiles
     are written. ``qo_indptr``/``kv_indptr`` are ``[B + 1]`` int32. Writes and
-    returns ``out [T, Hq, D]`` (q's dtype; allocated when None).
+    returns ``out [T, Hq, D]`` (q's dtype; allocated when None). ``window > 0`` (a
+    sliding-window layer): the row at position ``p`` sees positions ``p - window + 1 .. p``
+    only; ``softcap > 0``: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``.
     Raises ``KernelUnavailable`` when the op is not registered.
     """
     op = _op("attn_paged_prefill")
@@ -143,6 +156,8 @@ def attn_paged_prefill(
         q_tile_to_index,
         scale,
         out,
+        window,
+        softcap,
     )
     return out
 

@@ -41,6 +41,8 @@ class DecoderStack:
     norms: tuple[torch.Tensor, ...]  # per layer: input_layernorm.weight, post_attention_layernorm.weight
     linears: tuple[nn.Module, ...]  # per layer: qkv_proj, o_proj, gate_up_proj, down_proj
     qkv_biases: tuple[torch.Tensor, ...]  # per layer, or () when no layer has one
+    # per layer: its sliding window (0: every position; Mistral, Ministral), or () when no layer has one
+    windows: tuple[int, ...] = ()
 
 
 class LlamaForCausalLM(DecoderLM):
@@ -57,9 +59,9 @@ class LlamaForCausalLM(DecoderLM):
         """The decoder layers as a whole-stack kernel may run them in place of ``forward``'s loop.
 
         ``None`` unless every layer is the stock ``DecoderLayer`` (stock attention, MLP and
-        norms, projections fused by ``fuse_projections``) with the same shapes and eps, and
-        o/gate_up/down have no bias: then running the layers one by one computes exactly
-        what the description says. A tensor-parallel shard (``reduce`` set) has none: a whole-stack
+        norms, projections fused by ``fuse_projections``, no soft-cap; a sliding window goes in
+        ``windows``) with the same shapes and eps, and o/gate_up/down have no bias: then running
+        the layers one by one computes exactly what the description says. A tensor-parallel shard (``reduce`` set) has none: a whole-stack
         kernel would skip its all-reduces.
         """
         layers = list(self.model.layers)
@@ -74,7 +76,7 @@ class LlamaForCausalLM(DecoderLM):
             first.input_layernorm.eps,
             first.self_attn.scale,
         )
-        norms, linears, biases = [], [], []
+        norms, linears, biases, windows = [], [], [], []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             stock = (
@@ -82,7 +84,7 @@ class LlamaForCausalLM(DecoderLM):
                 and type(attn) is Attention
                 and type(mlp) is GatedMLP
                 and mlp.act_name == "silu"
-                and not attn.window
+                and not attn.softcap
                 and not hasattr(attn, "q_norm")
                 and type(layer.input_layernorm) is RMSNorm
                 and type(layer.post_attention_layernorm) is RMSNorm
@@ -112,6 +114,8 @@ class LlamaForCausalLM(DecoderLM):
             linears += parts
             if attn.qkv_proj.bias is not None:
                 biases.append(attn.qkv_proj.bias)
+            windows.append(int(attn.window))
         if len(biases) not in (0, len(layers)):
             return None
-        return DecoderStack(*shape, tuple(norms), tuple(linears), tuple(biases))
+        windows = tuple(windows) if any(windows) else ()
+        return DecoderStack(*shape, tuple(norms), tuple(linears), tuple(biases), windows)
