@@ -39,7 +39,8 @@ def test_selecting_a_broken_architecture_raises_its_error() -> None:
     with pytest.raises(PluginError, match=f"{DIST}.*not an astrai.model.architecture.Architecture"):
         get_architecture("broken_arch")
     with pytest.raises(
-        ModelNotFound, match="'gpt2' is not supported; misspelled or not installed\\? Installed: gemma2, gemma3, gemma3_text, llama, ministral, mistral, phi3, qwen2, qwen3$"
+        ModelNotFound,
+        match="'gpt2' is not supported; misspelled or not installed\\? Installed: gemma2, gemma3, gemma3_text, llama, ministral, mistral, phi3, qwen2, qwen3$",
     ):
         get_architecture("gpt2")
 

@@ -91,7 +91,7 @@ def _with_slots(pool: _Layers, kv: KVCache, tok_rows: torch.Tensor, tok_pos: tor
     """``kv`` with each new token's slot; with layer groups, a ``KVCache`` per group in ``kv.groups``
     (``kv`` is group 0's), each with its group's table and slots (``KVCache.layer_slots``)."""
     kv.out_cache_loc = pool.table.req_to_token[tok_rows, tok_pos].to(torch.int64)
-    if pool.layout is None:
+    if pool.layout is None or pool.layout.n_groups == 1:  # layer i at index i of the one table's pages
         return kv
     groups = [kv]
     for table in pool.table.tables[1:]:

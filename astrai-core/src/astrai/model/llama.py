@@ -52,6 +52,8 @@ class LlamaForCausalLM(DecoderLM):
         return DecoderLayer(config, layer_id)
 
     def run_stack(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
+        if kv_cache.groups:  # layer groups (astrai.kvcache.layout): a layer's K/V is not at its index
+            return None
         stack = kernel_for("decoder_layers", x)  # a plugin's whole-stack kernel (astrai.extension.fused)
         return stack(self, x, freqs, kv_cache) if stack is not None else None
 

@@ -426,7 +426,9 @@ class OpenAIResponseBuilder(ResponseBuilder):
             # astrai's: which chat template renders chats (None: the model has none), and the
             # sampling values requests that leave them out get (--chat-template, --generation-config)
             "chat_template": _template_info(getattr(getattr(engine, "tokenizer", None), "template", None)),
-            "generation_defaults": dict(getattr(getattr(engine, "config", None), "generation_defaults", None) or {}),
+            "generation_defaults": dict(
+                getattr(getattr(engine, "config", None), "generation_defaults", None) or {}
+            ),
         }
 
     def _models(self, engine: Any) -> dict[str, Any]:
