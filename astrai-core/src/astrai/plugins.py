@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +64,18 @@ class LoadedPlugins:
 
 def distribution_of(group: str, name: str, target: str) -> str:
     """``"<distribution> <version>"`` declaring entry point ``name = target`` in ``group``."""
+    return _distributions(group).get((name, target), "an unknown distribution")
+
+
+def _distributions(group: str) -> dict[tuple[str, str], str]:
+    """``(name, target)`` -> ``"<distribution> <version>"`` of every entry point of ``group`` (the
+    first declaring it). One scan of the installed distributions' metadata: ~15 ms each on a
+    venv of 200 distributions, once per group rather than once per plugin."""
+    found: dict[tuple[str, str], str] = {}
     for ep in importlib.metadata.entry_points(group=group):
-        if ep.name == name and ep.value == target and ep.dist is not None:
-            return f"{ep.dist.metadata['Name']} {ep.dist.version}"
-    return "an unknown distribution"
+        if ep.dist is not None:
+            found.setdefault((ep.name, ep.value), f"{ep.dist.metadata['Name']} {ep.dist.version}")
+    return found
 
 
 def check_class(abc: type, name: str, plugin: object, origin: str) -> type:
@@ -79,6 +89,20 @@ def check_class(abc: type, name: str, plugin: object, origin: str) -> type:
             f"is {name!r}; they must match"
         )
     return plugin
+
+
+def installed_state() -> tuple[tuple[str, int | None], ...]:
+    """``sys.path`` with each entry's modification time: it changes when a distribution is
+    installed, removed or put on the path (its dist-info folder comes or goes), so that a cache
+    of what ``load_plugins`` found can key on it and discover again then. A few ``stat`` calls."""
+    state = []
+    for entry in sys.path:
+        try:
+            mtime: int | None = os.stat(entry or ".").st_mtime_ns
+        except OSError:
+            mtime = None
+        state.append((entry, mtime))
+    return tuple(state)
 
 
 #: A group's validator: ``check(entry-point name, loaded object, origin) -> object``, raising PluginError.
@@ -95,11 +119,13 @@ def load_plugins(group: str, check: Validator) -> LoadedPlugins:
     from stevedore import ExtensionManager
 
     loaded = LoadedPlugins()
+    dists = _distributions(group)
+
+    def dist_of(name: str, target: str) -> str:
+        return dists.get((name, target), "an unknown distribution")
 
     def keep_failure(_manager: object, ep: importlib.metadata.EntryPoint, err: BaseException) -> None:
-        loaded.failures[ep.name] = PluginFailure(
-            group, ep.name, ep.value, distribution_of(group, ep.name, ep.value), err
-        )
+        loaded.failures[ep.name] = PluginFailure(group, ep.name, ep.value, dist_of(ep.name, ep.value), err)
 
     # stevedore caches entry-point lists per namespace for the whole process;
     # drop ours so that a deliberate re-discovery sees newly installed plugins.
@@ -107,7 +133,7 @@ def load_plugins(group: str, check: Validator) -> LoadedPlugins:
     manager = ExtensionManager(group, invoke_on_load=False, on_load_failure_callback=keep_failure)
     for ext in manager.extensions:
         target = ext.entry_point.value
-        dist = distribution_of(group, ext.name, target)
+        dist = dist_of(ext.name, target)
         try:
             obj = check(ext.name, ext.plugin, f"entry point {ext.name!r} = {target} of {dist}")
         except PluginError as err:
