@@ -200,12 +200,16 @@ def read_config(name_or_path: str | None) -> ModelConfig:
     return open_checkpoint(name_or_path).config
 
 
-def load_tokenizer(name_or_path: str | None, config: ModelConfig) -> Tokenizer:
-    """The tokenizer of a checkpoint; ``config.eos_token_ids`` gains the tokenizer's end ids."""
+def load_tokenizer(name_or_path: str | Checkpoint | None, config: ModelConfig) -> Tokenizer:
+    """The tokenizer of a checkpoint (an opened ``Checkpoint``: its GGUF metadata is not parsed
+    again); ``config.eos_token_ids`` gains the tokenizer's end ids."""
     from astrai.model.resolve import resolve_model
 
-    kind, path = resolve_model(name_or_path)
-    tokenizer = Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_pretrained(path)
+    if isinstance(name_or_path, Checkpoint):
+        kind, path, reader = name_or_path.kind, name_or_path.path, name_or_path.reader
+    else:
+        (kind, path), reader = resolve_model(name_or_path), None
+    tokenizer = Tokenizer.from_gguf(path, reader) if kind == "gguf" else Tokenizer.from_pretrained(path)
     config.eos_token_ids = sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids))
     return tokenizer
 
@@ -228,7 +232,7 @@ def _load(
     kept = ckpt.stays_quantized if quantized else lambda name, info: False
     require_memory(ckpt.path, config, ckpt.tensors, dtype, device, kept, reserve)
     weights, kind = read_weights(ckpt, dtype, quantized), ckpt.kind
-    tokenizer = load_tokenizer(str(ckpt.path), config)
+    tokenizer = load_tokenizer(ckpt, config)
     model = build_model(config, dtype, device, random_init=False)  # load_weights sets every parameter
     if quantized:
         weights = install_quantized(model, weights, dtype)
