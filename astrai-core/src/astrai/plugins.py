@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +88,20 @@ def check_class(abc: type, name: str, plugin: object, origin: str) -> type:
             f"is {name!r}; they must match"
         )
     return plugin
+
+
+def installed_state() -> tuple[tuple[str, int | None], ...]:
+    """``sys.path`` with each entry's modification time: it changes when a distribution is
+    installed, removed or put on the path (its dist-info folder comes or goes), so that a cache
+    of what ``load_plugins`` found can key on it and discover again then. A few ``stat`` calls."""
+    state = []
+    for entry in sys.path:
+        try:
+            mtime: int | None = os.stat(entry or ".").st_mtime_ns
+        except OSError:
+            mtime = None
+        state.append((entry, mtime))
+    return tuple(state)
 
 
 #: A group's validator: ``check(entry-point name, loaded object, origin) -> object``, raising PluginError.

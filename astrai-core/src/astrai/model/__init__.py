@@ -10,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from astrai.cpu_tuning import run_off_thread
 from astrai.malloc import trim_heap
@@ -24,6 +22,7 @@ from astrai.model.architecture import Architecture, get_architecture
 from astrai.model.checkpoint import Checkpoint, open_checkpoint, read_weights
 from astrai.model.config import ModelConfig
 from astrai.model.cpu_linear import prepack_linears, prepack_supported
+from astrai.model.layers import zero_init
 from astrai.model.llama import LlamaForCausalLM
 from astrai.model.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -56,29 +55,6 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if native_bf16 else torch.float32
 
 
-@contextlib.contextmanager
-def _zero_init() -> Iterator[None]:
-    """``nn.Linear`` and ``nn.Embedding`` start from zeros instead of torch's random init while
-    this is active (one thread at a time): a loader that overwrites every parameter skips ~1 s
-    of random numbers on the default model. Other modules keep their own init."""
-
-    def zero(module: nn.Module) -> None:
-        with torch.no_grad():
-            for p in module.parameters(recurse=False):
-                p.zero_()
-
-    with _INIT_LOCK:
-        saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-        nn.Linear.reset_parameters = nn.Embedding.reset_parameters = zero
-        try:
-            yield
-        finally:
-            nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
-
-
-_INIT_LOCK = threading.Lock()
-
-
 def served_config(config: ModelConfig, max_seq_len: int | None) -> ModelConfig:
     """``config`` for a model that serves at most ``max_seq_len`` positions: a copy whose
     ``max_position_embeddings`` (which sizes the rotary table) is capped at it; ``config`` itself
@@ -107,7 +83,7 @@ def build_model(
     """
     config = served_config(config, max_seq_len)
     cls = get_architecture(config.architecture).model_class
-    with contextlib.nullcontext() if random_init else _zero_init():
+    with contextlib.nullcontext() if random_init else zero_init():
         model = cls(config).to(device)
     for p in model.parameters():  # parameters only: buffers (the RoPE table) stay float32
         p.data = p.data.to(dtype)
@@ -200,12 +176,16 @@ def read_config(name_or_path: str | None) -> ModelConfig:
     return open_checkpoint(name_or_path).config
 
 
-def load_tokenizer(name_or_path: str | None, config: ModelConfig) -> Tokenizer:
-    """The tokenizer of a checkpoint; ``config.eos_token_ids`` gains the tokenizer's end ids."""
+def load_tokenizer(name_or_path: str | Checkpoint | None, config: ModelConfig) -> Tokenizer:
+    """The tokenizer of a checkpoint (an opened ``Checkpoint``: its GGUF metadata is not parsed
+    again); ``config.eos_token_ids`` gains the tokenizer's end ids."""
     from astrai.model.resolve import resolve_model
 
-    kind, path = resolve_model(name_or_path)
-    tokenizer = Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_pretrained(path)
+    if isinstance(name_or_path, Checkpoint):
+        kind, path, reader = name_or_path.kind, name_or_path.path, name_or_path.reader
+    else:
+        (kind, path), reader = resolve_model(name_or_path), None
+    tokenizer = Tokenizer.from_gguf(path, reader) if kind == "gguf" else Tokenizer.from_pretrained(path)
     config.eos_token_ids = sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids))
     return tokenizer
 
@@ -228,7 +208,7 @@ def _load(
     kept = ckpt.stays_quantized if quantized else lambda name, info: False
     require_memory(ckpt.path, config, ckpt.tensors, dtype, device, kept, reserve)
     weights, kind = read_weights(ckpt, dtype, quantized), ckpt.kind
-    tokenizer = load_tokenizer(str(ckpt.path), config)
+    tokenizer = load_tokenizer(ckpt, config)
     model = build_model(config, dtype, device, random_init=False)  # load_weights sets every parameter
     if quantized:
         weights = install_quantized(model, weights, dtype)

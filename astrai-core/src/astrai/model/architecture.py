@@ -9,6 +9,7 @@ architecture up by the checkpoint's GGUF ``general.architecture`` or HF ``model_
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -260,7 +261,19 @@ def check_architecture(name: str, plugin: object, origin: str) -> Architecture:
 
 
 def load_architectures() -> LoadedPlugins:
-    """Every installed ``astrai.models`` architecture (validated; failures kept)."""
+    """Every installed ``astrai.models`` architecture (validated; failures kept).
+
+    Discovered once per process and kept while ``astrai.plugins.installed_state`` stays the
+    same (a distribution installed, removed or put on ``sys.path`` discovers them again): one
+    model load asks ``get_architecture`` half a dozen times (tensor table, configuration,
+    checks, weights, build), each discovery a scan of every installed distribution."""
+    from astrai.plugins import installed_state
+
+    return _discover(installed_state())
+
+
+@functools.lru_cache(maxsize=1)
+def _discover(_state: tuple[tuple[str, int | None], ...]) -> LoadedPlugins:
     from astrai.plugins import load_plugins
 
     return load_plugins(MODELS, check_architecture)

@@ -46,7 +46,8 @@ def open_checkpoint(name_or_path: str | Path | None) -> Checkpoint:
 
     Raises ModelNotFound (no such model, unknown architecture, tensor or type) or
     ModelFormatError (a truncated file, metadata that contradicts itself or the tensors)."""
-    from astrai.model.gguf_loader import gguf_header, open_gguf
+    from astrai.model.gguf_loader import gguf_header
+    from astrai.model.gguf_reader import open_gguf
     from astrai.model.hf_loader import hf_header
     from astrai.model.resolve import resolve_model
 

@@ -10,13 +10,14 @@ here once. Parameter names are HF's.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from astrai.extension import RotaryEmbedding, bind_step
-from astrai.model.layers import RMSNorm
+from astrai.model.layers import RMSNorm, zero_init
 
 if TYPE_CHECKING:
     from astrai.kvcache import KVCache
@@ -74,8 +75,9 @@ class DecoderLM(nn.Module):
         """Name -> shape of every parameter ``cls(config)`` has (HF names, unfused; no tied
         ``lm_head.weight``), from a model built on the meta device (nothing allocated): what the
         loaders check a checkpoint against first."""
-        with torch.device("meta"):
-            model = cls(config)
+        small = dataclasses.replace(config, max_position_embeddings=1)  # a 1-row rotary table: a buffer
+        with torch.device("meta"), zero_init():
+            model = cls(small)
         return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
     def _freqs(self, positions: torch.Tensor) -> dict[bool, torch.Tensor]:

@@ -24,6 +24,7 @@ from astrai.errors import ModelFormatError, ModelNotFound
 from astrai.model.architecture import get_architecture
 from astrai.model.checks import TensorInfo, check_model, derived_head_dim
 from astrai.model.config import ModelConfig
+from astrai.model.gguf_reader import open_gguf
 from astrai.model.gguf_rope import rope_scaling, rope_tensors_scaling
 from astrai.model.layout import fused_parts, rope_heads, rope_order, to_rope_layout, unfuse
 from astrai.model.quant import NATIVE, QuantWeight, pack, split_blocks
@@ -34,54 +35,6 @@ logger = logging.getLogger(__name__)
 SUPPORTED_TYPES = frozenset(
     ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 )
-
-
-class _Truncated(ValueError):
-    """gguf-py asked for bytes past the end of the file (its slices would come back short)."""
-
-    def __init__(self, end: int) -> None:
-        super().__init__(f"data runs to byte {end}")
-        self.end = end
-
-
-class _MappedReader(GGUFReader):
-    """A GGUFReader whose buffer is a plain ndarray view of the file's memory map.
-
-    gguf-py slices ``reader.data`` once per metadata element (100k+ for a
-    tokenizer); on a plain ndarray that is about 3x faster than on np.memmap.
-    The view still maps the file: nothing is read until a tensor is used.
-    Every slice is checked against the file's end, so that a truncated file
-    is named as such rather than failing a reshape deep inside gguf-py.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._buf
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._buf = value.view(np.ndarray)
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self._buf):
-            raise _Truncated(end)
-        return super()._get(offset, dtype, count, override_order)
-
-
-def open_gguf(path: str | Path) -> GGUFReader:
-    """Parse a GGUF file's header; raises ModelNotFound when it is missing or not GGUF, and
-    ModelFormatError when it is cut short (its header or tensor data past the end of the file)."""
-    try:
-        return _MappedReader(path)
-    except _Truncated as e:
-        size = Path(path).stat().st_size
-        raise ModelFormatError(
-            f"{path}: truncated: the file has {size} bytes, but its tensor table or data runs to byte "
-            f"{e.end} (an incomplete download or copy?)"
-        ) from None
-    except (OSError, ValueError, KeyError, IndexError) as e:
-        raise ModelNotFound(f"{path}: not a readable GGUF file ({e})") from e
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:

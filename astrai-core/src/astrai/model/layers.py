@@ -8,6 +8,9 @@ per-head q/k norms, the activation, the softmax scale) are constructor arguments
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,8 +97,11 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear whose output rows are ``parts``' outputs side by side (quantized ones concatenated)."""
     if all(isinstance(p, QuantizedLinear) for p in parts):  # GGUF weights kept quantized
         return QuantizedLinear.concat(parts)
-    fused = nn.Linear(
-        parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None
+    fused = nn.Linear(  # on meta: no random init of what the concatenation replaces
+        parts[0].in_features,
+        sum(p.out_features for p in parts),
+        bias=parts[0].bias is not None,
+        device="meta",
     )
     with torch.no_grad():
         fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]))
@@ -215,3 +221,27 @@ class SandwichDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), freqs, kv_cache))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+@contextlib.contextmanager
+def zero_init() -> Iterator[None]:
+    """``nn.Linear`` and ``nn.Embedding`` start from zeros instead of torch's random init while
+    this is active (one thread at a time): a loader that overwrites every parameter skips ~1 s
+    of random numbers on the default model, and a model built on the meta device skips torch's
+    first ``normal_`` there (1.5 s of lazy set-up). Other modules keep their own init."""
+
+    def zero(module: nn.Module) -> None:
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                p.zero_()
+
+    with _INIT_LOCK:
+        saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+        nn.Linear.reset_parameters = nn.Embedding.reset_parameters = zero
+        try:
+            yield
+        finally:
+            nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+_INIT_LOCK = threading.Lock()

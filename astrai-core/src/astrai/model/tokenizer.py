@@ -58,8 +58,9 @@ class Tokenizer:
         self._controls: tuple[str, ...] | None = None  # control_tokens(hf), once asked
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """Build the tokenizer (and chat template) from a GGUF file's ``tokenizer.*`` metadata."""
+    def from_gguf(cls, path: str | Path, reader: Any = None) -> Tokenizer:
+        """Build the tokenizer (and chat template) from a GGUF file's ``tokenizer.*`` metadata;
+        ``reader``: the file's open ``GGUFReader`` where the caller has one (not parsed again)."""
         from transformers import PreTrainedTokenizerFast
 
         path = Path(path)
@@ -72,9 +73,9 @@ class Tokenizer:
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
         if not hf.chat_template:
-            from astrai.model.gguf_loader import open_gguf
+            from astrai.model.gguf_reader import open_gguf
 
-            field = open_gguf(path).fields.get("tokenizer.chat_template")
+            field = (reader or open_gguf(path)).fields.get("tokenizer.chat_template")
             hf.chat_template = None if field is None else field.contents()
         return cls(hf)
 

@@ -106,6 +106,14 @@ class RotaryEmbedding(nn.Module):
         if dim <= 0 or dim % 2:
             raise AstraiError(f"rotary dim must be a positive even number, got {dim}")
         self.dim, self.max_len, self.theta = dim, max_len, theta
+        # On the host whatever device context the module is built under (a model moves the table
+        # with its ``.to(device)``): on the meta device (``DecoderLM.parameter_shapes``) these ops
+        # would go through torch's Python decompositions, about 1.5 s to set up the first time.
+        with torch.device("cpu"):
+            self.register_buffer("freqs_cis", self._make_table(rope_scaling), persistent=False)
+
+    def _make_table(self, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
+        dim, theta, max_len = self.dim, self.theta, self.max_len
         positions = torch.arange(max_len, dtype=torch.float64)
         if _kind(rope_scaling) in _FROM_TRANSFORMERS:
             # cos and sin scaled by the attention factor; LongRoPE's long factors from the position
@@ -116,9 +124,8 @@ class RotaryEmbedding(nn.Module):
             if _kind(rope_scaling) == "longrope" and original and max_len > original:
                 long, _ = _hf_inv_freq("longrope", dim, theta, rope_scaling, long=True)
                 table[original:] = _table(torch.outer(positions[original:], long), factor)
-        else:
-            table = _table(torch.outer(positions, _inv_freq(dim, theta, rope_scaling)))
-        self.register_buffer("freqs_cis", table, persistent=False)
+            return table
+        return _table(torch.outer(positions, _inv_freq(dim, theta, rope_scaling)))
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         """``position_ids [batch, seq]`` int64 (any shape works) -> ``[batch, seq, dim/2, 2]`` float32."""
