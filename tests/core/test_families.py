@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from families import FAMILIES, clear_prefix, forward_all, load_astrai, prompts
+from families import FAMILIES, SIZES, VOCAB, clear_prefix, forward_all, load_astrai, prompts
 
 from astrai.kvcache.layout import KVLayout
 
@@ -82,3 +82,48 @@ def test_greedy_matches_transformers_through_the_engine(checkpoints, make_engine
     assert results[3].cached_tokens >= 20  # the shared prefix's whole pages
     if engine.pool.layout.n_global:
         assert engine.scheduler.policy.counters["preemptions"] > 0
+
+
+def test_phi3_longrope_takes_its_long_factors_for_a_context_past_the_original(tmp_path):
+    """LongRoPE's factors are chosen by the context served, as llama.cpp and vLLM choose them: serving
+    at most the original context (64 here), the short ones, which transformers takes for a sequence
+    that short; serving more, the long ones for every position, which transformers takes for a
+    sequence past the original context."""
+    import transformers as tf
+
+    from astrai.model import build_model, read_checkpoint
+
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "short_factor": [1.0, 1.1, 1.2, 1.3],
+        "long_factor": [2.0, 2.5, 3.0, 3.5],
+        "original_max_position_embeddings": 64,
+    }
+    sizes = {k: v for k, v in SIZES.items() if k != "head_dim"}
+    config = tf.Phi3Config(
+        **sizes, num_hidden_layers=2, rope_parameters=rope, original_max_position_embeddings=64
+    )
+    hf = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(
+                1.0 + 0.2 * torch.randn(p.shape, generator=gen)
+                if p.dim() == 1
+                else torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5
+            )
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(2, VOCAB, (80,), generator=gen).tolist()
+    for served, prompt in ((64, ids[:40]), (None, ids)):
+        cfg, weights, _, _ = read_checkpoint(str(tmp_path), torch.float32)
+        model = build_model(cfg, torch.float32, random_init=False, max_seq_len=served)
+        model.load_weights(weights)
+        model.fuse_projections()
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0]
+        got = forward_all(model, prompt, [len(prompt)])
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-4 * want.abs().max())
+    short = build_model(cfg, torch.float32, random_init=False, max_seq_len=64)
+    assert not torch.equal(short.rotary.freqs_cis[:64], model.rotary.freqs_cis[:64])  # the factors differ

@@ -116,14 +116,15 @@ class RotaryEmbedding(nn.Module):
         dim, theta, max_len = self.dim, self.theta, self.max_len
         positions = torch.arange(max_len, dtype=torch.float64)
         if _kind(rope_scaling) in _FROM_TRANSFORMERS:
-            # cos and sin scaled by the attention factor; LongRoPE's long factors from the position
-            # where its original context ends (a table by position, not by the sequence's length)
-            short, factor = _hf_inv_freq(_kind(rope_scaling), dim, theta, rope_scaling, long=False)
-            table = _table(torch.outer(positions, short), factor)
+            # cos and sin scaled by the attention factor. LongRoPE (Phi-3, Phi-4-mini): its long
+            # factors for every position when the context served (``max_len``) passes the original
+            # one, else its short ones, as llama.cpp (n_ctx) and vLLM (max_model_len) choose: one
+            # table for the whole context, so a position's rotation never depends on the sequence
+            # it is in (transformers switches by the length of the sequence of each forward)
             original = rope_scaling.get("original_max_position_embeddings")
-            if _kind(rope_scaling) == "longrope" and original and max_len > original:
-                long, _ = _hf_inv_freq("longrope", dim, theta, rope_scaling, long=True)
-                table[original:] = _table(torch.outer(positions[original:], long), factor)
+            long = _kind(rope_scaling) == "longrope" and bool(original) and max_len > original
+            inv_freq, factor = _hf_inv_freq(_kind(rope_scaling), dim, theta, rope_scaling, long=long)
+            table = _table(torch.outer(positions, inv_freq), factor)
             return table
         return _table(torch.outer(positions, _inv_freq(dim, theta, rope_scaling)))
 
