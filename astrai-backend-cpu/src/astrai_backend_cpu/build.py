@@ -4,9 +4,10 @@
 them to the model's fused ops is ``CpuBackend.kernels``'s, from ``astrai_backend_cpu.kernels``). The
 sources are compiled by ``torch.utils.cpp_extension.load`` (ninja, the system's C++
 compiler, ``-march=native``) into ``$ASTRAI_CPU_CACHE`` or
-``~/.cache/astrai/cpu-kernels/<torch>-<machine>-<cpu flags hash>``; torch rebuilds only
-when a source or a flag changes, so only the first use on a machine pays the compile
-(about 20 seconds). The cache is per instruction set: a build for one CPU never loads on
+``~/.cache/astrai/cpu-kernels/<torch>-<machine>-<cpu flags hash>-<sources hash>``, so only the
+first use of these sources on a machine pays the compile (about 20 seconds), and two versions of
+astrai on one machine (two virtual environments, a checkout beside an install) keep a build each
+rather than rebuilding over one another. The cache is per instruction set: a build for one CPU never loads on
 another. The build and load run under ``build_lock`` (``astrai.extension.api``): processes sharing a
 cache (replicas on one volume) build one at a time, and a build killed half-way (its torch
 ``lock`` file left behind) holds up no later start.
@@ -59,12 +60,19 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def _sources_tag() -> str:
+    digest = hashlib.sha1(" ".join(CXX_FLAGS).encode())
+    for src in sorted({*SOURCES, *(SOURCES[0].parent.glob("*.h"))}):
+        digest.update(src.name.encode() + b"\0" + src.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def cache_dir() -> Path:
-    """Where builds live: ``$ASTRAI_CPU_CACHE``, else per torch version and CPU under ~/.cache."""
+    """Where builds live: ``$ASTRAI_CPU_CACHE``, else per torch version, CPU and sources under ~/.cache."""
     env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env)
-    tag = f"torch{torch.__version__.split('+')[0]}-{platform.machine()}-{_cpu_tag()}"
+    tag = f"torch{torch.__version__.split('+')[0]}-{platform.machine()}-{_cpu_tag()}-{_sources_tag()}"
     return Path.home() / ".cache" / "astrai" / "cpu-kernels" / tag
 
 
