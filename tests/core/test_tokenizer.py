@@ -96,6 +96,12 @@ def test_token_text_shows_a_split_character_as_replacement(tok):
     assert [tok.token_text(i) for i in ids][:3] == [" \ufffd", "\ufffd", "\ufffd"]
 
 
+def test_max_token_bytes_is_token_bytes_over_the_whole_vocabulary(tok):
+    """The bulk walk (astrai_server.fit's characters-per-token bound) is ``token_bytes`` id by id."""
+    sizes = [len(tok.token_bytes(i)) for i in range(tok.vocab_size)]
+    assert tok.max_token_bytes() == max(sizes) > 1
+
+
 def test_decode_skips_special_tokens(tok):
     ids = tok.encode("<|im_start|>assistant\nHi<|im_end|>")
     assert tok.decode(ids) == "assistant\nHi"

@@ -81,16 +81,20 @@ _MAX_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionar
 
 
 def max_token_bytes(tokenizer: Any) -> int | None:
-    """The most bytes one token of ``tokenizer`` stands for (special tokens' text included);
-    None when it has no ``token_bytes`` and ``vocab_size``."""
+    """The most bytes one token of ``tokenizer`` stands for (special tokens' text included): its
+    ``max_token_bytes()``, else ``token_bytes`` over ``range(vocab_size)``; None when it has neither."""
     try:
         return _MAX_TOKEN_BYTES[tokenizer]
     except (KeyError, TypeError):
         pass
+    bulk = getattr(tokenizer, "max_token_bytes", None)  # astrai's Tokenizer: the vocabulary in bulk
     token_bytes, vocab = getattr(tokenizer, "token_bytes", None), getattr(tokenizer, "vocab_size", None)
-    if token_bytes is None or not isinstance(vocab, int):
+    if callable(bulk):
+        found = bulk()
+    elif token_bytes is None or not isinstance(vocab, int):
         return None
-    found = max((len(token_bytes(i)) for i in range(vocab)), default=1) or 1
+    else:
+        found = max((len(token_bytes(i)) for i in range(vocab)), default=1) or 1
     try:
         _MAX_TOKEN_BYTES[tokenizer] = found
     except TypeError:

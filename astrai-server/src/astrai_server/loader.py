@@ -27,6 +27,7 @@ from typing import Any
 from astrai.errors import AstraiError
 from astrai.hooks import PluginManager
 from astrai_server.config import ServerSettings
+from astrai_server.fit import text_bound
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class EngineLoader:
                 plugins=self.plugins,
                 weights=s.weights,
             )
+            text_bound(engine)  # the tokenizer's longest token (fit.py), now rather than in the first request
         except Exception as exc:  # every failure of the load ends in one line, whatever raised it
             self._failed(exc)
             return

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from astrai.errors import ModelNotFound, RequestRejected
-from astrai.model.byte_level import BYTE_OF_CHAR, is_byte_level
+from astrai.model.byte_level import is_byte_level, max_piece_bytes, piece_bytes
 from astrai.model.chat_template import ChatTemplate
 from astrai.model.control_tokens import ContentMarks, control_tokens
 
@@ -56,6 +56,7 @@ class Tokenizer:
         self._eos_token_ids = self._find_eos_token_ids()
         self._bytes: dict[int, bytes] = {}  # token_bytes, per id
         self._controls: tuple[str, ...] | None = None  # control_tokens(hf), once asked
+        self._pieces: tuple[frozenset[int], bool] | None = None  # added ids, byte-level: once asked
 
     @classmethod
     def from_gguf(cls, path: str | Path, reader: Any = None) -> Tokenizer:
@@ -179,17 +180,20 @@ class Tokenizer:
         return found
 
     def _token_bytes(self, token_id: int) -> bytes:
-        token = self.hf.convert_ids_to_tokens(token_id)
-        if token is None:
-            return b""
-        if token_id not in self.hf.added_tokens_decoder and is_byte_level(self.hf):
-            try:
-                return bytes(BYTE_OF_CHAR[c] for c in token)
-            except KeyError:  # not a byte-level piece after all
-                pass
-        if token.startswith("<0x") and token.endswith(">") and len(token) == 6:  # SentencePiece byte fallback
-            return bytes([int(token[3:5], 16)])
-        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        found = piece_bytes(self.hf.convert_ids_to_tokens(token_id), self._byte_level(token_id))
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8") if found is None else found
+
+    def _byte_level(self, token_id: int) -> bool:
+        """Whether ``token_id``'s piece is written in the byte-level alphabet (an added token's is not;
+        transformers builds ``added_tokens_decoder`` anew per call: 10 ms for Gemma 3's 6,384)."""
+        if self._pieces is None:
+            self._pieces = frozenset(self.hf.added_tokens_decoder), is_byte_level(self.hf)
+        return self._pieces[1] and token_id not in self._pieces[0]
+
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for: ``token_bytes`` over the whole vocabulary, in bulk
+        (``max_piece_bytes``; one call per id would take seconds on Gemma 3's 262,144). Not memoised."""
+        return max_piece_bytes(self.hf, self._byte_level)
 
     def token_text(self, token_id: int) -> str:
         """Token ``token_id`` as text, as OpenAI log-probs show it (partial UTF-8 bytes as U+FFFD)."""
