@@ -23,7 +23,6 @@ same tokens differently by far more than ``LP_ATOL``.
 from __future__ import annotations
 
 import os
-import random
 from typing import Any
 
 import httpx
@@ -43,24 +42,14 @@ def _counting() -> str:
     return ", ".join(str(i) for i in range(1, 132)) + ","
 
 
-def _diary() -> str:
-    rng = random.Random(3)
-    names, fruits = ["Ada", "Ben", "Chloe", "Dan", "Eve"], ["apple", "pear", "plum", "cherry"]
-    lines = [
-        f"On day {i}, {rng.choice(names)} planted {rng.randint(2, 9)} {rng.choice(fruits)} trees "
-        f"in the {rng.choice(['north', 'south', 'east', 'west'])} garden.\n"
-        for i in range(1, 32)
-    ]
-    return "".join(lines) + "On day 32,"
-
-
 def _recall() -> str:
     """A code stated once, then more than a window of filler: only the global layers still see it."""
     filler = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(1, 37))
     return "The secret code is 7391.\n" + filler + "Remember: the secret code is"
 
 
-PROMPTS = {"counting": _counting, "diary": _diary, "recall": _recall}
+# two prompts: the suite's time is bounded, and each costs a 600-token prefill on both sides
+PROMPTS = {"counting": _counting, "recall": _recall}
 
 
 def _installed() -> None:
