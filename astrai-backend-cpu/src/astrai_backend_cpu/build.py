@@ -5,9 +5,9 @@ them to the model's fused ops is ``CpuBackend.kernels``'s, from ``astrai_backend
 sources are compiled by ``torch.utils.cpp_extension.load`` (ninja, the system's C++
 compiler, ``-march=native``) into ``$ASTRAI_CPU_CACHE`` or
 ``~/.cache/astrai/cpu-kernels/<torch>-<machine>-<cpu flags hash>-<sources hash>``, so only the
-first use of these sources on a machine pays the compile (about 20 seconds), and two versions of
-astrai on one machine (two virtual environments, a checkout beside an install) keep a build each
-rather than rebuilding over one another. The cache is per instruction set: a build for one CPU never loads on
+first use of these sources (in this folder) on a machine pays the compile (about 20 seconds), and
+two versions or copies of astrai on one machine (two virtual environments, a checkout beside an
+install) keep a build each rather than rebuilding over one another. The cache is per instruction set: a build for one CPU never loads on
 another. The build and load run under ``build_lock`` (``astrai.extension.api``): processes sharing a
 cache (replicas on one volume) build one at a time, and a build killed half-way (its torch
 ``lock`` file left behind) holds up no later start.
@@ -61,7 +61,9 @@ def _cpu_tag() -> str:
 
 
 def _sources_tag() -> str:
-    digest = hashlib.sha1(" ".join(CXX_FLAGS).encode())
+    # the folder too: torch's build file names each source by its path, so two checkouts of the same
+    # sources sharing a build would still rebuild over one another
+    digest = hashlib.sha1(" ".join([*CXX_FLAGS, str(SOURCES[0].parent.resolve())]).encode())
     for src in sorted({*SOURCES, *(SOURCES[0].parent.glob("*.h"))}):
         digest.update(src.name.encode() + b"\0" + src.read_bytes())
     return digest.hexdigest()[:10]
