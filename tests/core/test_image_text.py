@@ -66,7 +66,7 @@ def test_the_text_model_of_an_image_text_checkpoint_gives_transformers_logits(ge
 
 def test_an_image_text_config_without_a_text_model_type_is_refused(tmp_path):
     from astrai.errors import ModelNotFound
-    from astrai.model.hf_loader import hf_config
+    from astrai.model.hf_config import hf_config
 
     with pytest.raises(ModelNotFound, match="without a text model_type"):
         hf_config(tmp_path, {"model_type": "gemma3", "text_config": {"hidden_size": 64}})

@@ -4,6 +4,11 @@ A namespace (a tenant's API key, a request's ``cache_salt``: see docs/http-api.m
 tree of its own under its own root: a lookup in one never finds a page inserted in another, so no
 client can learn from its time to first token whether another sent the same prefix. Namespace
 ``None`` is the shared tree of requests that name none.
+
+Over 300 lines because the tree, the references it holds on the allocator's pages, locking and
+least-recently-used eviction (of whole nodes, and of windowed layer groups' pages alone) keep one
+set of invariants together (``astrai.kvcache.invariants``): split, each part would reach into the
+others' state.
 """
 
 from __future__ import annotations

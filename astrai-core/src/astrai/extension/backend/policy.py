@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from astrai.errors import BackendUnavailable, PluginError
 from astrai.extension.backend.base import ATTENTION_BACKENDS, AttentionBackend, check_backend_class
+from astrai.extension.backend.layers import call_forward, lacks, layer_view
 from astrai.extension.backend.selection import (  # noqa: F401 - the policy's public names
     ATTN_BACKEND,
     AUTOMATIC,
@@ -162,7 +163,7 @@ class BackendRegistry:
         """
         if choice.name is not None:
             backend = self._explicit(choice.name, choice.source)
-            reason = _lacks(backend, kv_cache) or backend.supports(q, kv_cache)
+            reason = lacks(backend, kv_cache) or backend.supports(q, kv_cache)
             if reason is not None:
                 raise BackendUnavailable(
                     f"attention backend {choice.name!r} (from {choice.source}) cannot run this call: {reason}"
@@ -170,7 +171,7 @@ class BackendRegistry:
             return backend
         reasons = []
         for backend in self._automatic():
-            reason = _lacks(backend, kv_cache) or backend.supports(q, kv_cache)
+            reason = lacks(backend, kv_cache) or backend.supports(q, kv_cache)
             if reason is None:
                 return backend
             reasons.append(f"{backend.name}: {reason}")
@@ -195,38 +196,8 @@ class BackendRegistry:
     ) -> torch.Tensor:
         """``select(q, kv_cache).forward(...)``; see ``AttentionBackend.forward``."""
         backend = self.select(q, kv_cache)
-        layer_id, kv_cache = _layer_view(backend, q, layer_id, kv_cache)
-        return _forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap)
-
-
-def _layer_view(backend: AttentionBackend, q: torch.Tensor, layer_id: int, kv_cache: KVCache):
-    """``(index in k_buffer, KVCache)`` of layer ``layer_id``: its layer group's view of the step
-    (``KVCache.layer_slots``), prepared for ``backend`` on its first use; the step itself and
-    ``layer_id`` for a pool of one group."""
-    if not getattr(kv_cache, "layer_slots", None):  # (a test's stand-in may have none)
-        return layer_id, kv_cache
-    group, index = kv_cache.layer_slots[layer_id]
-    view = kv_cache.groups[group]
-    if view.backend is not backend:
-        view.features = kv_cache.features
-        backend.prepare(q, view)
-        view.backend = backend
-    return index, view
-
-
-def _lacks(backend: AttentionBackend, kv_cache: KVCache) -> str | None:
-    """Why ``backend`` cannot run the step's model: a layer option (``KVCache.features``) it does not
-    implement (``AttentionBackend.features``); None when it implements them all."""
-    missing = sorted(getattr(kv_cache, "features", frozenset()) - backend.features)
-    return f"no {' or '.join(missing)} attention (the model's layers need it)" if missing else None
-
-
-def _forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap) -> torch.Tensor:
-    """``backend.forward``, with the layer's options only when it has some (a backend without
-    ``features`` takes the spec's six arguments)."""
-    if not window and not softcap:
-        return backend.forward(q, k, v, layer_id, kv_cache, scale)
-    return backend.forward(q, k, v, layer_id, kv_cache, scale, window=window, softcap=softcap)
+        layer_id, kv_cache = layer_view(backend, q, layer_id, kv_cache)
+        return call_forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap)
 
 
 _registry: BackendRegistry | None = None
@@ -293,8 +264,8 @@ def attention(
     backend = kv_cache.backend
     if backend is None:
         backend = bind_step(kv_cache, q)
-    layer_id, kv_cache = _layer_view(backend, q, layer_id, kv_cache)
-    return _forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap)
+    layer_id, kv_cache = layer_view(backend, q, layer_id, kv_cache)
+    return call_forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap)
 
 
 def available_backends() -> list[tuple[str, bool, str]]:
