@@ -60,7 +60,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 @dataclass
 class Workload:
     name: str
-    requests: list[list[dict]]  # chat messages, one list per request
+    requests: list[list[dict]] | list[str]  # chat messages per request, or prompt strings (completions)
     concurrency: int
     max_tokens: int
     warmup: list[dict] | None = None  # sent once first, untimed
@@ -166,12 +166,14 @@ def workloads(p: Prompts, quick: bool) -> list[Workload]:
 
 
 async def one_request(
-    client: httpx.AsyncClient, system: System, messages: list[dict], max_tokens: int, p: Prompts
+    client: httpx.AsyncClient, system: System, messages: list[dict] | str, max_tokens: int, p: Prompts
 ) -> Sample:
-    """Stream one chat completion; times are perf_counter seconds from the send."""
+    """Stream one chat completion, or one completion (``/v1/completions``) when ``messages`` is a
+    prompt string (a base model has no chat template); times are perf_counter seconds from the send."""
+    chat = not isinstance(messages, str)
     body = {
         "model": system.model,
-        "messages": messages,
+        **({"messages": messages} if chat else {"prompt": messages}),
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -183,7 +185,8 @@ async def one_request(
     usage = None
     t0 = time.perf_counter()
     try:
-        async with client.stream("POST", system.base + "/v1/chat/completions", json=body) as resp:
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        async with client.stream("POST", system.base + route, json=body) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:300]
                 return Sample(error=f"HTTP {resp.status_code}: {detail}")
@@ -198,7 +201,7 @@ async def one_request(
                     return Sample(error=f"in-stream error: {str(chunk['error'])[:300]}")
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content")
+                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if piece:
                         stamps.append(time.perf_counter())
                         text.append(piece)
@@ -289,8 +292,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(system: System, log_dir: Path) -> Iterator[dict]:
-    """Start ``system``, wait for /health, yield its startup time and command; stop it on exit
-    (its own process group only)."""
+    """Start ``system``, wait for /health, yield its startup time, command and process id; stop it
+    on exit (its own process group only)."""
     log_path = log_dir / f"{system.name}.log"
     with open(log_path, "wb") as log:
         env = {**os.environ, **OFFLINE}
@@ -310,7 +313,7 @@ def serving(system: System, log_dir: Path) -> Iterator[dict]:
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
-        yield {"startup_s": time.perf_counter() - t0, "command": " ".join(system.command)}
+        yield {"startup_s": time.perf_counter() - t0, "command": " ".join(system.command), "pid": proc.pid}
     finally:
         stop(proc)
 

@@ -38,11 +38,12 @@ def kernel_for(op: str, x: torch.Tensor) -> Kernel | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x) * weight``: float32 inside, rounded to ``x``'s dtype, then the weight product
-    rounded."""
+    """``F.rms_norm(x) * weight`` over the last dim of ``x`` (any leading dims: per-head q/k norms
+    are ``[tokens, heads, head_dim]``): float32 inside, rounded to ``x``'s dtype, then the weight
+    product rounded."""
     kernel = kernel_for("rms_norm", x)
-    if kernel is not None and x.dim() == 2:
-        return kernel(x, weight, eps)
+    if kernel is not None and x.dim() >= 2:  # the kernel takes rows: a view where x is contiguous
+        return kernel(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
 
 

@@ -213,6 +213,7 @@ def _load(
     if quantized:
         weights = install_quantized(model, weights, dtype)
     model.load_weights({k: v.to(device) for k, v in weights.items()})
+    del weights  # copied in: freed now, so that the trim below returns them (tensors under 32 MiB are heap)
     model.fuse_projections()
     if prepack_supported(device, dtype):  # after the weights are final: packing copies them
         prepack_linears(model)

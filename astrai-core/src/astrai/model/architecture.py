@@ -274,6 +274,10 @@ def load_architectures() -> LoadedPlugins:
 
 @functools.lru_cache(maxsize=1)
 def _discover(_state: tuple[tuple[str, int | None], ...]) -> LoadedPlugins:
+    """On a thread of its own: a failure keeps its exception, whose traceback's frames reach up the
+    stack that discovered it (``f_back``), and the cache keeps the failure. On the caller's thread
+    that stack was a model loader's, its state dict with it (gemma3-270m's 640 MiB embedding)."""
+    from astrai.cpu_tuning import run_off_thread
     from astrai.plugins import load_plugins
 
-    return load_plugins(MODELS, check_architecture)
+    return run_off_thread(load_plugins, MODELS, check_architecture)
