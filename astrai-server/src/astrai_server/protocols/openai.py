@@ -460,6 +460,10 @@ class OpenAIResponseBuilder(ResponseBuilder):
             choice["logprobs"] = entries
         return [self._chunk(prepared, [{**choice, "finish_reason": None}])]
 
+    def format_reasoning_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
+        choice = {"index": index, "delta": {"reasoning_content": text}, "finish_reason": None}
+        return [self._chunk(prepared, [choice])]
+
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         frames = []
         for c in result.choices:
@@ -486,6 +490,8 @@ class OpenAIResponseBuilder(ResponseBuilder):
                 "role": "assistant",
                 "content": c.text if (c.text or not c.tool_calls) else None,
             }
+            if c.reasoning is not None:
+                message["reasoning_content"] = c.reasoning
             if calls := _calls(prepared, c):
                 message["tool_calls"] = calls
             logprobs = _logprobs(prepared, c.logprobs)
