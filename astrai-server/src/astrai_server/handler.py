@@ -313,9 +313,10 @@ class _Run:
         self._opened = [False] * count  # whether a choice's first chunk went out
 
     def _prompt_tail(self, ids: list[int]) -> str:
-        """The last tokens of a prompt, decoded: whether its template opened a thinking block."""
+        """The last tokens of a prompt, decoded with their special tokens (``<think>`` may be one):
+        whether its template opened a thinking block."""
         try:
-            return str(self.engine.tokenizer.decode(ids[-16:]))
+            return str(self.engine.tokenizer.decode(ids[-16:], skip_special_tokens=False))
         except Exception:  # a duck-typed tokenizer without decode: no hint
             return ""
 
