@@ -76,11 +76,16 @@ def _loaded(_state: object) -> tuple[dict[str, type[ReasoningParser]], dict[str,
 
 def choose_reasoning_parser(name: str | None, chat_template: str) -> type[ReasoningParser]:
     """The parser named ``name``, or (None) the first installed one, by name, whose ``matches`` the
-    template; ``none`` when none does. PluginError for a name that is not installed (listing those
-    that are) or that failed to load (its failure)."""
+    template; ``none`` when none does (core's own class when its entry point is not seen: stale
+    metadata of a development install never fails a request). PluginError for a name that is not
+    installed (listing those that are) or that failed to load (its failure)."""
     classes, failures = _loaded(installed_state())
     if name is None:
         chosen = next((c for n, c in sorted(classes.items()) if c.matches(chat_template)), None)
+        if chosen is None and "none" not in classes:
+            from astrai.reasoning.none import NoneReasoningParser
+
+            return NoneReasoningParser
         name = "none" if chosen is None else chosen.name
     if name in failures:
         raise failures[name]

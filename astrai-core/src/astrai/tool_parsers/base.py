@@ -65,9 +65,14 @@ def _loaded(_state: object) -> tuple[dict[str, type[ToolParser]], dict[str, Plug
 
 
 def choose_tool_parser(name: str | None) -> type[ToolParser]:
-    """The parser named ``name`` (None: ``hermes``, which reads the bare JSON form too). PluginError
-    for a name that is not installed (listing those that are) or that failed to load."""
+    """The parser named ``name`` (None: ``hermes``, which reads the bare JSON form too; core's own class
+    when its entry point is not seen). PluginError for a name that is not installed (listing those
+    that are) or that failed to load."""
     classes, failures = _loaded(installed_state())
+    if name is None and "hermes" not in classes:
+        from astrai.tool_parsers.hermes import HermesToolParser
+
+        return HermesToolParser
     name = name or "hermes"
     if name in failures:
         raise failures[name]
