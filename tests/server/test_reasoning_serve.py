@@ -130,3 +130,31 @@ def test_template_options_are_not_template_variables(client: Any) -> None:
             extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
         )
     assert err.value.body["param"] == "chat_template_kwargs.chat_template"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_calls_are_read_after_the_reasoning(client: Any, stream: bool) -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {}}}},
+    }
+    call = '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "Rome"\\}\\}\\n</tool_call>'
+    forced = {"regex": "<think>\\n" + THOUGHT + "\\n</think>\\n\\n" + call}
+    kwargs = dict(model="astrai", messages=MESSAGES, max_tokens=80, tools=[tool])
+    if not stream:
+        r = client.chat.completions.create(**kwargs, extra_body={"structured_outputs": forced})
+        message, finish = r.choices[0].message, r.choices[0].finish_reason
+        reasoning, content, calls = message.reasoning_content, message.content, message.tool_calls
+    else:
+        reasoning, content, calls, finish = "", "", [], None
+        for chunk in client.chat.completions.create(
+            **kwargs, stream=True, extra_body={"structured_outputs": forced}
+        ):
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                content += choice.delta.content or ""
+                calls += choice.delta.tool_calls or []
+                finish = choice.finish_reason or finish
+        content = content or None
+    assert (reasoning, content, finish) == (THOUGHT, None, "tool_calls")
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
