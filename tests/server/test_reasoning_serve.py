@@ -158,3 +158,11 @@ def test_tool_calls_are_read_after_the_reasoning(client: Any, stream: bool) -> N
         content = content or None
     assert (reasoning, content, finish) == (THOUGHT, None, "tool_calls")
     assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
+
+
+def test_completions_keep_the_text_as_generated(client: Any) -> None:
+    r = client.completions.create(
+        model="astrai", prompt="hi", max_tokens=64, extra_body={"structured_outputs": FORCED}
+    )
+    assert r.choices[0].text == "<think>\n" + THOUGHT + "\n</think>\n\n" + ANSWER
+    assert r.usage.completion_tokens_details is None

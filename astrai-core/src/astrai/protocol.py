@@ -192,6 +192,9 @@ class ResponseBuilder(ABC):
     # the status of a request shed under load (astrai.errors.Overloaded): 429 Too Many Requests;
     # Anthropic's API answers 529 with an overloaded_error
     overloaded_status: ClassVar[int] = 429
+    # whether a thinking model's reasoning is split off the answer (``format_reasoning_chunk``,
+    # ``Choice.reasoning``); a raw-text protocol (``/v1/completions``) keeps the text as generated
+    splits_reasoning: ClassVar[bool] = True
 
     def __init__(self, model_name: str = "astrai") -> None:
         self.model_name = model_name

@@ -104,7 +104,10 @@ class ProtocolHandler:
         compiled = None
         if prepared.params.grammar is not None:
             compiled = await self.engine.grammars.compile_async(prepared.params.grammar)
-        run = _Run(self.engine, prepared, loop, opening, compiled, self.parsers.for_engine(self.engine))
+        chosen = self.parsers.for_engine(self.engine)
+        if not self.builder.splits_reasoning:
+            chosen = dataclasses.replace(chosen, reasoning=None)
+        run = _Run(self.engine, prepared, loop, opening, compiled, chosen)
         args = (
             getattr(self.state, "request_id", None),
             getattr(request, "priority", None) or 0,

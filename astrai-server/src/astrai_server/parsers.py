@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class Chosen:
     """The parser classes of one engine: one instance of each per choice."""
 
-    reasoning: type[ReasoningParser]
+    reasoning: type[ReasoningParser] | None  # None: the protocol keeps the text as generated
     tool: type[ToolParser]
 
 
