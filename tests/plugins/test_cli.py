@@ -31,6 +31,11 @@ def test_plugins_lists_every_group_with_distribution_version_and_status() -> Non
         ("astrai.models", "qwen2"): "astrai-core",
         ("astrai.plugins", "request_log"): "astrai-request-log",
         ("astrai.plugins", "astrai_server"): "astrai-server",  # its hook adds `astrai serve`
+        ("astrai.reasoning_parsers", "qwen3"): "astrai-core",
+        ("astrai.reasoning_parsers", "deepseek_r1"): "astrai-core",
+        ("astrai.reasoning_parsers", "none"): "astrai-core",
+        ("astrai.tool_parsers", "hermes"): "astrai-core",
+        ("astrai.tool_parsers", "llama3_json"): "astrai-core",
     }
     for key, dist in expected.items():
         assert (

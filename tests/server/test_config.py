@@ -169,3 +169,23 @@ def test_parse_bytes() -> None:
     ]
     with pytest.raises(ValueError):
         parse_bytes("12 parsecs")
+
+
+@pytest.mark.parametrize(
+    ("flag", "installed"),
+    [("--reasoning-parser", "deepseek_r1, none, qwen3"), ("--tool-call-parser", "hermes, llama3_json")],
+)
+def test_unknown_parser_exits_2_listing_the_installed(
+    flag: str, installed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert serve_main([flag, "nope"]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert "'nope' not found; misspelled or not installed?" in err and f"Installed: {installed}" in err
+
+
+def test_parser_flags_reach_the_settings() -> None:
+    settings = settings_from_args(
+        _parse(["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "llama3_json"])
+    )
+    assert (settings.reasoning_parser, settings.tool_call_parser) == ("deepseek_r1", "llama3_json")
+    assert (ServerSettings().reasoning_parser, ServerSettings().tool_call_parser) == (None, None)

@@ -25,6 +25,7 @@ def chat_prompt_ids(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     prefill: str = "",
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (Hugging Face chat convention) through the model's chat template,
     then those of ``prefill`` (the start of the assistant's answer, which generation continues).
@@ -40,6 +41,8 @@ def chat_prompt_ids(
     them, so they are described in the system message instead, in the
     Hermes/Qwen ``<tool_call>`` format; likewise an assistant turn's
     ``tool_calls`` become ``<tool_call>`` text for a template that ignores them.
+    ``template_kwargs`` (OpenAI's ``chat_template_kwargs``: ``{"enable_thinking": false}``) are more
+    variables for the template; only passed when given (a duck-typed tokenizer may not take them).
     Raises ``RequestRejected`` (from the tokenizer) when the template fails.
     """
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -52,7 +55,10 @@ def chat_prompt_ids(
         tools = None
     if "tool_calls" not in template:
         messages = [_inline_tool_calls(m) if m.get("tool_calls") else m for m in messages]
-    ids = list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True))
+    extra = {"template_kwargs": template_kwargs} if template_kwargs else {}
+    ids = list(
+        tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, **extra)
+    )
     if prefill:
         encode_plain = getattr(tokenizer, "encode_plain", None)  # a duck-typed tokenizer may lack it
         ids += encode_plain(prefill) if encode_plain else tokenizer.encode(prefill, add_special_tokens=False)

@@ -12,7 +12,9 @@ from astrai.hooks import HOOKS, check_hook_plugin
 from astrai.model.architecture import MODELS, check_architecture
 from astrai.plugins import Validator
 from astrai.protocol import PROTOCOLS, check_builder_class
+from astrai.reasoning.base import REASONING_PARSERS, check_reasoning_parser
 from astrai.sampling.base import SAMPLING, check_strategy_class
+from astrai.tool_parsers.base import TOOL_PARSERS, check_tool_parser
 
 #: Validator of each group: ``check(entry-point name, loaded object, origin) -> object``.
 VALIDATORS: dict[str, Validator] = {
@@ -22,6 +24,8 @@ VALIDATORS: dict[str, Validator] = {
     GRAMMARS: check_grammar_backend,
     MODELS: check_architecture,
     HOOKS: check_hook_plugin,
+    REASONING_PARSERS: check_reasoning_parser,
+    TOOL_PARSERS: check_tool_parser,
 }
 GROUPS = tuple(VALIDATORS)
 
@@ -32,6 +36,8 @@ __all__ = [
     "HOOKS",
     "MODELS",
     "PROTOCOLS",
+    "REASONING_PARSERS",
     "SAMPLING",
+    "TOOL_PARSERS",
     "VALIDATORS",
 ]

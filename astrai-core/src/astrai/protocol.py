@@ -65,6 +65,10 @@ class Choice:
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that matched (finish_reason "stop_sequence")
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = (
+        None  # the thinking before the answer (a reasoning parser split it off); None: none
+    )
+    reasoning_tokens: int = 0  # generated tokens of the thinking, its tags included
     prompt_index: int = 0  # which of ``Prepared.prompts`` it completes
     logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (first: None), when asked
@@ -188,6 +192,9 @@ class ResponseBuilder(ABC):
     # the status of a request shed under load (astrai.errors.Overloaded): 429 Too Many Requests;
     # Anthropic's API answers 529 with an overloaded_error
     overloaded_status: ClassVar[int] = 429
+    # whether a thinking model's reasoning is split off the answer (``format_reasoning_chunk``,
+    # ``Choice.reasoning``); a raw-text protocol (``/v1/completions``) keeps the text as generated
+    splits_reasoning: ClassVar[bool] = True
 
     def __init__(self, model_name: str = "astrai") -> None:
         self.model_name = model_name
@@ -214,6 +221,12 @@ class ResponseBuilder(ABC):
         choice's first chunk, ``prompt_logprobs=`` (``Choice.prompt_logprobs``). The rest, of tokens
         that brought no text (EOS, a held-back stop string), is ``Choice.logprobs[logprobs_streamed:]``.
         """
+
+    def format_reasoning_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
+        """Frames carrying ``text``, a non-empty piece of choice ``index``'s reasoning (the thinking a
+        reasoning parser split off the answer; it always comes before the answer's chunks). Default:
+        none (a protocol that cannot show reasoning drops it; ``Choice.reasoning`` still holds it)."""
+        return []
 
     @abstractmethod
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:

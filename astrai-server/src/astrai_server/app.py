@@ -55,6 +55,7 @@ from astrai_server.handler import ProtocolHandler, count_choices, refuse_unknown
 from astrai_server.keys import authorized as _authorized
 from astrai_server.keys import caller as _caller
 from astrai_server.metrics import ServerMetrics
+from astrai_server.parsers import Parsers
 
 if TYPE_CHECKING:
     from astrai.engine import InferenceEngine
@@ -307,7 +308,10 @@ def _protocol_endpoint(builder: ResponseBuilder) -> Any:
                 _parse, builder, raw, None, request.app.state.engine, settings.max_choices
             )
             del raw
-            handler = ProtocolHandler(builder, _ready_engine(request), request.state, settings.max_choices)
+            parsers = Parsers(settings.reasoning_parser, settings.tool_call_parser)
+            handler = ProtocolHandler(
+                builder, _ready_engine(request), request.state, settings.max_choices, parsers
+            )
             run = await _unless_gone(handler.start(parsed), request)
             del parsed
             if run is None:

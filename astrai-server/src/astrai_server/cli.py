@@ -60,6 +60,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "chat_template", "chat template over the checkpoint's: a Jinja file, or an inline Jinja string")
     _flag(
         p,
+        "reasoning_parser",
+        "reasoning parser (qwen3, deepseek_r1, none, ...); default: from the chat template",
+    )
+    _flag(p, "tool_call_parser", "tool-call parser (hermes, llama3_json, ...); default: hermes")
+    _flag(
+        p,
         "generation_config",
         "sampling defaults of requests that leave them out: the checkpoint's (auto), or the API's (none)",
         choices=["auto", "none"],
@@ -322,6 +328,16 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         from astrai.model.chat_template import load_chat_template
 
         load_chat_template(settings.chat_template)
+    if (
+        settings.reasoning_parser is not None
+    ):  # a name not installed stops the start (exit 2), listing those that are
+        from astrai.reasoning import choose_reasoning_parser
+
+        choose_reasoning_parser(settings.reasoning_parser, "")
+    if settings.tool_call_parser is not None:
+        from astrai.tool_parsers import choose_tool_parser
+
+        choose_tool_parser(settings.tool_call_parser)
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config

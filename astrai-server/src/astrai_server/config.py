@@ -72,6 +72,10 @@ class ServerSettings(BaseModel):
     revision: str | None = None  # branch, tag or commit of a Hub id; None: main
     served_model_name: str = "astrai"  # the name /v1/models lists
     chat_template: str | None = None  # a Jinja file or inline template over the checkpoint's; None: its own
+    reasoning_parser: str | None = (
+        None  # an astrai.reasoning_parsers name; None: chosen from the chat template
+    )
+    tool_call_parser: str | None = None  # an astrai.tool_parsers name; None: hermes
     generation_config: Literal["auto", "none"] = (
         "auto"  # auto: the checkpoint's sampling defaults for values a request leaves out; none: the API's
     )

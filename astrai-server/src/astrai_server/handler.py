@@ -31,7 +31,8 @@ from astrai.errors import EngineNotReady, RequestRejected
 from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder
 from astrai.sampling import SamplingParams
 from astrai_server.errors import public_message, status_for
-from astrai_server.tools import CLOSE, ToolCallStreamFilter, open_tool_call, parse_tool_calls
+from astrai_server.parsers import Chosen, Parsers
+from astrai_server.tools import CLOSE, open_tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,17 @@ class ProtocolHandler:
     """
 
     def __init__(
-        self, builder: ResponseBuilder, engine: Any, state: Any = None, max_choices: int | None = None
+        self,
+        builder: ResponseBuilder,
+        engine: Any,
+        state: Any = None,
+        max_choices: int | None = None,
+        parsers: Parsers | None = None,
     ) -> None:
         if engine is None:
             raise EngineNotReady()
         self.builder, self.engine = builder, engine
+        self.parsers = parsers or Parsers()
         # the HTTP request's state (Starlette's request.state): its request_id names the engine requests,
         # its cache_tenant (edge.py) namespaces their prefix cache; usage (prompt and completion tokens)
         # is left there for the access log
@@ -97,7 +104,10 @@ class ProtocolHandler:
         compiled = None
         if prepared.params.grammar is not None:
             compiled = await self.engine.grammars.compile_async(prepared.params.grammar)
-        run = _Run(self.engine, prepared, loop, opening, compiled)
+        chosen = self.parsers.for_engine(self.engine)
+        if not self.builder.splits_reasoning:
+            chosen = dataclasses.replace(chosen, reasoning=None)
+        run = _Run(self.engine, prepared, loop, opening, compiled, chosen)
         args = (
             getattr(self.state, "request_id", None),
             getattr(request, "priority", None) or 0,
@@ -192,11 +202,18 @@ class ProtocolHandler:
         try:
             for frame in b.format_stream_start(p):
                 yield frame
-            async for index, text, logprobs in run.events():
-                for frame in b.format_chunk(p, index, text, **logprobs):
-                    yield frame
+            async for index, reasoning, text, logprobs in run.events():
+                if reasoning:
+                    for frame in b.format_reasoning_chunk(p, index, reasoning):
+                        yield frame
+                if text:
+                    for frame in b.format_chunk(p, index, text, **logprobs):
+                        yield frame
             result = run.result()
             self._usage(result)
+            for index, reasoning in run.held_reasoning():
+                for frame in b.format_reasoning_chunk(p, index, reasoning):
+                    yield frame
             for index, text, logprobs in run.held_text(result):
                 for frame in b.format_chunk(p, index, text, **logprobs):
                     yield frame
@@ -267,6 +284,7 @@ class _Run:
         loop: asyncio.AbstractEventLoop,
         opening: str = "",
         grammar: Any = None,
+        parsers: Chosen | None = None,
     ) -> None:
         self.engine, self.prepared, self.loop = engine, prepared, loop
         self.grammar = grammar  # prepared.params.grammar compiled (None: none)
@@ -276,14 +294,34 @@ class _Run:
         self.prompts = prepared.prompts or [prepared.prompt_ids]
         count = prepared.n * len(self.prompts)
         names = {t["function"]["name"] for t in prepared.tools}
-        self.filters = [ToolCallStreamFilter(names, opening) for _ in range(count)] if names else None
+        tool, reasoning = (parsers.tool, parsers.reasoning) if parsers else (None, None)
+        if tool is None:
+            from astrai.tool_parsers.hermes import HermesToolParser as tool
+        self.filters = [tool(names, opening) for _ in range(count)] if names else None
         self.names, self.opening = names, opening  # opening: the start of a call that the prompt ends with
         self._held: list[str] = [""] * count  # set by result(): text a filter held that was no call
+        # the answer's reasoning, split off before tool calls are looked for (none after a forced call's opening)
+        self.reasoners = None
+        if reasoning is not None and reasoning.name != "none" and not opening:
+            tails = [self._prompt_tail(ids) for ids in self.prompts]
+            self.reasoners = [reasoning(tails[i // prepared.n]) for i in range(count)]
+        self._reasoning = [""] * count  # reasoning released per choice
+        self._content = [""] * count  # content (before tool-call parsing) per choice
+        self._held_reasoning = [""] * count  # set by result(): reasoning held to the end
+        self._reasoning_pieces = [0] * count  # pieces received while thinking (the reasoning's tokens)
         params = prepared.params
         self.with_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
         self._pieces = [0] * count  # pieces received per choice
         self._sent = [0] * count  # log-prob entries sent per choice
         self._opened = [False] * count  # whether a choice's first chunk went out
+
+    def _prompt_tail(self, ids: list[int]) -> str:
+        """The last tokens of a prompt, decoded with their special tokens (``<think>`` may be one):
+        whether its template opened a thinking block."""
+        try:
+            return str(self.engine.tokenizer.decode(ids[-16:], skip_special_tokens=False))
+        except Exception:  # a duck-typed tokenizer without decode: no hint
+            return ""
 
     def _post(self, item: tuple[int, str | None]) -> None:
         # Runs on the scheduler thread: never raise there (a closed loop means nobody listens).
@@ -323,9 +361,10 @@ class _Run:
             self.abort()  # one choice rejected: withdraw the others
             raise
 
-    async def events(self) -> AsyncIterator[tuple[int, str, dict[str, Any]]]:
-        """``(choice index, text, log-probs)`` as it may be sent (tool-call text held back), until all
-        are done; the log-probs are ``format_chunk``'s keywords ({} when the request asked none)."""
+    async def events(self) -> AsyncIterator[tuple[int, str, str, dict[str, Any]]]:
+        """``(choice index, reasoning, text, log-probs)`` as they may be sent (tool-call text held back),
+        until all are done; the log-probs are ``format_chunk``'s keywords ({} when the request asked
+        none), those of reasoning tokens going with the next text."""
         left = len(self.results)
         while left:
             index, piece = self._peeked.pop(0) if self._peeked else await self.queue.get()
@@ -333,9 +372,18 @@ class _Run:
                 left -= 1
                 continue
             self._pieces[index] += 1
-            text = self.filters[index].push(piece) if self.filters else piece
-            if text:
-                yield index, text, self._logprobs(index, self._pieces[index] - 1)
+            reasoning = ""
+            if self.reasoners:
+                parser = self.reasoners[index]
+                was = parser.thinking
+                reasoning, piece = parser.push(piece)
+                if was or parser.thinking:
+                    self._reasoning_pieces[index] += 1
+                self._reasoning[index] += reasoning
+                self._content[index] += piece
+            text = self.filters[index].push(piece) if self.filters and piece else piece
+            if reasoning or text:
+                yield index, reasoning, text, self._logprobs(index, self._pieces[index] - 1) if text else {}
 
     async def peek(self) -> None:
         """Wait for the first event of any choice, leaving it for ``events()``."""
@@ -356,6 +404,10 @@ class _Run:
         self._opened[index] = True
         return out
 
+    def held_reasoning(self) -> list[tuple[int, str]]:
+        """Reasoning a parser held to the end (an output cut inside its thinking), after ``result``."""
+        return [(i, r) for i, r in enumerate(self._held_reasoning) if r]
+
     def held_text(self, result: ChatResult) -> list[tuple[int, str, dict[str, Any]]]:
         """Text a tool-call filter held back that turned out not to be a call (after ``result``, whose
         choices then count the log-probs these chunks carry as streamed)."""
@@ -372,9 +424,20 @@ class _Run:
                 raise r.error
             reason = getattr(r.finish_reason, "value", r.finish_reason)
             text, calls, stop_sequence = self.opening + r.text, [], r.stop_sequence
+            reasoning, reasoning_tokens = None, 0
+            if self.reasoners:
+                self._held_reasoning[i], tail = self.reasoners[i].finish()
+                if tail and self.filters:
+                    self._held[i] = self.filters[i].push(tail)
+                elif tail:
+                    self._held[i] = tail
+                reasoning = (self._reasoning[i] + self._held_reasoning[i]) or None
+                text = self._content[i] + tail
+                reasoning_tokens = min(self._reasoning_pieces[i], r.completion_tokens)
             if self.filters:
-                self._held[i], calls = self.filters[i].finish()
-                text = parse_tool_calls(text, self.names)[0] if calls else text
+                held, calls = self.filters[i].finish()
+                self._held[i] += held
+                text = self.filters[i].parse(text)[0] if calls else text
             if self.opening and stop_sequence == CLOSE:  # the forced call's end, not the client's stop
                 reason, stop_sequence = "stop", None
             params = self.prepared.params
@@ -386,6 +449,8 @@ class _Run:
                     completion_tokens=r.completion_tokens,
                     stop_sequence=stop_sequence,
                     tool_calls=calls,
+                    reasoning=reasoning,
+                    reasoning_tokens=reasoning_tokens,
                     prompt_index=i // self.prepared.n,
                     logprobs=list(r.logprobs) if params.logprobs is not None else None,
                     prompt_logprobs=r.prompt_logprobs if params.prompt_logprobs is not None else None,

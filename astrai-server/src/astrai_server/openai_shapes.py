@@ -63,13 +63,19 @@ def openai_error(status: int, message: str, param: str | None = None) -> dict[st
 
 def openai_usage(result: ChatResult) -> dict[str, Any]:
     """The ``usage`` of chat and completions; ``prompt_tokens_details.cached_tokens``: the prompt tokens
-    the prefix cache served in the caller's own namespace (its API key's, its ``cache_salt``'s)."""
-    return {
+    the prefix cache served in the caller's own namespace (its API key's, its ``cache_salt``'s);
+    ``completion_tokens_details.reasoning_tokens`` when a choice had reasoning (its thinking's tokens)."""
+    usage: dict[str, Any] = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.total_tokens,
         "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
+    if any(c.reasoning is not None for c in result.choices):
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": sum(c.reasoning_tokens for c in result.choices)
+        }
+    return usage
 
 
 def logprob_entries(

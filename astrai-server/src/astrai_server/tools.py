@@ -1,14 +1,5 @@
-"""Tool calls out of generated text, in the formats chat templates teach models.
-
-Recognised (what Hermes, Qwen2/2.5, SmolLM and most open chat templates use):
-
-* ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated; a JSON
-  list inside one tag; a missing closing tag at the very end (EOS came first);
-* the whole output being one JSON object ``{"name": ..., "arguments" | "parameters": ...}``
-  or a list of them (Llama 3.x style).
-
-A call whose name is not one of the request's tools is not a tool call: the
-text stays text. Protocol-neutral: builders receive ``astrai.protocol.ToolCall``.
+"""Tool calls enforced by grammar, in the ``<tool_call>`` format (parsing them out of the answer is
+the job of the ``astrai.tool_parsers`` plugins: ``astrai.tool_parsers.hermes`` and ``llama3_json``).
 
 A request that must call a tool gets the opening of a ``<tool_call>`` appended to
 its prompt (``call_opening``), a grammar that makes the rest a valid call of one of its
@@ -23,9 +14,15 @@ from typing import Any
 
 from astrai.errors import RequestRejected
 from astrai.grammar import GrammarSpec
-from astrai.protocol import Prepared, ToolCall, new_id
+from astrai.protocol import Prepared
+from astrai.tool_parsers.hermes import CLOSE, OPEN, HermesToolParser, parse_hermes_calls
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+#: Today's names of the ``hermes`` parser's pieces, kept for the code and tests that use them.
+ToolCallStreamFilter = HermesToolParser
+parse_tool_calls = parse_hermes_calls
+
+__all__ = ["CLOSE", "OPEN", "ToolCallStreamFilter", "call_opening", "call_schema", "calls_tag"]
+__all__ += ["open_tool_call", "parse_tool_calls"]
 
 
 def call_opening(tokenizer: Any, name: str | None) -> str:
@@ -108,104 +105,3 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
         for t in tools
     ]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
-
-
-def _calls_from_json(obj: Any, names: set[str]) -> list[ToolCall] | None:
-    """ToolCalls for a decoded object or list of objects; None when any item is not a valid call."""
-    items = obj if isinstance(obj, list) else [obj]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or item.get("name") not in names:
-            return None
-        args = item.get("arguments", item.get("parameters", {}))
-        try:
-            if isinstance(args, str):  # some templates emit the arguments already encoded
-                args = json.loads(args)
-            encoded = json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
-        except (ValueError, RecursionError):  # not JSON, or nested too deep to re-encode
-            return None
-        if encoded is None:
-            return None
-        calls.append(ToolCall(id=new_id("call_"), name=item["name"], arguments=encoded))
-    return calls or None
-
-
-def _decode(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):  # a grammar can make a model write 5,000 brackets
-        return None
-
-
-def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
-    """Split ``text`` into (plain text before the first call, tool calls).
-
-    Returns ``(text, [])`` unchanged when ``text`` holds no valid call for a tool in
-    ``names``; malformed JSON inside the tags is left as text, never raised.
-    """
-    start = text.find(OPEN)
-    if start < 0:
-        stripped = text.strip()
-        if stripped[:1] in ("{", "["):
-            calls = _calls_from_json(_decode(stripped), names)
-            if calls:
-                return "", calls
-        return text, []
-    calls: list[ToolCall] = []
-    rest = text[start:]
-    while rest.startswith(OPEN):
-        end = rest.find(CLOSE)
-        body, rest = (rest[len(OPEN) :], "") if end < 0 else (rest[len(OPEN) : end], rest[end + len(CLOSE) :])
-        found = _calls_from_json(_decode(body.strip()), names)
-        if found is None:
-            return text, []
-        calls.extend(found)
-        rest = rest.lstrip()
-    if rest:  # text after the calls that is not another call: not a clean tool-call turn
-        return text, []
-    return text[:start].rstrip(), calls
-
-
-class ToolCallStreamFilter:
-    """Streams text up to a possible tool call and holds back the rest until the end.
-
-    ``push(piece)`` returns the text that can be sent now: everything before a
-    ``<tool_call>`` tag (or before a trailing prefix of it), nothing once the
-    output is inside a call or starts with a JSON object. ``finish()`` returns
-    ``(held text to send as plain text, tool calls)``. ``opening``: the part of a
-    call that the prompt already holds (see ``call_opening``); the output continues it.
-    """
-
-    def __init__(self, names: set[str], opening: str = "") -> None:
-        self.names = names
-        self.sent = ""  # text already released
-        self.held = opening  # text not released yet
-        self.capturing = bool(opening)  # a call (tag or leading JSON) has begun
-
-    def push(self, piece: str) -> str:
-        self.held += piece
-        if self.capturing:
-            return ""
-        if not self.sent and self.held.lstrip()[:1] in ("{", "["):
-            self.capturing = True
-            return ""
-        tag = self.held.find(OPEN)
-        if tag >= 0:
-            self.capturing = True
-            out, self.held = self.held[:tag], self.held[tag:]
-        else:
-            longest = min(len(OPEN) - 1, len(self.held))  # the held text's end may begin a tag
-            keep = next((k for k in range(longest, 0, -1) if OPEN.startswith(self.held[-k:])), 0)
-            if not self.sent and not self.held.strip():
-                keep = len(self.held)  # leading whitespace: the JSON form may still follow
-            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        self.sent += out
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        text, calls = parse_tool_calls(self.sent + self.held, self.names)
-        if not calls:
-            held, self.held = self.held, ""
-            return held, []
-        self.held = ""
-        return "", calls

@@ -4,6 +4,7 @@ and the incremental detokenizer that streams text token by token.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,18 +128,33 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt text the chat template makes of OpenAI-style ``messages``.
+        """The prompt text the chat template makes of OpenAI-style ``messages``; ``template_kwargs``
+        are more variables for the template (``enable_thinking``), never transformers' own options.
 
         Raises RequestRejected when the model has no chat template (``NO_TEMPLATE``), the template
-        fails on the conversation (the message names the template's error), or a content part is
-        not text.
+        fails on the conversation (the message names the template's error), a content part is
+        not text, or a ``template_kwargs`` key names an option of ``apply_chat_template`` (a client
+        must not swap the template or tokenize differently).
         """
         if not self.hf.chat_template:
             raise RequestRejected(NO_TEMPLATE)
+        extra = dict(template_kwargs or {})
+        reserved = set(inspect.signature(self.hf.apply_chat_template).parameters) | {"messages"}
+        for key in extra:
+            if key in reserved:
+                raise RequestRejected(
+                    f"chat_template_kwargs.{key} is an option of the template renderer, not a template variable",
+                    param=f"chat_template_kwargs.{key}",
+                )
         try:
             return self.hf.apply_chat_template(
-                _flatten(messages), tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                _flatten(messages),
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **extra,
             )
         except Exception as e:  # jinja2 errors, including the template's own raise_exception()
             raise RequestRejected(f"the chat template failed on this request: {type(e).__name__}: {e}") from e
@@ -148,6 +164,7 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of :meth:`render_chat`; the template writes BOS/special tokens itself.
 
@@ -160,8 +177,9 @@ class Tokenizer:
         marks = ContentMarks(self._control_tokens())
         marked_messages, marked_tools = marks.wrap(messages), marks.wrap(tools)
         if not marks.count:  # nothing to neutralise: one piece, the ids of the plain rendering
-            return self.encode(self.render_chat(messages, tools, add_generation_prompt))
-        return marks.encode(self, self.render_chat(marked_messages, marked_tools, add_generation_prompt))
+            return self.encode(self.render_chat(messages, tools, add_generation_prompt, template_kwargs))
+        rendered = self.render_chat(marked_messages, marked_tools, add_generation_prompt, template_kwargs)
+        return marks.encode(self, rendered)
 
     def _control_tokens(self) -> tuple[str, ...]:
         if self._controls is None:

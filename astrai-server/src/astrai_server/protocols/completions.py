@@ -171,6 +171,7 @@ class CompletionsResponseBuilder(ResponseBuilder):
     """OpenAI text completions over JSON and SSE (``object: "text_completion"``)."""
 
     name = "completions"
+    splits_reasoning = False  # a raw continuation: its text is the text generated
     route = "/v1/completions"
     request_model = CompletionRequest
 

@@ -235,6 +235,7 @@ class ChatCompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shares pages only within a salt
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
 
     _null_is_not_sent = null_is_not_sent(REFUSED)  # JSON null is OpenAI's "not set"
 
@@ -376,7 +377,12 @@ class OpenAIResponseBuilder(ResponseBuilder):
         call is returned) and, when log-probs were asked, ``tokenizer`` (to render their tokens)."""
         _refuse_unserved(request)
         tools = _select_tools(request)
-        prompt_ids = chat_prompt_ids(engine.tokenizer, _template_messages(request.messages), tools)
+        prompt_ids = chat_prompt_ids(
+            engine.tokenizer,
+            _template_messages(request.messages),
+            tools,
+            template_kwargs=request.chat_template_kwargs,
+        )
         params = request.sampling_params()
         state = {
             "include_usage": request.stream_options.include_usage if request.stream_options else True,
@@ -460,6 +466,10 @@ class OpenAIResponseBuilder(ResponseBuilder):
             choice["logprobs"] = entries
         return [self._chunk(prepared, [{**choice, "finish_reason": None}])]
 
+    def format_reasoning_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
+        choice = {"index": index, "delta": {"reasoning_content": text}, "finish_reason": None}
+        return [self._chunk(prepared, [choice])]
+
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         frames = []
         for c in result.choices:
@@ -486,6 +496,8 @@ class OpenAIResponseBuilder(ResponseBuilder):
                 "role": "assistant",
                 "content": c.text if (c.text or not c.tool_calls) else None,
             }
+            if c.reasoning is not None:
+                message["reasoning_content"] = c.reasoning
             if calls := _calls(prepared, c):
                 message["tool_calls"] = calls
             logprobs = _logprobs(prepared, c.logprobs)

@@ -1,0 +1,112 @@
+"""``ToolParser``: the contract of the ``astrai.tool_parsers`` entry-point group, and the JSON helpers
+the JSON formats share (a call is ``{"name": ..., "arguments" | "parameters": {...}}``).
+
+A parser works on one choice's answer (after any reasoning): ``push`` releases the text that
+cannot be part of a call as it streams and holds the rest; ``finish`` returns what it held that
+was no call, and the calls; ``parse`` does both on a whole text. A call of a tool not in
+``names`` is not a call: the text stays text. Malformed calls stay text too, never raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from astrai.errors import PluginError
+from astrai.plugins import check_class, installed_state, load_plugins
+from astrai.protocol import ToolCall, new_id
+
+__all__ = ["TOOL_PARSERS", "ToolParser", "calls_from_json", "check_tool_parser", "choose_tool_parser"]
+__all__ += ["decode_json"]
+
+TOOL_PARSERS = "astrai.tool_parsers"
+
+
+class ToolParser(ABC):
+    """Tool calls out of one choice's answer; one instance per choice.
+
+    ``names``: the request's tool names. ``opening``: the start of a call that the prompt already
+    ends with (a required call, enforced by grammar): the output continues it.
+    ``push``/``finish`` over any split of a text give the calls of ``parse`` of the whole text,
+    and the released text plus ``finish``'s held text is the whole text when there is no call.
+    """
+
+    name: ClassVar[str]  # entry-point name, e.g. "hermes"
+
+    def __init__(self, names: set[str], opening: str = "") -> None:
+        self.names = names
+        self.opening = opening
+
+    @abstractmethod
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """``(text before the first call, calls)`` of a whole answer; ``(text, [])`` when it holds no
+        valid call of a tool in ``names``."""
+
+    @abstractmethod
+    def push(self, piece: str) -> str:
+        """The part of the text so far that can be released as plain text now."""
+
+    @abstractmethod
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """``(held text to release as plain text, calls)`` once the answer has ended."""
+
+
+def check_tool_parser(name: str, plugin: object, origin: str) -> type[ToolParser]:
+    """Validate an ``astrai.tool_parsers`` plugin: a ``ToolParser`` named ``name``. Raises PluginError."""
+    return check_class(ToolParser, name, plugin, origin)
+
+
+@functools.lru_cache(maxsize=8)
+def _loaded(_state: object) -> tuple[dict[str, type[ToolParser]], dict[str, PluginError]]:
+    found = load_plugins(TOOL_PARSERS, check_tool_parser)
+    return found.classes, {n: f.as_error() for n, f in found.failures.items()}
+
+
+def choose_tool_parser(name: str | None) -> type[ToolParser]:
+    """The parser named ``name`` (None: ``hermes``, which reads the bare JSON form too; core's own class
+    when its entry point is not seen). PluginError for a name that is not installed (listing those
+    that are) or that failed to load."""
+    classes, failures = _loaded(installed_state())
+    if name is None and "hermes" not in classes:
+        from astrai.tool_parsers.hermes import HermesToolParser
+
+        return HermesToolParser
+    name = name or "hermes"
+    if name in failures:
+        raise failures[name]
+    if name not in classes:
+        raise PluginError(
+            f"tool-call parser {name!r} not found; misspelled or not installed? "
+            f"Installed: {', '.join(sorted(classes)) or 'none'}"
+        )
+    return classes[name]
+
+
+def calls_from_json(obj: Any, names: set[str]) -> list[ToolCall] | None:
+    """ToolCalls for a decoded object or list of objects; None when any item is not a valid call."""
+    items = obj if isinstance(obj, list) else [obj]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        try:
+            if isinstance(args, str):  # some templates emit the arguments already encoded
+                args = json.loads(args)
+            encoded = json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to re-encode
+            return None
+        if encoded is None:
+            return None
+        calls.append(ToolCall(id=new_id("call_"), name=item["name"], arguments=encoded))
+    return calls or None
+
+
+def decode_json(text: str) -> Any:
+    """``json.loads(text)``, or None when it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # a grammar can make a model write 5,000 brackets
+        return None
