@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astrai.errors import ModelNotFound, RequestRejected
+from astrai.model.detokenizer import IncrementalDecoder
 from astrai.model.resolve import DEFAULT_MODEL, resolve_model
-from astrai.model.tokenizer import IncrementalDecoder, Tokenizer
+from astrai.model.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",

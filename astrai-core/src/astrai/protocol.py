@@ -15,6 +15,9 @@ builder, streaming or not::
 Builders are registered in the ``astrai.protocols`` entry-point group (see
 ``astrai.plugins``). This module imports pydantic only: no fastapi, no torch,
 so a protocol plugin depends on astrai-core alone and is testable without HTTP.
+
+Over 300 lines because this is the whole contract a protocol plugin implements: the result
+types it shapes and the builder interface the server drives, each documented where it is defined.
 """
 
 from __future__ import annotations
@@ -65,9 +68,8 @@ class Choice:
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that matched (finish_reason "stop_sequence")
     tool_calls: list[ToolCall] = field(default_factory=list)
-    reasoning: str | None = (
-        None  # the thinking before the answer (a reasoning parser split it off); None: none
-    )
+    # the thinking before the answer (a reasoning parser split it off); None: none
+    reasoning: str | None = None
     reasoning_tokens: int = 0  # generated tokens of the thinking, its tags included
     prompt_index: int = 0  # which of ``Prepared.prompts`` it completes
     logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked

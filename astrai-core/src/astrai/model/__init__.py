@@ -22,9 +22,10 @@ from astrai.model.architecture import Architecture, get_architecture
 from astrai.model.checkpoint import Checkpoint, open_checkpoint, read_weights
 from astrai.model.config import ModelConfig
 from astrai.model.cpu_linear import prepack_linears, prepack_supported
+from astrai.model.detokenizer import IncrementalDecoder
 from astrai.model.layers import zero_init
 from astrai.model.llama import LlamaForCausalLM
-from astrai.model.tokenizer import IncrementalDecoder, Tokenizer
+from astrai.model.tokenizer import Tokenizer
 
 __all__ = [
     "Architecture",

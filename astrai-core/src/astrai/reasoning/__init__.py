@@ -6,7 +6,7 @@ from astrai.reasoning.base import (
     REASONING_PARSERS,
     ReasoningParser,
     check_reasoning_parser,
-    choose_reasoning_parser,
 )
+from astrai.reasoning.choose import choose_reasoning_parser
 
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "check_reasoning_parser", "choose_reasoning_parser"]

@@ -9,16 +9,14 @@ was no call, and the calls; ``parse`` does both on a whole text. A call of a too
 
 from __future__ import annotations
 
-import functools
 import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from astrai.errors import PluginError
-from astrai.plugins import check_class, installed_state, load_plugins
+from astrai.plugins import check_class
 from astrai.protocol import ToolCall, new_id
 
-__all__ = ["TOOL_PARSERS", "ToolParser", "calls_from_json", "check_tool_parser", "choose_tool_parser"]
+__all__ = ["TOOL_PARSERS", "ToolParser", "calls_from_json", "check_tool_parser"]
 __all__ += ["decode_json"]
 
 TOOL_PARSERS = "astrai.tool_parsers"
@@ -56,32 +54,6 @@ class ToolParser(ABC):
 def check_tool_parser(name: str, plugin: object, origin: str) -> type[ToolParser]:
     """Validate an ``astrai.tool_parsers`` plugin: a ``ToolParser`` named ``name``. Raises PluginError."""
     return check_class(ToolParser, name, plugin, origin)
-
-
-@functools.lru_cache(maxsize=8)
-def _loaded(_state: object) -> tuple[dict[str, type[ToolParser]], dict[str, PluginError]]:
-    found = load_plugins(TOOL_PARSERS, check_tool_parser)
-    return found.classes, {n: f.as_error() for n, f in found.failures.items()}
-
-
-def choose_tool_parser(name: str | None) -> type[ToolParser]:
-    """The parser named ``name`` (None: ``hermes``, which reads the bare JSON form too; core's own class
-    when its entry point is not seen). PluginError for a name that is not installed (listing those
-    that are) or that failed to load."""
-    classes, failures = _loaded(installed_state())
-    if name is None and "hermes" not in classes:
-        from astrai.tool_parsers.hermes import HermesToolParser
-
-        return HermesToolParser
-    name = name or "hermes"
-    if name in failures:
-        raise failures[name]
-    if name not in classes:
-        raise PluginError(
-            f"tool-call parser {name!r} not found; misspelled or not installed? "
-            f"Installed: {', '.join(sorted(classes)) or 'none'}"
-        )
-    return classes[name]
 
 
 def calls_from_json(obj: Any, names: set[str]) -> list[ToolCall] | None:
