@@ -219,3 +219,20 @@ def test_json_mode_constrains_the_answer_after_free_thinking(client, in_prompt: 
     assert message.reasoning_content  # free thinking, ended by the budget
     jsonschema.validate(json.loads(message.content), schema)
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_responses_reasoning_effort_and_max_tokens(urls) -> None:
+    import httpx
+
+    def post(reasoning: dict) -> httpx.Response:
+        body = {"input": "hi", "max_output_tokens": 6, "temperature": 0, "reasoning": reasoning}
+        return httpx.post(urls[0] + "/v1/responses", json=body, timeout=60)
+
+    on, off = post({"effort": "high"}), post({"effort": "minimal"})
+    assert (on.status_code, off.status_code) == (200, 200), (on.text, off.text)
+    assert off.json()["usage"]["input_tokens"] > on.json()["usage"]["input_tokens"]  # closed in the prompt
+    assert post({"max_tokens": 2}).status_code == 200
+    for reasoning in ({"max_tokens": 7}, {"max_tokens": -1}, {"effort": "extreme"}):
+        bad = post(reasoning)
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "reasoning." + next(iter(reasoning)), bad.text
