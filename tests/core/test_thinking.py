@@ -99,3 +99,15 @@ def test_a_budget_is_refused_beyond_max_tokens_and_below_zero() -> None:
         with pytest.raises(RequestRejected) as err:
             SamplingParams(max_tokens=4, thinking_budget=bad)
         assert err.value.param == "thinking_budget"
+
+
+def test_the_think_parsers_say_how_their_thinking_is_written() -> None:
+    from astrai.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+    from astrai.reasoning.none import NoneReasoningParser
+    from astrai.reasoning.qwen3 import Qwen3ReasoningParser
+
+    assert Qwen3ReasoningParser("assistant\n").thinking_format() == ThinkingFormat(inside=False)
+    assert Qwen3ReasoningParser("assistant\n<think>\n").thinking_format() == ThinkingFormat(inside=True)
+    assert DeepSeekR1ReasoningParser("x").thinking_format() == ThinkingFormat(inside=True)
+    assert Qwen3ReasoningParser("<think>\n\n</think>\n\n").thinking_format() is None  # thinking off
+    assert NoneReasoningParser("").thinking_format() is None

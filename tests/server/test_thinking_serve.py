@@ -216,7 +216,8 @@ def test_json_mode_constrains_the_answer_after_free_thinking(client, in_prompt: 
         extra_body={"thinking_token_budget": 8, "chat_template_kwargs": {"think_in_prompt": in_prompt}},
     )
     message = r.choices[0].message
-    assert message.reasoning_content  # free thinking, ended by the budget
+    if in_prompt:  # else the grammar lets the model skip the thinking, as it may unconstrained
+        assert message.reasoning_content  # free thinking, ended by the budget
     jsonschema.validate(json.loads(message.content), schema)
     assert r.choices[0].finish_reason == "stop"
 

@@ -20,8 +20,9 @@ parser's ``ThinkingFormat`` and the engine ends the thinking at the budget (``as
 
 Grammars on a thinking model (``answer_grammar``): a structured-output or tool-call grammar is
 wrapped into an xgrammar structural tag, a ``sequence`` of the thinking block (a ``tag`` of
-``any_text`` between ``<think>`` and ``</think>``, its ``begin`` empty when the prompt opened
-it), a little whitespace, then the original constraint as the answer. The thinking runs free,
+``any_text`` between ``<think>`` and ``</think>``: its ``begin`` empty when the prompt opened
+it, else ``optional``, as the model may not think), a little whitespace, then the original
+constraint as the answer. The thinking runs free,
 the answer is constrained, and the budget's forced ``\\n</think>\\n\\n`` is text the tag accepts.
 A grammar that already describes the thinking (a regex or grammar whose text starts with
 ``<think>``, a structural tag in xgrammar's legacy form) is taken as given: it constrains the
@@ -152,12 +153,14 @@ def answer_grammar(spec: GrammarSpec, fmt: ThinkingFormat) -> GrammarSpec | None
         if "format" not in tag:  # xgrammar's legacy structures/triggers: a whole-output constraint
             return None
         answer = tag["format"]
-    think = {
+    think: dict[str, Any] = {
         "type": "tag",
         "begin": "" if fmt.inside else fmt.open,
         "content": {"type": "any_text"},
         "end": fmt.close,
     }
+    if not fmt.inside:  # the model may answer without thinking, as it would unconstrained
+        think = {"type": "optional", "content": think}
     sequence = {"type": "sequence", "elements": [think, _WHITESPACE, answer]}
     return GrammarSpec.of("structural_tag", {"type": "structural_tag", "format": sequence})
 
