@@ -237,3 +237,22 @@ def test_responses_reasoning_effort_and_max_tokens(urls) -> None:
         bad = post(reasoning)
         assert bad.status_code == 400, bad.text
         assert bad.json()["error"]["param"] == "reasoning." + next(iter(reasoning)), bad.text
+
+
+def test_a_streamed_budget_gives_the_same_split(client) -> None:
+    whole = _chat(client, 16, thinking_token_budget=4).choices[0].message
+    stream = client.chat.completions.create(
+        model="astrai",
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        logit_bias=client.bias,
+        stream=True,
+        extra_body={"ignore_eos": True, "thinking_token_budget": 4},
+    )
+    reasoning = content = ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (whole.reasoning_content, whole.content)
