@@ -256,6 +256,7 @@ FLOORS: list[tuple[str, set[str]]] = [
             "astrai.extension.backend.selection",
             "astrai.grammar.base",
             "astrai.sampling.params",
+            "astrai.thinking",  # ThinkingFormat: a field of SamplingParams; its state imports nothing
             "astrai.step",
             "astrai.config",
             "astrai.protocol",

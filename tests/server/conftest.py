@@ -217,6 +217,12 @@ def fake_engine() -> FakeEngine:
     return FakeEngine()
 
 
+@pytest.fixture(scope="session")
+def serve() -> Any:
+    """``serve_app`` for module-scoped fixtures (``fakes`` is per test)."""
+    return serve_app
+
+
 @pytest.fixture
 def fakes() -> SimpleNamespace:
     """The fake classes, for tests that script their own engine."""

@@ -313,7 +313,7 @@ REFUSED_EXAMPLES: dict[str, tuple[dict, str]] = {
     "moderation": ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
     "previous_response_id": ({"previous_response_id": "resp_1"}, "previous_response_id"),
     "prompt": ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    "reasoning": ({"reasoning": {"effort": "low"}}, "reasoning"),
+    "reasoning": ({"reasoning": {"summary": "auto"}}, "reasoning"),
     "store": ({"store": True}, "store"),
     "truncation": ({"truncation": "auto"}, "truncation"),
     "text.verbosity": ({"text": {"verbosity": "low"}}, "text.verbosity"),

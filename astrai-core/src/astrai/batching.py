@@ -160,7 +160,14 @@ class BatchPolicy:
             finished=tuple(r.request_id for r in finished),
             drafts=tuple(map(len, drafts)) if any(drafts) else (),
             rows=tuple(
-                RowInput(r.params, r.prompt_ids, r.output_ids, len(r.prompt_logprobs), r.matcher)
+                RowInput(
+                    r.params,
+                    r.prompt_ids,
+                    r.output_ids,
+                    len(r.prompt_logprobs),
+                    r.matcher,
+                    r.thinking.forced if r.thinking is not None else None,
+                )
                 for r in reqs
             ),
         )
@@ -326,6 +333,8 @@ class BatchPolicy:
             if not _speculates(req):
                 continue
             limit = min(req.params.max_tokens - len(req.output_ids) - 1, pool.spare(req.req_idx))
+            room = req.thinking.draft_room() if req.thinking is not None else None
+            limit = limit if room is None else min(limit, room)  # drafts never cross a thinking budget
             if limit < 1:
                 continue
             if req.spec is None:

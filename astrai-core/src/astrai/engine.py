@@ -36,6 +36,7 @@ from astrai.sampling import SamplingParams, SamplingPipeline
 from astrai.scheduler import InferenceScheduler
 from astrai.speculative import NgramProposer
 from astrai.stopping import StopChecker
+from astrai.thinking import ThinkingFormat, ThinkingState
 
 if TYPE_CHECKING:
     from astrai.model import Tokenizer
@@ -221,7 +222,9 @@ class InferenceEngine:
         (a tenant, a ``cache_salt``); None: the shared one. ``sibling``: this request's index among
         those submitted together (an HTTP request's choices): admission serves every caller's first
         request before anyone's second. ``grammar``: ``params.grammar`` compiled already
-        (``self.grammars.compile``; None: compiled here unless cached). Raises Overloaded when
+        (``self.grammars.compile``; None: compiled here unless cached). ``params.thinking_budget`` (or
+        ``params.thinking``): the request's thinking is followed and ended at the budget
+        (``astrai.thinking``; the ``<think>`` format when ``params.thinking`` is None). Raises Overloaded when
         ``max_queued_requests`` requests wait already."""
         self.config.limits.check(params)
         rid = uuid.uuid4().hex if request_id is None else request_id
@@ -240,6 +243,9 @@ class InferenceEngine:
         )
         if params.grammar is not None:  # compiled here unless given or cached (RequestRejected for a bad one)
             req.matcher = self.grammars.matcher(params.grammar, grammar)
+        if params.thinking_budget is not None or params.thinking is not None:
+            fmt = params.thinking or ThinkingFormat()
+            req.thinking = ThinkingState(params.thinking_budget, fmt, self._end_ids(fmt.end))
         result.bind(req)
         self.scheduler.submit(req)
         return result
@@ -353,6 +359,13 @@ class InferenceEngine:
             sampling = {k: v for k, v in sampling.items() if k not in plugin}
             sampling["extra"] = {**(sampling.get("extra") or {}), **plugin}
         return SamplingParams(**sampling)
+
+    def _end_ids(self, text: str) -> tuple[int, ...]:
+        """The ids of a thinking's end text (``ThinkingFormat.end``), encoded once per engine."""
+        cache = self.__dict__.setdefault("_end_cache", {})
+        if text not in cache:
+            cache[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        return cache[text]
 
     def _encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)

@@ -130,6 +130,9 @@ class Prepared:
     cache_salt: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
     sampling_sent: frozenset[str] | None = None
+    # the request field that set ``params.thinking_budget`` (errors name it); "reasoning_effort" when an
+    # effort did, which a model that does not think ignores (astrai_server.thinking)
+    thinking_param: str | None = None
 
 
 def value_or_default(request: BaseModel, name: str) -> Any:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
+from astrai.errors import RequestRejected
+
 if TYPE_CHECKING:
     from astrai.extension.backend.policy import BackendChoice
     from astrai.grammar import GrammarMatcher
@@ -15,6 +17,7 @@ if TYPE_CHECKING:
     from astrai.sampling import SamplingParams
     from astrai.speculative import NgramState
     from astrai.stopping import StopChecker
+    from astrai.thinking import ThinkingState
 
 
 class FinishReason(str, Enum):
@@ -90,6 +93,7 @@ class Request:
     spec: NgramState | None = (
         None  # speculative decoding: the proposer's lookup table (made at its first draft)
     )
+    thinking: ThinkingState | None = None  # a thinking budget: where the output is in its thinking
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -126,7 +130,13 @@ class Request:
         self.output_ids.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
+        forced = self.thinking.forced if self.thinking is not None else None
         if self.matcher is not None and not self.matcher.accept(token):  # the mask allowed it: a backend bug
+            if forced is not None:  # unless the token was forced in: the grammar constrains the thinking
+                raise RequestRejected(
+                    "the grammar does not allow the end of thinking that the thinking budget forces",
+                    param="thinking_budget",
+                )
             raise RuntimeError(f"the grammar refused token {token}, which its own bitmask allowed")
         if self.matcher is not None and self.matcher.is_terminated():
             self._end(FinishReason.STOP)  # the grammar is complete and took its stop token
@@ -135,6 +145,8 @@ class Request:
             self._end(FinishReason.STOP)
             return
         piece, matched = self.stopper.push(token)
+        if self.thinking is not None:
+            self.thinking.push(token, self.stopper.decoded)
         self._emit(piece)
         if matched is not None:
             self.finish(FinishReason.STOP_SEQUENCE, stop_sequence=matched)

@@ -249,7 +249,8 @@ class ModelRunner:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token per row of ``logits`` (``[B, vocab]``, row i for ``sampled[i]``; ``None`` only when
         ``sampled`` is empty), vectorised, and the log-probs of the rows that asked (of the raw
-        ``logits``: the pipeline does not modify them)."""
+        ``logits``: the pipeline does not modify them). A row with ``forced`` set gets that token
+        (one indexed write for all of them), its log-probs those of that token."""
         if not sampled:
             return [], []
         params = [r.params for r in sampled]
@@ -268,6 +269,12 @@ class ModelRunner:
                 [self._banned(r) for r in sampled] if any(p.min_tokens for p in params) else None,
             )
             ids = self.pipeline.sample(logits, batch)
+        forced = [(i, r.forced) for i, r in enumerate(sampled) if r.forced is not None]
+        if forced:  # a thinking's forced end takes the sampled token's place (astrai.thinking)
+            rows, tokens = zip(*forced, strict=True)
+            ids[torch.tensor(rows, device=ids.device)] = torch.tensor(
+                tokens, device=ids.device, dtype=ids.dtype
+            )
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not asked:
             return ids.tolist(), []

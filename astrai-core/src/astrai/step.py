@@ -31,6 +31,7 @@ class RowInput:
     output_ids: Sequence[int]  # generated so far: penalties count them, a seeded row's noise steps by them
     scored: int  # prompt tokens whose log-probs were computed already (``Request.prompt_logprobs``)
     matcher: Any = None  # the row's ``GrammarMatcher`` (it fills its row of a bitmask), or None
+    forced: int | None = None  # the token the row must produce (a thinking's forced end), or None
 
 
 @dataclass(frozen=True)

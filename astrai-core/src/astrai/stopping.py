@@ -133,6 +133,7 @@ class StopChecker:
         self._automaton = stop_automaton(tuple(stop)) if stop else None
         self._state = 0
         self._held = ""
+        self.decoded = ""  # the text the last pushed token decoded to, before any hold-back
 
     @property
     def held(self) -> str:
@@ -140,7 +141,7 @@ class StopChecker:
         return self._held
 
     def push(self, token_id: int) -> tuple[str, str | None]:
-        piece = self._decoder.push(token_id)
+        piece = self.decoded = self._decoder.push(token_id)
         return self._read(piece)
 
     def flush(self) -> tuple[str, str | None]:

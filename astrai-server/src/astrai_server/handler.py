@@ -32,6 +32,7 @@ from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder
 from astrai.sampling import SamplingParams
 from astrai_server.errors import public_message, status_for
 from astrai_server.parsers import Chosen, Parsers
+from astrai_server.thinking import apply_thinking
 from astrai_server.tools import CLOSE, open_tool_call
 
 logger = logging.getLogger(__name__)
@@ -100,11 +101,11 @@ class ProtocolHandler:
         check_room = getattr(self.engine, "check_room", None)
         if check_room is not None:
             check_room(count)  # a fan-out that the queue cannot take is refused whole, now
-        prepared, opening = await loop.run_in_executor(None, self._prepare, request)
+        chosen = self.parsers.for_engine(self.engine)
+        prepared, opening = await loop.run_in_executor(None, self._prepare, request, chosen)
         compiled = None
         if prepared.params.grammar is not None:
             compiled = await self.engine.grammars.compile_async(prepared.params.grammar)
-        chosen = self.parsers.for_engine(self.engine)
         if not self.builder.splits_reasoning:
             chosen = dataclasses.replace(chosen, reasoning=None)
         run = _Run(self.engine, prepared, loop, opening, compiled, chosen)
@@ -156,13 +157,15 @@ class ProtocolHandler:
             raise early
         return True
 
-    def _prepare(self, request: BaseModel) -> tuple[Prepared, str]:
+    def _prepare(self, request: BaseModel, chosen: Chosen | None = None) -> tuple[Prepared, str]:
         """Template and tokenize, then every check that costs nothing: the sampling bounds, the context,
-        the grammar's size. Runs on a worker thread."""
+        the grammar's size. The thinking's budget and a grammar's place after it follow the
+        reasoning parser of ``chosen`` (``astrai_server.thinking``). Runs on a worker thread."""
         refuse_unknown(request, self.engine)
         prepared = self.builder.prepare(request, self.engine)
         prepared.params = with_generation_defaults(prepared, self.engine)
         opening = open_tool_call(prepared, self.engine.tokenizer)  # a required call is a grammar too
+        apply_thinking(prepared, chosen.reasoning if chosen else None, self.engine.tokenizer, opening)
         limits = getattr(getattr(self.engine, "config", None), "limits", None)
         if limits is not None:
             limits.check(prepared.params)
@@ -180,7 +183,9 @@ class ProtocolHandler:
                 "(prompt plus at least one generated token)"
             )
         if not p.max_tokens_explicit and n_prompt + p.params.max_tokens > limit:
-            p.params = dataclasses.replace(p.params, max_tokens=limit - n_prompt)  # a default never rejects
+            budget = p.params.thinking_budget  # a default never rejects: nor does the budget it bounds
+            budget = None if budget is None else min(budget, limit - n_prompt)
+            p.params = dataclasses.replace(p.params, max_tokens=limit - n_prompt, thinking_budget=budget)
 
     async def respond(self, run: _Run, disconnected: Disconnect) -> dict[str, Any]:
         """The non-streaming body; the requests are aborted if the client leaves first."""

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from astrai.plugins import check_class
+from astrai.thinking import ThinkingFormat
 
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "check_reasoning_parser"]
 
@@ -32,6 +33,9 @@ class ReasoningParser(ABC):
     """
 
     name: ClassVar[str]  # entry-point name, e.g. "qwen3"
+    # the text that ends a thinking: what the engine writes when a thinking used its budget
+    # (``SamplingParams.thinking_budget``); None: this parser's models do not think
+    end_of_thinking: ClassVar[str | None] = None
 
     def __init__(self, prompt_tail: str = "") -> None:
         self.prompt_tail = prompt_tail
@@ -40,6 +44,13 @@ class ReasoningParser(ABC):
     def matches(cls, chat_template: str) -> bool:
         """Whether this parser is the automatic choice for a model with ``chat_template`` (default: never)."""
         return False
+
+    def thinking_format(self) -> ThinkingFormat | None:
+        """How this choice's thinking is written (its tags, ``end_of_thinking``, whether the prompt
+        opened it), for the engine to end it at a budget and for a grammar to leave it free; None
+        (the default) when the output does not think: a parser without ``end_of_thinking``, or a
+        prompt whose template closed the block (thinking turned off)."""
+        return None
 
     @property
     @abstractmethod

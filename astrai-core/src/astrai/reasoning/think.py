@@ -10,6 +10,7 @@ leaves its reasoning as reasoning and no content. Shared by ``qwen3`` and ``deep
 from __future__ import annotations
 
 from astrai.reasoning.base import ReasoningParser
+from astrai.thinking import ThinkingFormat
 
 OPEN, CLOSE = "<think>", "</think>"
 _START, _REASONING, _AFTER, _CONTENT = range(4)
@@ -23,6 +24,8 @@ def _tag_prefix(text: str, tag: str) -> int:
 class ThinkReasoningParser(ReasoningParser):
     """``<think>`` reasoning; ``starts_open`` (the prompt opened the block) decides the untagged case."""
 
+    end_of_thinking = "\n" + CLOSE + "\n\n"  # as Qwen3 and DeepSeek-R1 write it
+
     def __init__(self, prompt_tail: str = "") -> None:
         super().__init__(prompt_tail)
         self.open = self.starts_open(prompt_tail)
@@ -34,6 +37,11 @@ class ThinkReasoningParser(ReasoningParser):
         """Whether the prompt leaves the think block open: its last ``<think>`` is not closed."""
         at = prompt_tail.rfind(OPEN)
         return at >= 0 and prompt_tail.find(CLOSE, at) < 0
+
+    def thinking_format(self) -> ThinkingFormat | None:
+        if self.prompt_tail.rstrip().endswith(CLOSE):  # the template closed the block: thinking is off
+            return None
+        return ThinkingFormat(OPEN, CLOSE, self.end_of_thinking, inside=self.open)
 
     @property
     def thinking(self) -> bool:

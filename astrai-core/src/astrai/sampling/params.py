@@ -11,6 +11,7 @@ from typing import Any
 from astrai.errors import RequestRejected
 from astrai.grammar.base import GrammarSpec
 from astrai.logprobs import MAX_LOGPROBS
+from astrai.thinking import ThinkingFormat
 
 __all__ = ["SamplingParams"]
 
@@ -114,6 +115,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
     strategy: str | None = None  # extra SamplingStrategy entry-point name (plugins, e.g. "min_p")
     extra: dict[str, Any] = field(default_factory=dict)  # parameters of plugin strategies
+    # tokens the thinking may take before the engine ends it (astrai.thinking); None: no bound
+    thinking_budget: int | None = None
+    thinking: ThinkingFormat | None = None  # how the thinking is written (None with a budget: <think>)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # None (JSON null) means "use the default" for scalar fields
@@ -132,6 +136,17 @@ class SamplingParams:
             "repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True
         )
         self.min_tokens = _integer("min_tokens", self.min_tokens, 0)
+        if self.thinking_budget is not None:
+            self.thinking_budget = _integer("thinking_budget", self.thinking_budget, 0)
+            if self.thinking_budget > self.max_tokens:
+                raise RequestRejected(
+                    f"thinking_budget ({self.thinking_budget}) must not exceed max_tokens ({self.max_tokens})",
+                    param="thinking_budget",
+                )
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingFormat):
+            raise RequestRejected(
+                f"thinking must be a ThinkingFormat, got {brief_repr(self.thinking)}", param="thinking"
+            )
         if self.seed is not None:
             self.seed = _integer("seed", self.seed, None)
         self.stop = self._check_stop(self.stop)

@@ -31,6 +31,7 @@ lines of log-probs, echo or framing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -52,6 +53,7 @@ from astrai.protocol import (
 from astrai.sampling import SamplingParams
 from astrai_server.openai_shapes import FINISH, LOGPROB_FLOOR, StreamOptions, openai_error, openai_usage
 from astrai_server.structured import one_of, openai_response_format, vllm_structured_outputs
+from astrai_server.thinking import budget_field, check_budget
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
@@ -95,6 +97,8 @@ class CompletionRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None  # vLLM's
     user: str | None = None
     cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shares pages only within a salt
+    thinking_token_budget: int | None = None  # vLLM's spelling of a thinking budget (astrai_server.thinking)
+    thinking_budget: int | None = None  # SGLang's
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters: null is the field's default (``top_k``: off); ``echo`` with
@@ -124,6 +128,10 @@ class CompletionRequest(BaseModel):
             ),
             extra=plugin_sampling(self),
         )
+        budget, field = budget_field(self)
+        check_budget(budget, field, params.max_tokens)
+        if budget is not None:
+            params = dataclasses.replace(params, thinking_budget=budget)
         if params.min_tokens > params.max_tokens:
             raise RequestRejected(
                 f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
@@ -208,6 +216,7 @@ class CompletionsResponseBuilder(ResponseBuilder):
             max_tokens_explicit=request.max_tokens_explicit,
             cache_salt=request.cache_salt,
             sampling_sent=sent_fields(request),
+            thinking_param=budget_field(request)[1],
             response_id=new_id("cmpl-"),
             model=request.model,
             state=state,

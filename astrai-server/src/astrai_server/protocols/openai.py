@@ -17,6 +17,7 @@ endpoints, at the end, are the first candidate for a module of their own).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -48,6 +49,7 @@ from astrai_server.request_parts import (
     text_or_parts,
 )
 from astrai_server.structured import one_of, openai_response_format, vllm_structured_outputs
+from astrai_server.thinking import EFFORTS, budget_field, check_budget, effort_controls
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
@@ -62,7 +64,6 @@ REFUSED = {
     "modalities": 'a list with "audio": astrai generates text only',
     "moderation": "any value: astrai moderates nothing",
     "prediction": "any value: predicted outputs are not implemented",
-    "reasoning_effort": "any value: astrai has no reasoning controls",
     "store": "true: astrai stores no completions",
     "verbosity": "any value: astrai has no verbosity control",
     "web_search_options": "any value: astrai does not search the web",
@@ -236,6 +237,10 @@ class ChatCompletionRequest(BaseModel):
     ignore_eos: bool = False
     cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shares pages only within a salt
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    # thinking controls (astrai_server.thinking): a budget in vLLM's or SGLang's spelling, an effort
+    thinking_token_budget: int | None = None
+    thinking_budget: int | None = None
+    reasoning_effort: Literal[EFFORTS] | None = None
 
     _null_is_not_sent = null_is_not_sent(REFUSED)  # JSON null is OpenAI's "not set"
 
@@ -273,6 +278,10 @@ class ChatCompletionRequest(BaseModel):
             ),
             extra=plugin_sampling(self),
         )
+        budget, field = budget_field(self)
+        check_budget(budget, field, params.max_tokens)
+        if budget is not None:
+            params = dataclasses.replace(params, thinking_budget=budget)
         if params.min_tokens > params.max_tokens:
             raise RequestRejected(
                 f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
@@ -377,13 +386,18 @@ class OpenAIResponseBuilder(ResponseBuilder):
         call is returned) and, when log-probs were asked, ``tokenizer`` (to render their tokens)."""
         _refuse_unserved(request)
         tools = _select_tools(request)
-        prompt_ids = chat_prompt_ids(
-            engine.tokenizer,
-            _template_messages(request.messages),
-            tools,
-            template_kwargs=request.chat_template_kwargs,
-        )
         params = request.sampling_params()
+        template = getattr(engine.tokenizer, "chat_template", None) or ""
+        kwargs, effort_budget = effort_controls(
+            request.reasoning_effort, template, request.chat_template_kwargs, params.max_tokens
+        )
+        prompt_ids = chat_prompt_ids(
+            engine.tokenizer, _template_messages(request.messages), tools, template_kwargs=kwargs
+        )
+        thinking_param = budget_field(request)[1]
+        if thinking_param is None and effort_budget is not None:
+            params = dataclasses.replace(params, thinking_budget=effort_budget)
+            thinking_param = "reasoning_effort"
         state = {
             "include_usage": request.stream_options.include_usage if request.stream_options else True,
             "one_call": request.parallel_tool_calls is False,
@@ -404,6 +418,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
             max_tokens_explicit=request.max_tokens_explicit,
             cache_salt=request.cache_salt,
             sampling_sent=sent_fields(request),
+            thinking_param=thinking_param,
             response_id=new_id("chatcmpl-"),
             model=request.model,
             state=state,

@@ -16,6 +16,7 @@ send, each handled on purpose), the response object and the stream's event seque
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -46,6 +47,7 @@ from astrai_server.request_parts import (
     text_or_parts,
 )
 from astrai_server.structured import responses_text_format
+from astrai_server.thinking import EFFORTS, check_budget, effort_controls
 
 if TYPE_CHECKING:
     from astrai.logprobs import TokenLogprob
@@ -67,7 +69,7 @@ REFUSED = {
     "moderation": "any value: astrai moderates nothing",
     "previous_response_id": "any value: astrai keeps no responses; send the whole conversation in input",
     "prompt": "any value: astrai stores no prompt templates",
-    "reasoning": "any option but null: astrai has no reasoning controls",
+    "reasoning": "options other than effort and max_tokens (a thinking budget): summaries are not written",
     "store": "true: astrai stores no responses",
     "truncation": '"auto": astrai never truncates a prompt',
     "text.verbosity": "any value: astrai has no verbosity control",
@@ -251,7 +253,10 @@ class ResponsesRequest(BaseModel):
             "store": ("store", bool(self.store)),
             "previous_response_id": ("previous_response_id", self.previous_response_id is not None),
             "background": ("background", bool(self.background)),
-            "reasoning": ("reasoning", any(v is not None for v in (self.reasoning or {}).values())),
+            "reasoning": (
+                "reasoning",
+                any(v is not None for k, v in (self.reasoning or {}).items() if k not in SERVED),
+            ),
             "include": ("include", any(i != LOGPROBS for i in self.include or ())),
             "truncation": ("truncation", self.truncation == "auto"),
             "text.verbosity": ("text.verbosity", text.verbosity is not None),
@@ -281,6 +286,37 @@ class ResponsesRequest(BaseModel):
             grammar=responses_text_format((self.text or TextConfig()).format),
             extra=plugin_sampling(self),
         )
+
+
+SERVED = ("effort", "max_tokens")  # of ``reasoning``: the rest is refused (``refuse_unserved``)
+
+
+def _reasoning(
+    reasoning: dict[str, Any], params: SamplingParams, engine: Any
+) -> tuple[SamplingParams, dict[str, Any] | None, str | None]:
+    """``reasoning.effort`` and ``reasoning.max_tokens`` as chat's ``reasoning_effort`` and thinking
+    budget (``astrai_server.thinking``): the params, the template's kwargs, the field of the budget."""
+    effort, budget = reasoning.get("effort"), reasoning.get("max_tokens")
+    if effort is not None and effort not in EFFORTS:
+        raise RequestRejected(
+            f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}", param="reasoning.effort"
+        )
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise RequestRejected(
+            f"reasoning.max_tokens must be an integer >= 0, got {budget!r}", param="reasoning.max_tokens"
+        )
+    check_budget(budget, "reasoning.max_tokens", params.max_tokens)
+    template = getattr(engine.tokenizer, "chat_template", None) or ""
+    kwargs, effort_budget = effort_controls(effort, template, None, params.max_tokens)
+    field = (
+        "reasoning.max_tokens"
+        if budget is not None
+        else "reasoning_effort"
+        if effort_budget is not None
+        else None
+    )
+    budget = budget if budget is not None else effort_budget
+    return dataclasses.replace(params, thinking_budget=budget), kwargs, field
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -336,8 +372,9 @@ class ResponsesBuilder(ResponseBuilder):
         stream has opened the message item) and, when log-probs were asked, ``tokenizer``."""
         request.refuse_unserved()
         tools = _select_tools(request)
-        prompt_ids = chat_prompt_ids(engine.tokenizer, _messages(request), tools)
         params = request.sampling_params(engine.context_limit)
+        params, kwargs, thinking_param = _reasoning(request.reasoning or {}, params, engine)
+        prompt_ids = chat_prompt_ids(engine.tokenizer, _messages(request), tools, template_kwargs=kwargs)
         state: dict[str, Any] = {"seq": 0, "message_id": new_id("msg_"), "opened": False}
         if params.logprobs is not None:
             state["tokenizer"] = engine.tokenizer
@@ -351,6 +388,7 @@ class ResponsesBuilder(ResponseBuilder):
             max_tokens_explicit=request.max_output_tokens is not None,
             cache_salt=request.cache_salt,
             sampling_sent=sent_fields(request),
+            thinking_param=thinking_param,
             response_id=new_id("resp_"),
             model=request.model,
             state=state,
