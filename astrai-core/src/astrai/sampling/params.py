@@ -112,6 +112,9 @@ class SamplingParams:
     grammar: GrammarSpec | None = None  # constrained decoding: the output must match it (astrai.grammar)
     logprobs: int | None = None  # None: off; k: each generated token's log-prob and the k best (k <= 20)
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+    # a thinking model's thinking ends after this many tokens (the engine writes its end-of-thinking
+    # text, the answer follows); None: no budget but max_tokens
+    thinking_budget: int | None = None
     strategy: str | None = None  # extra SamplingStrategy entry-point name (plugins, e.g. "min_p")
     extra: dict[str, Any] = field(default_factory=dict)  # parameters of plugin strategies
 
