@@ -217,6 +217,12 @@ def fake_engine() -> FakeEngine:
     return FakeEngine()
 
 
+@pytest.fixture(scope="session")
+def serving() -> Any:
+    """``serve_app``, for a fixture of a wider scope than ``fakes``' (one server for a module)."""
+    return serve_app
+
+
 @pytest.fixture
 def fakes() -> SimpleNamespace:
     """The fake classes, for tests that script their own engine."""
