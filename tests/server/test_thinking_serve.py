@@ -176,6 +176,34 @@ def test_thinking_streamed_as_anthropic_sends_it(anthropic_client: Any, forced: 
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+WEATHER = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {}}}}
+CALL = '<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Rome"\\}\\}\n</tool_call>'
+
+
+def test_thinking_then_a_call(anthropic_client: Any, forced: Forcing) -> None:
+    """Thinking, then a tool_use block and no text, streamed as it is whole; the turn comes back."""
+    forced.regex = THOUGHT + "\n</think>\n\n" + CALL
+    kw = dict(model="astrai", max_tokens=80, messages=HI, thinking=THINK, tools=[WEATHER], extra_body=GREEDY)
+    whole = anthropic_client.messages.create(**kw)
+    assert [b.type for b in whole.content] == ["thinking", "tool_use"] and whole.stop_reason == "tool_use"
+    assert whole.content[1].input == {"city": "Rome"}
+    with anthropic_client.messages.stream(**kw) as s:
+        starts = [(e.index, e.content_block.type) for e in s if e.type == "content_block_start"]
+        final = s.get_final_message()
+    assert starts == [(0, "thinking"), (1, "tool_use")]
+    strip = {"id"}
+    assert [b.model_dump(exclude=strip) for b in final.content] == [
+        b.model_dump(exclude=strip) for b in whole.content
+    ]
+    result = {"type": "tool_result", "tool_use_id": whole.content[1].id, "content": "sunny"}
+    turns = [*HI, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in whole.content]}]
+    forced.regex = FORCED
+    again = anthropic_client.messages.create(
+        **{**kw, "messages": [*turns, {"role": "user", "content": [result]}]}
+    )
+    assert [b.type for b in again.content] == ["thinking", "text"]
+
+
 def test_thinking_blocks_come_back_verified_and_rendered(anthropic_client: Any, forced: Forcing) -> None:
     import anthropic
 
@@ -296,6 +324,23 @@ def test_reasoning_streamed_in_the_sdks_event_order(openai_client: Any, forced: 
         i.model_dump(exclude={"id"}, exclude_none=True) for i in whole.output
     ]
     assert final.usage == whole.usage
+
+
+def test_reasoning_then_a_call(openai_client: Any, forced: Forcing) -> None:
+    forced.regex = THOUGHT + "\n</think>\n\n" + CALL
+    tool = {"type": "function", **WEATHER, "parameters": WEATHER["input_schema"]}
+    del tool["input_schema"]
+    kw = dict(model="astrai", input="hi", max_output_tokens=80, tools=[tool], temperature=0)
+    whole = openai_client.responses.create(**kw)
+    assert [i.type for i in whole.output] == ["reasoning", "function_call"]
+    with openai_client.responses.stream(**kw) as s:
+        added = [(e.output_index, e.item.type) for e in s if e.type == "response.output_item.added"]
+        final = s.get_final_response()
+    assert added == [(0, "reasoning"), (1, "function_call")]
+    ids = {"id", "call_id"}
+    assert [i.model_dump(exclude=ids, exclude_none=True) for i in final.output] == [
+        i.model_dump(exclude=ids, exclude_none=True) for i in whole.output
+    ]
 
 
 def test_reasoning_items_sent_back_are_rendered(openai_client: Any, forced: Forcing) -> None:
