@@ -322,6 +322,21 @@ def refusing() -> Iterator[TestClient]:
         yield client
 
 
+def test_a_signature_verifies_under_the_key_that_made_it(fake_engine: Any) -> None:
+    """With ``signing_key`` set, a server after a restart takes the thinking blocks of the one before;
+    without it (a random key per process) it refuses them."""
+    from astrai_server.protocols.anthropic import THINKING
+    from astrai_server.signing import sign
+
+    block = {"type": "thinking", "thinking": "hm", "signature": sign(b"k" * 16, THINKING, "hm")}
+    body = {"messages": [*HI, *_content(block, role="assistant"), *HI]}
+    for key, status in (("k" * 16, 200), (None, 400)):
+        builders = [AnthropicResponseBuilder()]
+        app = create_app(ServerSettings(signing_key=key), fake_engine, builders, plugins=PluginManager())
+        with TestClient(app) as client:
+            assert client.post(COUNT, json=body).status_code == status
+
+
 @pytest.mark.parametrize("path", [MESSAGES, COUNT])
 @pytest.mark.parametrize(("fields", "name"), REFUSALS.values(), ids=REFUSALS)
 def test_refused_fields_are_a_400_naming_them(
