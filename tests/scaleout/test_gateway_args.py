@@ -110,3 +110,17 @@ def test_without_smg_the_error_names_the_extra(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ConfigError, match=r"pip install 'astrai-server\[gateway\]'"):
         check_gateway_settings(ServerSettings(data_parallel_size=2))
+
+
+def test_every_replica_signs_with_one_key() -> None:
+    """A thinking block signed by one replica verifies on the others: they share a key, drawn at start
+    when ``signing_key`` is not set."""
+    import json
+
+    pytest.importorskip("smg")
+    from astrai_server.replicas import Supervisor
+
+    for key in (None, "s" * 16):
+        replicas = Supervisor(ServerSettings(data_parallel_size=2, signing_key=key)).replicas
+        keys = {json.loads(r.payload)["signing_key"] for r in replicas}
+        assert len(keys) == 1 and None not in keys and (key is None or keys == {key})

@@ -19,6 +19,7 @@ from anthropic.types import (
     MetadataParam,
     OutputConfigParam,
     TextBlockParam,
+    ThinkingBlockParam,
     ThinkingConfigParam,
     ToolChoiceParam,
     ToolParam,
@@ -29,6 +30,7 @@ from anthropic.types import (
     tool_result_block_param,
 )
 from anthropic.types import TextBlock as SDKTextBlock
+from anthropic.types import ThinkingBlock as SDKThinkingBlock
 from anthropic.types import ToolUseBlock as SDKToolUseBlock
 from anthropic.types.beta.message_create_params import MessageCreateParamsBase as BetaCreateParams
 from anthropic.types.message_create_params import MessageCreateParamsStreaming
@@ -50,6 +52,7 @@ from astrai_server.protocols.anthropic import (
     OutputConfig,
     TextBlock,
     Thinking,
+    ThinkingBlock,
     ToolChoice,
     ToolDef,
     ToolResultBlock,
@@ -96,6 +99,7 @@ NESTED = [
     (TextBlockParam, TextBlock),
     (ToolUseBlockParam, ToolUseBlock),
     (ToolResultBlockParam, ToolResultBlock),
+    (ThinkingBlockParam, ThinkingBlock),
     (ToolParam, ToolDef),
     (CacheControlEphemeralParam, CacheControl),
     (MetadataParam, Metadata),
@@ -114,6 +118,7 @@ def test_response_blocks_sent_back_as_history_are_declared_key_by_key() -> None:
     """``messages=[..., {"role": "assistant", "content": reply.content}]`` sends the response models."""
     assert set(SDKTextBlock.model_fields) <= set(TextBlock.model_fields)
     assert set(SDKToolUseBlock.model_fields) <= set(ToolUseBlock.model_fields)
+    assert set(SDKThinkingBlock.model_fields) <= set(ThinkingBlock.model_fields)
 
 
 def test_every_block_type_the_sdk_can_send_is_implemented_or_refused() -> None:
@@ -123,7 +128,7 @@ def test_every_block_type_the_sdk_can_send_is_implemented_or_refused() -> None:
         for m in _members(alias)
         for t in _tags(m)
     }
-    assert kinds - {"text", "tool_use", "tool_result"} == set(UNSUPPORTED_BLOCKS)
+    assert kinds - {"text", "tool_use", "tool_result", "thinking"} == set(UNSUPPORTED_BLOCKS)
 
 
 SERVER_TOOLS = sorted({t for m in _members(ToolUnionParam) if m is not ToolParam for t in _tags(m)})
@@ -170,8 +175,15 @@ CITATION = {
     "end_char_index": 1,
 }
 REFUSALS = {
-    "thinking": ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
-    "thinking-adaptive": ({"thinking": {"type": "adaptive"}}, "thinking"),
+    "thinking-omitted": ({"thinking": {"type": "adaptive", "display": "omitted"}}, "thinking.display"),
+    "thinking-forced-call": (
+        {
+            "thinking": {"type": "adaptive"},
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any"},
+        },
+        "thinking",
+    ),
     "output_config-format-type": (
         {"output_config": {"format": {"type": "regex", "schema": {}}}},
         "output_config.format.type",
@@ -205,9 +217,18 @@ REFUSALS = {
             "messages": [
                 *HI,
                 *_content({"type": "thinking", "thinking": "hm", "signature": "s"}, role="assistant"),
+                *HI,
             ]
         },
-        "messages.1.content.0.thinking",
+        "messages.1.content.0.signature",
+    ),
+    "thinking-block-of-user": (
+        {"messages": _content({"type": "thinking", "thinking": "hm", "signature": "s"})},
+        "messages.0.content.0.type",
+    ),
+    "redacted_thinking-block": (
+        {"messages": [*HI, *_content({"type": "redacted_thinking", "data": "x"}, role="assistant"), *HI]},
+        "messages.1.content.0.redacted_thinking",
     ),
     "tool_result-image": (
         {
@@ -301,6 +322,21 @@ def refusing() -> Iterator[TestClient]:
         yield client
 
 
+def test_a_signature_verifies_under_the_key_that_made_it(fake_engine: Any) -> None:
+    """With ``signing_key`` set, a server after a restart takes the thinking blocks of the one before;
+    without it (a random key per process) it refuses them."""
+    from astrai_server.protocols.anthropic import THINKING
+    from astrai_server.signing import sign
+
+    block = {"type": "thinking", "thinking": "hm", "signature": sign(b"k" * 16, THINKING, "hm")}
+    body = {"messages": [*HI, *_content(block, role="assistant"), *HI]}
+    for key, status in (("k" * 16, 200), (None, 400)):
+        builders = [AnthropicResponseBuilder()]
+        app = create_app(ServerSettings(signing_key=key), fake_engine, builders, plugins=PluginManager())
+        with TestClient(app) as client:
+            assert client.post(COUNT, json=body).status_code == status
+
+
 @pytest.mark.parametrize("path", [MESSAGES, COUNT])
 @pytest.mark.parametrize(("fields", "name"), REFUSALS.values(), ids=REFUSALS)
 def test_refused_fields_are_a_400_naming_them(
@@ -316,6 +352,25 @@ def test_refused_fields_are_a_400_naming_them(
     assert name in r.json()["error"]["message"]
 
 
+MALFORMED_THINKING = {
+    "no-budget": ({"type": "enabled"}, "thinking: budget_tokens is required with type enabled"),
+    "budget-when-disabled": ({"type": "disabled", "budget_tokens": 9}, "thinking: budget_tokens is required"),
+    "display-when-disabled": ({"type": "disabled", "display": "summarized"}, "thinking: display is taken"),
+    "budget-zero": ({"type": "enabled", "budget_tokens": 0}, "thinking.budget_tokens: "),
+    "type": ({"type": "on"}, "thinking.type: "),
+}
+
+
+@pytest.mark.parametrize("path", [MESSAGES, COUNT])
+@pytest.mark.parametrize(("thinking", "message"), MALFORMED_THINKING.values(), ids=MALFORMED_THINKING)
+def test_a_malformed_thinking_is_a_422_naming_it(
+    refusing: TestClient, path: str, thinking: dict, message: str
+) -> None:
+    body = {"messages": HI, **({"max_tokens": 4} if path == MESSAGES else {}), "thinking": thinking}
+    r = refusing.post(path, json=body)
+    assert r.status_code == 422 and r.json()["error"]["message"].startswith(message), r.text
+
+
 def test_count_tokens_refuses_what_only_generation_takes(served: tuple[str, Any]) -> None:
     r = httpx.post(served[0] + COUNT, json={"messages": HI, "max_tokens": 4}, timeout=10)
     assert r.status_code == 400 and "'max_tokens'" in r.json()["error"]["message"]
@@ -324,7 +379,7 @@ def test_count_tokens_refuses_what_only_generation_takes(served: tuple[str, Any]
 def test_the_sdk_raises_bad_request_naming_the_field(served: tuple[str, Any]) -> None:
     client, kw = _client(served[0]), {"model": "astrai", "max_tokens": 4, "messages": HI}
     with pytest.raises(
-        anthropic.BadRequestError, match="thinking: extended thinking is not supported"
+        anthropic.BadRequestError, match=r"thinking\.budget_tokens: .* less than max_tokens"
     ) as info:
         client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 2048})
     assert info.value.body["error"]["type"] == "invalid_request_error"

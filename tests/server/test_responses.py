@@ -319,6 +319,15 @@ REFUSED_EXAMPLES: dict[str, tuple[dict, str]] = {
     "text.verbosity": ({"text": {"verbosity": "low"}}, "text.verbosity"),
     "tools[].type": ({"tools": [WEATHER, {"type": "web_search"}]}, "tools.1.type"),
     "tool_choice": ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    "input[].encrypted_content": (
+        {
+            "input": [
+                {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e"},
+                {"role": "user", "content": FRANCE},
+            ]
+        },
+        "input.0.encrypted_content",
+    ),
 }
 
 

@@ -23,6 +23,7 @@ types it shapes and the builder interface the server drives, each documented whe
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -203,6 +204,10 @@ class ResponseBuilder(ABC):
 
     def __init__(self, model_name: str = "astrai") -> None:
         self.model_name = model_name
+        # the secret of opaque values a protocol hands out and verifies when a client sends them back
+        # (Anthropic's thinking signatures): the server sets its ``signing_key`` setting here; this
+        # random one lasts as long as the process
+        self.signing_key: bytes = os.urandom(32)
 
     @abstractmethod
     def prepare(self, request: BaseModel, engine: Any) -> Prepared:

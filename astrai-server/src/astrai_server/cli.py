@@ -217,6 +217,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         p,
+        "signing_key",
+        "secret (16 characters or more) that signs Anthropic thinking blocks, so that they verify after a "
+        "restart and on every replica; default: a random one per process",
+    )
+    _flag(
+        p,
         "shared_prefix_cache",
         "with API keys: one prefix cache for every key (a single trusted tenant); "
         "by default each key has its own",

@@ -163,6 +163,8 @@ class ServerSettings(BaseModel):
     admin_api_key: list[ApiKey] | None = Field(
         None, min_length=1
     )  # operator keys: every route, /stats and /metrics too
+    # the secret that signs what clients send back (Anthropic thinking signatures); None: random per process
+    signing_key: str | None = Field(None, min_length=16)
     shared_prefix_cache: bool = False  # with keys: one prefix cache for every key (a single trusted tenant)
     allowed_origins: list[
         str

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import ssl
@@ -240,6 +241,8 @@ class Supervisor:
 
     def __init__(self, settings: ServerSettings) -> None:
         check_gateway_settings(settings)
+        if settings.signing_key is None:  # one key for every replica: a signature verifies on any of them
+            settings = settings.model_copy(update={"signing_key": secrets.token_urlsafe(32)})
         self.settings = settings
         keys = [k.decode("utf-8") for k in api_keys(settings) or ()]
         scheme = "https" if settings.ssl_certfile else "http"

@@ -12,6 +12,14 @@ assistant message is a prefill: generation continues it. Streams follow Anthropi
 sequence (``message_start`` with the real ``input_tokens``, ..., ``message_stop``) and end with
 ``data: [DONE]``.
 
+Thinking (``thinking``: ``enabled`` with ``budget_tokens``, or ``adaptive``): a thinking model's
+reasoning comes as a ``thinking`` block before the text, streamed as ``thinking_delta`` events and a
+``signature_delta`` before its ``content_block_stop``; the signature (``astrai_server.signing``)
+lets the block come back in a later turn, where it is verified and given to the template as the
+assistant turn's ``reasoning_content``. Without ``thinking`` (or ``disabled``), as on Anthropic's
+API, the model is asked not to think (``enable_thinking: false`` for a template that has the
+switch) and whatever it thinks anyway is dropped.
+
 Over 300 lines because the protocol is one file: a model for every object the SDK can send, the
 tables of what is refused or ignored, the prompt both routes share and the response frames.
 """
@@ -42,6 +50,7 @@ from astrai.protocol import (
 )
 from astrai.sampling import SamplingParams
 from astrai_server.request_parts import Strict, null_is_not_sent, select_tools
+from astrai_server.signing import sign, verify
 from astrai_server.structured import anthropic_format
 from astrai_server.tools import open_tool_call
 
@@ -71,10 +80,11 @@ REFUSED = {
     "diagnostics": "prompt-cache diagnostics are not supported",
     "mcp_servers": "MCP servers are not supported",
     "output_config": "effort is not supported (format is: structured output); {} is accepted",
-    "thinking": 'extended thinking is not supported; {"type": "disabled"} is accepted',
+    "thinking": 'display "omitted": astrai signs the thinking it shows, it cannot sign hidden thinking',
     "messages[].role": '"system" is not supported; the system prompt goes in system',
     "messages[].content[].type": (
-        "blocks other than text, tool_use and tool_result (image, document, thinking, ...)"
+        "blocks other than text, tool_use, tool_result and thinking (image, document, redacted_thinking: "
+        "astrai never writes encrypted thinking, so it cannot read one)"
     ),
     "messages[].content[].citations": "citations are not supported; null or [] is accepted",
     "messages[].content[].caller": 'callers other than {"type": "direct"} (no programmatic tool calling)',
@@ -154,7 +164,6 @@ UNSUPPORTED_BLOCKS = (
     "image",
     "document",
     "search_result",
-    "thinking",
     "redacted_thinking",
     "server_tool_use",
     "web_search_tool_result",
@@ -195,7 +204,20 @@ class ToolResultBlock(Strict):
         return "".join(b.text for b in self.content or [])
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")]
+class ThinkingBlock(Strict):
+    """An earlier answer's thinking, sent back: verified against its ``signature``."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+#: The purpose a thinking block's signature is made for (``astrai_server.signing``).
+THINKING = "anthropic.thinking"
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnsupportedBlock, Field(discriminator="type")
+]
 
 
 class AnthropicMessage(Strict):
@@ -227,9 +249,29 @@ class ToolChoice(Strict):
 
 
 class Thinking(Strict):
-    type: str
-    budget_tokens: int | None = None
-    display: str | None = None
+    """``enabled`` needs ``budget_tokens`` (at least 1: Anthropic's minimum of 1024 is not kept, a small
+    local model's context may be shorter; below ``max_tokens``, checked in ``prepare``); ``adaptive``
+    thinks without a budget; ``disabled`` asks the model not to think."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)
+    display: Annotated[
+        Literal["summarized", "omitted"] | None, _unless(lambda v: v != "omitted", "thinking")
+    ] = None
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> Thinking:
+        if (self.budget_tokens is None) == (self.type == "enabled"):
+            raise PydanticCustomError(
+                "thinking", "budget_tokens is required with type enabled, and taken with it only", {}
+            )
+        if self.display is not None and self.type == "disabled":
+            raise PydanticCustomError("thinking", "display is taken with thinking on only", {})
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
 
 
 class OutputConfig(Strict):
@@ -302,14 +344,23 @@ class MessagesRequest(MessagesInput):
             ignore_eos=bool(self.ignore_eos),
             stop=[s for s in self.stop_sequences or [] if s],
             grammar=anthropic_format(self.output_config.format if self.output_config is not None else None),
+            thinking_budget=self.thinking.budget_tokens if self.thinking is not None else None,
             extra=plugin_sampling(self),
         )
 
 
+def _thinking_on(req: MessagesInput) -> bool:
+    return req.thinking is not None and req.thinking.on
+
+
 def _refuse_unimplemented(req: MessagesInput) -> None:
     """RequestRejected (param set) for a declared top-level field whose value astrai does not serve."""
-    if req.thinking is not None and req.thinking.type != "disabled":
-        raise RequestRejected(f"thinking: {REFUSED['thinking']}", param="thinking")
+    if _thinking_on(req) and req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        # as Anthropic's API: a forced call starts the answer at once, with no room to think
+        raise RequestRejected(
+            f"thinking cannot be combined with tool_choice {req.tool_choice.type!r}, which forces a call",
+            param="thinking",
+        )
     if req.output_config is not None and req.output_config.effort is not None:
         raise RequestRejected(
             f"output_config.effort: {REFUSED['output_config']}", param="output_config.effort"
@@ -318,14 +369,15 @@ def _refuse_unimplemented(req: MessagesInput) -> None:
         anthropic_format(req.output_config.format)  # a malformed format is refused before templating
 
 
-def _template_messages(req: MessagesInput) -> list[dict[str, Any]]:
+def _template_messages(req: MessagesInput, key: bytes) -> list[dict[str, Any]]:
     """Messages in the Hugging Face chat-template convention: tool_use -> tool_calls, tool_result ->
-    role tool."""
+    role tool, thinking -> the assistant turn's reasoning_content (once its signature verified)."""
     out: list[dict[str, Any]] = []
     if req.system and (system := "".join(b.text for b in req.system)):
         out.append({"role": "system", "content": system})
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
+        thinking = _verified_thinking(m, i, key)
         calls = [
             {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
             for b in m.content
@@ -333,9 +385,34 @@ def _template_messages(req: MessagesInput) -> list[dict[str, Any]]:
         ]
         results = [b for b in m.content if isinstance(b, ToolResultBlock)]
         out += [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id} for b in results]
-        if text or calls or not results:
-            out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})})
+        if text or calls or thinking or not results:
+            reasoning = {"reasoning_content": "\n\n".join(thinking)} if thinking else {}
+            out.append(
+                {"role": m.role, "content": text, **reasoning, **({"tool_calls": calls} if calls else {})}
+            )
     return out
+
+
+def _verified_thinking(m: AnthropicMessage, i: int, key: bytes) -> list[str]:
+    """The texts of message ``i``'s thinking blocks; RequestRejected naming the block for one in a user
+    turn, or whose signature is not the one astrai gave it."""
+    texts = []
+    for j, b in enumerate(m.content):
+        if not isinstance(b, ThinkingBlock):
+            continue
+        if m.role != "assistant":
+            raise RequestRejected(
+                "thinking blocks belong to assistant turns", param=f"messages.{i}.content.{j}.type"
+            )
+        if not verify(key, THINKING, b.thinking, b.signature):
+            raise RequestRejected(
+                "the thinking block's signature does not match its thinking: send the block back unmodified, "
+                "as this server wrote it (signatures of other servers, or of this one before a restart "
+                "without --signing-key, are not valid here)",
+                param=f"messages.{i}.content.{j}.signature",
+            )
+        texts.append(b.thinking)
+    return texts
 
 
 #: Anthropic's ``tool_choice.type`` as ``select_tools``' mode.
@@ -364,13 +441,18 @@ def _tool_dicts(tools: list[ToolDef]) -> list[dict[str, Any]]:
     ]
 
 
-def _prompt(req: MessagesInput, engine: Any) -> tuple[list[int], list[dict[str, Any]], bool]:
+def _prompt(req: MessagesInput, engine: Any, key: bytes) -> tuple[list[int], list[dict[str, Any]], bool]:
     """The templated prompt's ids, the tools shown and whether the answer must be a call: what
     ``prepare`` and ``count_tokens`` share. Raises RequestRejected for what cannot be served."""
     _refuse_unimplemented(req)
-    tools, messages, tok = _select_tools(req), _template_messages(req), engine.tokenizer
+    tools, messages, tok = _select_tools(req), _template_messages(req, key), engine.tokenizer
     prefill = ""
     if messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
+        if "reasoning_content" in messages[-1] or _thinking_on(req):
+            raise RequestRejected(  # as Anthropic's API: the answer would start after the thinking
+                "a prefilled (final) assistant turn cannot be combined with thinking",
+                param=f"messages.{len(req.messages) - 1}.content",
+            )
         prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace; we trim it
     required = bool(tools) and req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
     if required and prefill:
@@ -378,7 +460,15 @@ def _prompt(req: MessagesInput, engine: Any) -> tuple[list[int], list[dict[str, 
             f"tool_choice {req.tool_choice.type!r} cannot continue a prefilled assistant turn",
             param="tool_choice",
         )
-    return chat_prompt_ids(tok, messages, tools, prefill=prefill), tools, required
+    # thinking off, as Anthropic's default: through the template where it has the switch (Qwen3's)
+    off = (
+        {"enable_thinking": False} if not _thinking_on(req) and "enable_thinking" in _template(tok) else None
+    )
+    return chat_prompt_ids(tok, messages, tools, prefill=prefill, template_kwargs=off), tools, required
+
+
+def _template(tokenizer: Any) -> str:
+    return getattr(tokenizer, "chat_template", None) or ""
 
 
 class AnthropicResponseBuilder(ResponseBuilder):
@@ -390,7 +480,13 @@ class AnthropicResponseBuilder(ResponseBuilder):
     request_model = MessagesRequest
 
     def prepare(self, request: MessagesRequest, engine: Any) -> Prepared:
-        prompt_ids, tools, required = _prompt(request, engine)
+        prompt_ids, tools, required = _prompt(request, engine, self.signing_key)
+        if _thinking_on(request) and (budget := request.thinking.budget_tokens) is not None:
+            if budget >= request.max_tokens:
+                raise RequestRejected(
+                    f"budget_tokens ({budget}) must be less than max_tokens ({request.max_tokens})",
+                    param="thinking.budget_tokens",
+                )
         one_call = bool(request.tool_choice and request.tool_choice.disable_parallel_tool_use)
         return Prepared(
             request=request,
@@ -404,7 +500,9 @@ class AnthropicResponseBuilder(ResponseBuilder):
             sampling_sent=sent_fields(request),
             response_id=new_id("msg_"),
             model=request.model,
-            state={"one_call": one_call},
+            # thinking: whether thinking blocks are shown; then what a stream keeps (STREAM_STATE)
+            state={"one_call": one_call, "thinking": _thinking_on(request), **STREAM_STATE},
+            thinking_param="thinking.budget_tokens",  # what a refused budget names (astrai_server.thinking)
         )
 
     def post_routes(self) -> dict[str, tuple[type[BaseModel], Callable[[Any, Any], dict[str, Any]]]]:
@@ -413,7 +511,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
     def count_tokens(self, request: MessagesInput, engine: Any) -> dict[str, Any]:
         """``{"input_tokens": N}``, the ``usage.input_tokens`` of ``/v1/messages`` for the same input
         (a forced call's opening included); the context limit is not checked: nothing runs."""
-        prompt_ids, tools, required = _prompt(request, engine)
+        prompt_ids, tools, required = _prompt(request, engine, self.signing_key)
         prepared = Prepared(
             request=request,
             prompt_ids=prompt_ids,
@@ -435,20 +533,79 @@ class AnthropicResponseBuilder(ResponseBuilder):
             "stop_sequence": None,
             "usage": {"input_tokens": len(prepared.prompt_ids), "output_tokens": 0},
         }
+        frames = [sse({"type": "message_start", "message": message}, "message_start")]
+        if _state(prepared)["thinking"]:
+            return frames  # the blocks open as their text comes: the thinking's (if any), then the text's
         block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+        return [*frames, sse(block, "content_block_start")]  # without thinking: one text block, then calls
+
+    def _open(self, p: Prepared, kind: str) -> list[str]:
+        """Frames closing the open block, if any, and opening a ``kind`` block (thinking or text)."""
+        frames = self._close(p)
+        block = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
+        p.state["open"], p.state["blocks"], index = kind, p.state["blocks"] + 1, p.state["blocks"]
+        p.state["text"] = p.state["text"] or kind == "text"
         return [
-            sse({"type": "message_start", "message": message}, "message_start"),
-            sse(block, "content_block_start"),
+            *frames,
+            sse(
+                {"type": "content_block_start", "index": index, "content_block": block}, "content_block_start"
+            ),
+        ]
+
+    def _close(self, p: Prepared) -> list[str]:
+        """Frames ending the open block: a thinking block's signature first."""
+        kind, index = p.state["open"], p.state["blocks"] - 1
+        if kind is None:
+            return []
+        frames = []
+        if kind == "thinking":
+            delta = {
+                "type": "signature_delta",
+                "signature": sign(self.signing_key, THINKING, p.state["reasoning"]),
+            }
+            frames.append(
+                sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+            )
+        p.state["open"] = None
+        return [*frames, sse({"type": "content_block_stop", "index": index}, "content_block_stop")]
+
+    def format_reasoning_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
+        if not _state(prepared)["thinking"]:
+            return []  # thinking not asked for: dropped, as the answer's only
+        frames = [] if prepared.state["open"] == "thinking" else self._open(prepared, "thinking")
+        prepared.state["reasoning"] += text
+        delta = {"type": "thinking_delta", "thinking": text}
+        block = prepared.state["blocks"] - 1
+        return [
+            *frames,
+            sse({"type": "content_block_delta", "index": block, "delta": delta}, "content_block_delta"),
         ]
 
     def format_chunk(self, prepared: Prepared, index: int, text: str, **logprobs: Any) -> list[str]:
-        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
-        return [sse(delta, "content_block_delta")]
+        st, frames, block = _state(prepared), [], 0
+        if st["thinking"]:
+            frames = [] if st["open"] == "text" else self._open(prepared, "text")
+            block = st["blocks"] - 1
+        delta = {"type": "text_delta", "text": text}
+        return [
+            *frames,
+            sse({"type": "content_block_delta", "index": block, "delta": delta}, "content_block_delta"),
+        ]
 
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
-        choice = result.choices[0]
-        frames = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")]
-        for k, call in enumerate(_calls(prepared, choice), start=1):
+        p, choice = prepared, result.choices[0]
+        calls, st = _calls(prepared, choice), _state(p)
+        if st["thinking"]:
+            # an answer of no text has an empty text block unless it is calls (as format_response)
+            frames = self._open(p, "text") if not (st["text"] or choice.tool_calls) else []
+            frames += self._close(p)
+        else:
+            frames = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")]
+        for k, call in enumerate(calls, start=st["blocks"] if st["thinking"] else 1):
             start = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
             delta = {"type": "input_json_delta", "partial_json": call.arguments}
             frames += [
@@ -470,6 +627,9 @@ class AnthropicResponseBuilder(ResponseBuilder):
     def format_response(self, prepared: Prepared, result: ChatResult) -> dict[str, Any]:
         choice = result.choices[0]
         content: list[dict[str, Any]] = []
+        if _state(prepared)["thinking"] and choice.reasoning is not None:
+            signature = sign(self.signing_key, THINKING, choice.reasoning)
+            content.append({"type": "thinking", "thinking": choice.reasoning, "signature": signature})
         if choice.text or not choice.tool_calls:
             content.append({"type": "text", "text": choice.text})
         content += [
@@ -493,6 +653,18 @@ class AnthropicResponseBuilder(ResponseBuilder):
         if param and param not in message:
             message = f"{param}: {message}"
         return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+#: A stream's blocks (``Prepared.state``): ``blocks`` streamed, the ``open`` one (None, "thinking" or
+#: "text"), whether a ``text`` block opened, and the ``reasoning`` streamed (to sign).
+STREAM_STATE = {"blocks": 0, "open": None, "text": False, "reasoning": ""}
+
+
+def _state(p: Prepared) -> dict[str, Any]:
+    """``p.state``, with what a stream keeps there (a ``Prepared`` made elsewhere may have none)."""
+    for key, value in {"thinking": False, **STREAM_STATE}.items():
+        p.state.setdefault(key, value)
+    return p.state
 
 
 def _calls(prepared: Prepared, choice: Choice) -> list[ToolCall]:

@@ -9,6 +9,9 @@ llama-server serve it: nothing is stored, so every request carries its whole con
 included. Every field the ``openai`` SDK can send is implemented, accepted as metadata
 (``IGNORED``) or refused with a 400 naming it (``REFUSED``). Streams are named events with a
 ``sequence_number``, ``response.created`` to ``response.completed`` (or ``.incomplete``).
+A thinking model's reasoning is a ``reasoning`` output item (its text as ``reasoning_text``
+content) before the message, streamed as ``response.reasoning_text.delta`` events; a reasoning
+item sent back in ``input`` is the next assistant turn's ``reasoning_content`` for the template.
 
 Over 300 lines because a builder is one file: its request models (every field the SDK can
 send, each handled on purpose), the response object and the stream's event sequence.
@@ -75,6 +78,7 @@ REFUSED = {
     "text.verbosity": "any value: astrai has no verbosity control",
     "tools[].type": '"function" only: astrai runs no hosted tools',
     "tool_choice": 'an object other than {"type": "function", "name": ...}: only function tools are served',
+    "input[].encrypted_content": "any value: astrai writes no encrypted reasoning, so it cannot read one",
 }
 
 #: Fields accepted and ignored: metadata that changes nothing a client can observe.
@@ -97,11 +101,16 @@ IGNORED = {
 
 
 class InputText(Strict):
-    type: Literal["input_text", "output_text"]
+    type: Literal["input_text", "output_text", "reasoning_text"]  # reasoning_text: of a reasoning item
     text: str
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
     prompt_cache_breakpoint: dict[str, Any] | None = None
+
+
+class SummaryText(Strict):
+    type: Literal["summary_text"]
+    text: str
 
 
 def _text(content: str | list[InputText]) -> str:
@@ -113,15 +122,19 @@ ITEM_FIELDS = {
     "message": (("role", "content"), {"role", "content", "phase"}),
     "function_call": (("call_id", "name", "arguments"), {"call_id", "name", "arguments"}),
     "function_call_output": (("call_id", "output"), {"call_id", "output", "name"}),
+    "reasoning": ((), {"content", "summary", "encrypted_content"}),
 }
+#: The content parts each item type takes.
+PART_TYPES = {"message": ("input_text", "output_text"), "reasoning": ("reasoning_text",)}
 
 
 class InputItem(Strict):
-    """One input item: a message (``type`` may be left out), a function call or its output.
+    """One input item: a message (``type`` may be left out), a function call or its output, or an
+    earlier answer's reasoning.
 
     One model rather than a union of three, so that a bad key's path is the item's (``input.0.foo``)."""
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: text_or_parts(InputText) | None = None
     call_id: str | None = None
@@ -131,13 +144,19 @@ class InputItem(Strict):
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: str | None = None
+    summary: list[SummaryText] | None = None
+    encrypted_content: str | None = None
 
     @field_validator("content", "output", mode="before")
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
         # one clear 422 for an image or file part, rather than every way it fails to be InputText
         for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text"):
+            if isinstance(part, dict) and part.get("type") not in (
+                "input_text",
+                "output_text",
+                "reasoning_text",
+            ):
                 raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
         return content
 
@@ -149,6 +168,14 @@ class InputItem(Strict):
         specific = {f for _, own in ITEM_FIELDS.values() for f in own}
         if foreign := sorted(self.model_fields_set & specific - takes):
             raise ValueError(f"a {self.type} item does not take {', '.join(foreign)}")
+        parts = PART_TYPES.get(self.type, ("input_text", "output_text"))
+        for part in (self.content if isinstance(self.content, list) else []) + (
+            self.output if isinstance(self.output, list) else []
+        ):
+            if part.type not in parts:
+                raise ValueError(
+                    f"a {self.type} item's content parts are {' or '.join(parts)}, not {part.type}"
+                )
         return self
 
 
@@ -291,7 +318,7 @@ class ResponsesRequest(BaseModel):
 SERVED = ("effort", "max_tokens")  # of ``reasoning``: the rest is refused (``refuse_unserved``)
 
 
-def _reasoning(
+def _reasoning_controls(
     reasoning: dict[str, Any], params: SamplingParams, engine: Any
 ) -> tuple[SamplingParams, dict[str, Any] | None, str | None]:
     """``reasoning.effort`` and ``reasoning.max_tokens`` as chat's ``reasoning_effort`` and thinking
@@ -322,8 +349,20 @@ def _reasoning(
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The input in the Hugging Face chat convention; function calls join the assistant turn before them."""
     out: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    for item in req.input:
-        if item.type == "message":
+    for i, item in enumerate(req.input):
+        if item.type == "reasoning":
+            if item.encrypted_content is not None:
+                raise RequestRejected(
+                    f"unsupported value for input.{i}.encrypted_content "
+                    f"(refused for {REFUSED['input[].encrypted_content']})",
+                    param=f"input.{i}.encrypted_content",
+                )
+            # the next assistant turn's thinking: its text, else its summary (what a client has of it)
+            text = _text(item.content or []) or "".join(s.text for s in item.summary or ())
+            out.append({"role": "assistant", "content": "", "reasoning_content": text})
+        elif item.type == "message" and _after_reasoning(out, item):
+            out[-1]["content"] = _text(item.content)  # the answer that followed the reasoning
+        elif item.type == "message":
             out.append(
                 {"role": "system" if item.role == "developer" else item.role, "content": _text(item.content)}
             )
@@ -338,6 +377,18 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 {"id": item.call_id, "type": "function", "function": function}
             )
     return out
+
+
+def _after_reasoning(out: list[dict[str, Any]], item: InputItem) -> bool:
+    """Whether ``item`` is the assistant message of the reasoning item before it (a turn of its own
+    so far, with no answer and no call yet)."""
+    last = out[-1] if out else {}
+    return (
+        item.role == "assistant"
+        and "reasoning_content" in last
+        and not last["content"]
+        and "tool_calls" not in last
+    )
 
 
 def _select_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -369,13 +420,15 @@ class ResponsesBuilder(ResponseBuilder):
 
     def prepare(self, request: ResponsesRequest, engine: Any) -> Prepared:
         """``state``: ``seq`` (the next event's sequence number), ``message_id``, ``opened`` (whether the
-        stream has opened the message item) and, when log-probs were asked, ``tokenizer``."""
+        stream has opened the message item), ``reasoning_id``, ``reasoning`` (the reasoning streamed;
+        None before any), ``reasoned`` (whether the stream closed the reasoning item) and, when log-probs
+        were asked, ``tokenizer``."""
         request.refuse_unserved()
         tools = _select_tools(request)
         params = request.sampling_params(engine.context_limit)
-        params, kwargs, thinking_param = _reasoning(request.reasoning or {}, params, engine)
+        params, kwargs, thinking_param = _reasoning_controls(request.reasoning or {}, params, engine)
         prompt_ids = chat_prompt_ids(engine.tokenizer, _messages(request), tools, template_kwargs=kwargs)
-        state: dict[str, Any] = {"seq": 0, "message_id": new_id("msg_"), "opened": False}
+        state: dict[str, Any] = {"seq": 0, "message_id": new_id("msg_"), "opened": False, **REASONING_STATE}
         if params.logprobs is not None:
             state["tokenizer"] = engine.tokenizer
         return Prepared(
@@ -429,10 +482,11 @@ class ResponsesBuilder(ResponseBuilder):
         }
 
     def _output(self, p: Prepared, c: Choice) -> list[dict[str, Any]]:
-        """A message when there is text or no call (an empty answer is an empty message) or the stream
-        opened one, then the calls."""
+        """The reasoning, if any; a message when there is text or no call (an empty answer is an empty
+        message) or the stream opened one; then the calls."""
+        reasoning = [_reasoning(p, c.reasoning)] if c.reasoning is not None else []
         message = [self._message(p, c)] if c.text or not c.tool_calls or p.state["opened"] else []
-        return message + [_function_call(call, "completed") for call in _calls(p, c)]
+        return reasoning + message + [_function_call(call, "completed") for call in _calls(p, c)]
 
     def _message(self, p: Prepared, c: Choice | None) -> dict[str, Any]:
         """The assistant message item: in progress and empty (``c`` None), or finished."""
@@ -464,14 +518,50 @@ class ResponsesBuilder(ResponseBuilder):
 
     def _open_message(self, p: Prepared) -> list[str]:
         """The message item and its text part, before the first text (an answer that is only calls has
-        none)."""
+        none); the reasoning item ends first."""
         if p.state["opened"]:
             return []
+        frames = self._close_reasoning(p)
         p.state["opened"] = True
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        where = _in_message(p)
         return [
-            self._event(p, "response.output_item.added", output_index=0, item=self._message(p, None)),
-            self._event(p, "response.content_part.added", **_in_message(p), part=part),
+            *frames,
+            self._event(
+                p,
+                "response.output_item.added",
+                output_index=where["output_index"],
+                item=self._message(p, None),
+            ),
+            self._event(p, "response.content_part.added", **where, part=part),
+        ]
+
+    def format_reasoning_chunk(self, prepared: Prepared, index: int, text: str) -> list[str]:
+        p, frames = prepared, []
+        _reasoning_state(p)
+        if p.state["reasoning"] is None:  # the reasoning item opens: it is the first output item
+            p.state["reasoning"] = ""
+            item = {**_reasoning(p, None), "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+            frames += [
+                self._event(p, "response.output_item.added", output_index=0, item=item),
+                self._event(p, "response.content_part.added", **_in_reasoning(p), part=part),
+            ]
+        p.state["reasoning"] += text
+        return [*frames, self._event(p, "response.reasoning_text.delta", **_in_reasoning(p), delta=text)]
+
+    def _close_reasoning(self, p: Prepared) -> list[str]:
+        """The end of the reasoning item, once, if the stream opened one."""
+        _reasoning_state(p)
+        text = p.state["reasoning"]
+        if text is None or p.state["reasoned"]:
+            return []
+        p.state["reasoned"] = True
+        part = {"type": "reasoning_text", "text": text}
+        return [
+            self._event(p, "response.reasoning_text.done", **_in_reasoning(p), text=text),
+            self._event(p, "response.content_part.done", **_in_reasoning(p), part=part),
+            self._event(p, "response.output_item.done", output_index=0, item=_reasoning(p, text)),
         ]
 
     def format_stream_start(self, prepared: Prepared) -> list[str]:
@@ -492,7 +582,7 @@ class ResponsesBuilder(ResponseBuilder):
 
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         p, c = prepared, result.choices[0]
-        frames = []
+        frames = self._close_reasoning(p)
         if p.state["opened"] or not c.tool_calls:
             entries = _logprobs(p, c.logprobs, False)  # every token's, those that brought no text included
             frames += self._open_message(p) + [
@@ -500,9 +590,15 @@ class ResponsesBuilder(ResponseBuilder):
                 self._event(
                     p, "response.content_part.done", **_in_message(p), part=self._part(p, c.text, c.logprobs)
                 ),
-                self._event(p, "response.output_item.done", output_index=0, item=self._message(p, c)),
+                self._event(
+                    p,
+                    "response.output_item.done",
+                    output_index=_in_message(p)["output_index"],
+                    item=self._message(p, c),
+                ),
             ]
-        for k, call in enumerate(_calls(p, c), start=1 if frames else 0):  # after the message, if any
+        before = (p.state["reasoning"] is not None) + p.state["opened"]  # the items before the calls
+        for k, call in enumerate(_calls(p, c), start=before):
             item = _function_call(call, "in_progress")
             where = {"item_id": item["id"], "output_index": k}
             frames += [
@@ -527,7 +623,35 @@ class ResponsesBuilder(ResponseBuilder):
 
 
 def _in_message(p: Prepared) -> dict[str, Any]:
-    return {"item_id": p.state["message_id"], "output_index": 0, "content_index": 0}
+    """Where the message's text part is: after the reasoning item, if the stream sent one."""
+    index = int(_reasoning_state(p)["reasoning"] is not None)
+    return {"item_id": p.state["message_id"], "output_index": index, "content_index": 0}
+
+
+#: What a stream keeps of its reasoning item (``Prepared.state``; see ``ResponsesBuilder.prepare``).
+REASONING_STATE = {"reasoning": None, "reasoned": False}
+
+
+def _reasoning_state(p: Prepared) -> dict[str, Any]:
+    """``p.state`` with a reasoning id and ``REASONING_STATE`` (a ``Prepared`` made elsewhere may have none)."""
+    p.state.setdefault("reasoning_id", "rs_" + p.state.get("message_id", new_id("msg_")).removeprefix("msg_"))
+    for key, value in REASONING_STATE.items():
+        p.state.setdefault(key, value)
+    return p.state
+
+
+def _in_reasoning(p: Prepared) -> dict[str, Any]:
+    return {"item_id": p.state["reasoning_id"], "output_index": 0, "content_index": 0}
+
+
+def _reasoning(p: Prepared, text: str | None) -> dict[str, Any]:
+    """The reasoning output item, finished (``text`` None: its id and type only)."""
+    item = {"type": "reasoning", "id": _reasoning_state(p)["reasoning_id"], "summary": []}
+    return (
+        item
+        if text is None
+        else {**item, "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+    )
 
 
 def _calls(p: Prepared, c: Choice) -> list[ToolCall]:
@@ -551,7 +675,7 @@ def _usage(result: ChatResult) -> dict[str, Any]:
         "input_tokens": result.prompt_tokens,
         "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": result.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in result.choices)},
         "total_tokens": result.total_tokens,
     }
 
