@@ -70,6 +70,7 @@ CASES = {
         ("Let me look.", [ROME, ("add", {"a": 3, "tags": ["x"]})]),
     ),
     "qwen3_coder-unclosed": (Qwen3CoderToolParser, XML_ROME.removesuffix("</tool_call>"), ("", [ROME])),
+    "qwen3_coder-cut": (Qwen3CoderToolParser, XML_ROME.removesuffix("</function>\n</tool_call>"), None),
     "qwen3_coder-string-stays": (
         Qwen3CoderToolParser,
         "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n"

@@ -20,9 +20,13 @@ from astrai.plugins import check_class
 from astrai.protocol import ToolCall, new_id
 
 __all__ = ["TOOL_PARSERS", "ForcedCall", "ToolParser", "calls_from_json", "check_tool_parser"]
-__all__ += ["decode_json", "parameters", "structural_tag"]
+__all__ += ["MAX_WHITESPACE", "decode_json", "json_format", "parameters", "structural_tag"]
 
 TOOL_PARSERS = "astrai.tool_parsers"
+
+#: Whitespace a call's grammar allows in a row (JSON mode allows 16): arguments need no more than a
+#: newline and an indent, and a model that loops on spaces ends its call instead of its token budget.
+MAX_WHITESPACE = 4
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,17 @@ def _call_id() -> str:
 def parameters(tool: dict[str, Any]) -> dict[str, Any]:
     """A tool definition's JSON schema of arguments (any object when it has none)."""
     return tool["function"].get("parameters") or {"type": "object"}
+
+
+def json_format(schema: dict[str, Any], style: str = "json") -> dict[str, Any]:
+    """A structural tag's element: a value valid against ``schema``, written in xgrammar's ``style``
+    (``json``, or ``qwen_xml``'s ``<parameter=...>`` elements), whitespace bounded."""
+    return {
+        "type": "json_schema",
+        "json_schema": schema,
+        "style": style,
+        "max_whitespace_cnt": MAX_WHITESPACE,
+    }
 
 
 def structural_tag(fmt: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,14 @@ from typing import Any
 
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall
-from astrai.tool_parsers.base import ForcedCall, calls_from_json, decode_json, parameters, structural_tag
+from astrai.tool_parsers.base import (
+    ForcedCall,
+    calls_from_json,
+    decode_json,
+    json_format,
+    parameters,
+    structural_tag,
+)
 from astrai.tool_parsers.held import HeldToolParser
 from astrai.tool_parsers.llama3_json import parse_json_calls
 
@@ -83,7 +90,7 @@ class HermesToolParser(HeldToolParser):
         tags = [
             {
                 "begin": call_head(t["function"]["name"]),
-                "content": {"type": "json_schema", "json_schema": parameters(t)},
+                "content": json_format(parameters(t)),
                 "end": "}\n" + CLOSE,
             }
             for t in tools

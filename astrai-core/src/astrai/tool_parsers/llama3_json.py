@@ -12,7 +12,14 @@ from typing import Any
 
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall
-from astrai.tool_parsers.base import ForcedCall, calls_from_json, decode_json, parameters, structural_tag
+from astrai.tool_parsers.base import (
+    ForcedCall,
+    calls_from_json,
+    decode_json,
+    json_format,
+    parameters,
+    structural_tag,
+)
 from astrai.tool_parsers.held import HeldToolParser
 
 #: An answer that is text, not calls: it does not start (after whitespace) with ``{`` or ``[``.
@@ -55,7 +62,7 @@ class Llama3JsonToolParser(HeldToolParser):
 
     @classmethod
     def auto_grammar(cls, tools: list[dict[str, Any]], chat_template: str = "") -> dict[str, Any]:
-        call = {"type": "json_schema", "json_schema": _call(tools)}
+        call = json_format(_call(tools))
         return structural_tag({"type": "or", "elements": [{"type": "regex", "pattern": NOT_JSON}, call]})
 
     @classmethod

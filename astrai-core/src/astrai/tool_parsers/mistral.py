@@ -19,7 +19,14 @@ from typing import Any
 
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall
-from astrai.tool_parsers.base import ForcedCall, calls_from_json, decode_json, parameters, structural_tag
+from astrai.tool_parsers.base import (
+    ForcedCall,
+    calls_from_json,
+    decode_json,
+    json_format,
+    parameters,
+    structural_tag,
+)
 from astrai.tool_parsers.held import HeldToolParser
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -81,7 +88,7 @@ def _args_tags(tools: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]
     return [
         {
             "begin": prefix + t["function"]["name"] + ARGS,
-            "content": {"type": "json_schema", "json_schema": parameters(t)},
+            "content": json_format(parameters(t)),
             "end": "",
         }
         for t in tools
@@ -103,7 +110,7 @@ class MistralToolParser(HeldToolParser):
         if ARGS in chat_template:
             tags = _args_tags(tools, TOOL_CALLS)
             return structural_tag({"type": "triggered_tags", "triggers": [TOOL_CALLS], "tags": tags})
-        content = {"type": "json_schema", "json_schema": _json_list(tools)}
+        content = json_format(_json_list(tools))
         tag = {"begin": TOOL_CALLS, "content": content, "end": ""}
         fmt = {"type": "triggered_tags", "triggers": [TOOL_CALLS], "tags": [tag], "stop_after_first": True}
         return structural_tag(fmt)

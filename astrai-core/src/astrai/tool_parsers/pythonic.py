@@ -20,7 +20,7 @@ from typing import Any
 
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall, new_id
-from astrai.tool_parsers.base import ForcedCall, parameters, structural_tag
+from astrai.tool_parsers.base import ForcedCall, json_format, parameters, structural_tag
 from astrai.tool_parsers.held import HeldToolParser
 
 START, END = "<|python_start|>", "<|python_end|>"
@@ -89,7 +89,7 @@ def _call_tag(t: dict[str, Any]) -> dict[str, Any]:
     elements: list[dict[str, Any]] = []
     for i, key in enumerate(required):
         elements.append({"type": "const_string", "value": (", " if i else "") + key + "="})
-        elements.append({"type": "json_schema", "json_schema": props[key] or True})
+        elements.append(json_format(props[key] or {}))
     content = (
         {"type": "sequence", "elements": elements} if elements else {"type": "const_string", "value": ""}
     )

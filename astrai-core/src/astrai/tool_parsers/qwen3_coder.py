@@ -11,8 +11,8 @@
 repeated for parallel calls. A value is converted by the type its tool's schema gives the
 parameter: a string stays raw (one newline on either side is the format's, not the value's);
 numbers, booleans, null, objects and arrays are read as JSON (a value that does not read as its
-type stays a string, as vLLM does). A missing ``</tool_call>`` at the very end is accepted; an
-unknown tool, stray text inside a call or text after the calls leaves the answer text.
+type stays a string, as vLLM does). A missing ``</tool_call>`` at the very end is accepted, not a
+missing ``</function>`` (the output was cut inside the call); an unknown tool, stray text inside a call or text after the calls leaves the answer text.
 
 Enforced by grammar with xgrammar's ``qwen_xml`` JSON-schema style (each parameter's value valid
 against its schema).
@@ -26,11 +26,11 @@ from typing import Any
 
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall, new_id
-from astrai.tool_parsers.base import ForcedCall, parameters, structural_tag
+from astrai.tool_parsers.base import ForcedCall, json_format, parameters, structural_tag
 from astrai.tool_parsers.held import HeldToolParser
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
@@ -108,7 +108,7 @@ def _tag(t: dict[str, Any], begin: str) -> dict[str, Any]:
     return {
         "type": "tag",
         "begin": begin + "<function=" + t["function"]["name"] + ">\n",
-        "content": {"type": "json_schema", "json_schema": parameters(t), "style": "qwen_xml"},
+        "content": json_format(parameters(t), "qwen_xml"),
         "end": "</function>\n" + CLOSE,
     }
 
