@@ -67,7 +67,7 @@ class Llama3JsonToolParser(HeldToolParser):
 
     @classmethod
     def forced_call(cls, tools: list[dict[str, Any]], chat_template: str = "") -> ForcedCall:
-        return ForcedCall("", GrammarSpec.of("json_schema", _call(tools)))
+        return ForcedCall("", GrammarSpec.of("structural_tag", structural_tag(json_format(_call(tools)))))
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_json_calls(text, self.names)

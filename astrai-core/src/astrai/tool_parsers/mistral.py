@@ -121,7 +121,8 @@ class MistralToolParser(HeldToolParser):
             tags = [{"type": "tag", **t} for t in _args_tags(tools, "")]
             fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
             return ForcedCall(TOOL_CALLS, GrammarSpec.of("structural_tag", structural_tag(fmt)))
-        return ForcedCall(TOOL_CALLS, GrammarSpec.of("json_schema", _json_list(tools, 1)))
+        listed = structural_tag(json_format(_json_list(tools, 1)))
+        return ForcedCall(TOOL_CALLS, GrammarSpec.of("structural_tag", listed))
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_mistral_calls(text, self.names)
