@@ -82,5 +82,6 @@ def test_every_split_streams_to_the_whole_answer(case: str) -> None:
 def test_chosen_through_entry_points() -> None:
     assert choose_tool_parser(None) is HermesToolParser
     assert choose_tool_parser("llama3_json") is Llama3JsonToolParser
-    with pytest.raises(PluginError, match="'mistral' not found.*Installed: hermes, llama3_json"):
-        choose_tool_parser("mistral")
+    installed = "hermes, llama3_json, mistral, pythonic, qwen3_coder"
+    with pytest.raises(PluginError, match=f"'nope' not found.*Installed: {installed}"):
+        choose_tool_parser("nope")

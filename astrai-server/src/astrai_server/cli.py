@@ -63,7 +63,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "reasoning_parser",
         "reasoning parser (qwen3, deepseek_r1, none, ...); default: from the chat template",
     )
-    _flag(p, "tool_call_parser", "tool-call parser (hermes, llama3_json, ...); default: hermes")
+    _flag(
+        p,
+        "tool_call_parser",
+        "tool-call parser (hermes, llama3_json, mistral, pythonic, qwen3_coder, ...); default: from the chat template, else hermes",
+    )
     _flag(
         p,
         "generation_config",

@@ -75,7 +75,9 @@ class ServerSettings(BaseModel):
     reasoning_parser: str | None = (
         None  # an astrai.reasoning_parsers name; None: chosen from the chat template
     )
-    tool_call_parser: str | None = None  # an astrai.tool_parsers name; None: hermes
+    tool_call_parser: str | None = (
+        None  # an astrai.tool_parsers name; None: from the chat template, else hermes
+    )
     generation_config: Literal["auto", "none"] = (
         "auto"  # auto: the checkpoint's sampling defaults for values a request leaves out; none: the API's
     )

@@ -30,10 +30,11 @@ from pydantic import BaseModel
 from astrai.errors import EngineNotReady, RequestRejected
 from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder
 from astrai.sampling import SamplingParams
+from astrai.tool_parsers import ForcedCall
 from astrai_server.errors import public_message, status_for
 from astrai_server.parsers import Chosen, Parsers
 from astrai_server.thinking import apply_thinking
-from astrai_server.tools import CLOSE, open_tool_call
+from astrai_server.tools import open_tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +103,13 @@ class ProtocolHandler:
         if check_room is not None:
             check_room(count)  # a fan-out that the queue cannot take is refused whole, now
         chosen = self.parsers.for_engine(self.engine)
-        prepared, opening = await loop.run_in_executor(None, self._prepare, request, chosen)
+        prepared, forced = await loop.run_in_executor(None, self._prepare, request, chosen)
         compiled = None
         if prepared.params.grammar is not None:
             compiled = await self.engine.grammars.compile_async(prepared.params.grammar)
         if not self.builder.splits_reasoning:
             chosen = dataclasses.replace(chosen, reasoning=None)
-        run = _Run(self.engine, prepared, loop, opening, compiled, chosen)
+        run = _Run(self.engine, prepared, loop, forced, compiled, chosen)
         args = (
             getattr(self.state, "request_id", None),
             getattr(request, "priority", None) or 0,
@@ -157,22 +158,24 @@ class ProtocolHandler:
             raise early
         return True
 
-    def _prepare(self, request: BaseModel, chosen: Chosen | None = None) -> tuple[Prepared, str]:
+    def _prepare(self, request: BaseModel, chosen: Chosen) -> tuple[Prepared, ForcedCall | None]:
         """Template and tokenize, then every check that costs nothing: the sampling bounds, the context,
         the grammar's size. The thinking's budget and a grammar's place after it follow the
         reasoning parser of ``chosen`` (``astrai_server.thinking``). Runs on a worker thread."""
         refuse_unknown(request, self.engine)
         prepared = self.builder.prepare(request, self.engine)
         prepared.params = with_generation_defaults(prepared, self.engine)
-        opening = open_tool_call(prepared, self.engine.tokenizer)  # a required call is a grammar too
-        apply_thinking(prepared, chosen.reasoning if chosen else None, self.engine.tokenizer, opening)
+        forced = open_tool_call(
+            prepared, self.engine.tokenizer, chosen.tool
+        )  # a required call is a grammar too
+        apply_thinking(prepared, chosen.reasoning, self.engine.tokenizer, forced.opening if forced else "")
         limits = getattr(getattr(self.engine, "config", None), "limits", None)
         if limits is not None:
             limits.check(prepared.params)
         self._check_limits(prepared)
         if prepared.params.grammar is not None:
             self.engine.grammars.check(prepared.params.grammar)
-        return prepared, opening
+        return prepared, forced
 
     def _check_limits(self, p: Prepared) -> None:
         """Refuse a prompt that leaves no room to generate; shorten a defaulted ``max_tokens`` to fit."""
@@ -287,7 +290,7 @@ class _Run:
         engine: Any,
         prepared: Prepared,
         loop: asyncio.AbstractEventLoop,
-        opening: str = "",
+        forced: ForcedCall | None = None,
         grammar: Any = None,
         parsers: Chosen | None = None,
     ) -> None:
@@ -302,8 +305,10 @@ class _Run:
         tool, reasoning = (parsers.tool, parsers.reasoning) if parsers else (None, None)
         if tool is None:
             from astrai.tool_parsers.hermes import HermesToolParser as tool
-        self.filters = [tool(names, opening) for _ in range(count)] if names else None
-        self.names, self.opening = names, opening  # opening: the start of a call that the prompt ends with
+        # the start of a call that the prompt ends with, and the stops that end it (a required call)
+        opening, self.call_stops = (forced.opening, forced.stop) if forced else ("", ())
+        self.filters = [tool(names, opening, prepared.tools) for _ in range(count)] if names else None
+        self.names, self.opening = names, opening
         self._held: list[str] = [""] * count  # set by result(): text a filter held that was no call
         # the answer's reasoning, split off before tool calls are looked for (none after a forced call's opening)
         self.reasoners = None
@@ -443,7 +448,7 @@ class _Run:
                 held, calls = self.filters[i].finish()
                 self._held[i] += held
                 text = self.filters[i].parse(text)[0] if calls else text
-            if self.opening and stop_sequence == CLOSE:  # the forced call's end, not the client's stop
+            if stop_sequence is not None and stop_sequence in self.call_stops:  # the forced call's end
                 reason, stop_sequence = "stop", None
             params = self.prepared.params
             choices.append(

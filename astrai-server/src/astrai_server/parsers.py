@@ -25,7 +25,8 @@ class Chosen:
 @dataclass(frozen=True)
 class Parsers:
     """The parsers named on the command line; None: chosen from the chat template (reasoning: the
-    first installed parser whose ``matches`` it, else ``none``; tool calls: ``hermes``)."""
+    first installed parser whose ``matches`` it, else ``none``; tool calls: the same, else
+    ``hermes``)."""
 
     reasoning: str | None = None
     tool: str | None = None
@@ -33,4 +34,6 @@ class Parsers:
     def for_engine(self, engine: Any) -> Chosen:
         """The parsers for ``engine``'s chat template. PluginError for a name not installed."""
         template = getattr(getattr(engine, "tokenizer", None), "chat_template", None) or ""
-        return Chosen(choose_reasoning_parser(self.reasoning, template), choose_tool_parser(self.tool))
+        return Chosen(
+            choose_reasoning_parser(self.reasoning, template), choose_tool_parser(self.tool, template)
+        )

@@ -1,107 +1,87 @@
-"""Tool calls enforced by grammar, in the ``<tool_call>`` format (parsing them out of the answer is
-the job of the ``astrai.tool_parsers`` plugins: ``astrai.tool_parsers.hermes`` and ``llama3_json``).
+"""Tool calls enforced by grammar, in the format of the request's tool-call parser (each
+``astrai.tool_parsers`` plugin knows its own: ``ToolParser.auto_grammar`` and ``forced_call``).
 
-A request that must call a tool gets the opening of a ``<tool_call>`` appended to
-its prompt (``call_opening``), a grammar that makes the rest a valid call of one of its
-tools (``open_tool_call``), and stops at the closing tag: the answer always parses.
+A request that must call a tool gets the opening of a call appended to its prompt, a grammar that
+makes the rest a valid call of one of its tools, and stops at the call's end (``open_tool_call``):
+the answer always parses. One that may call one (``auto``) gets the parser's structural tag: free
+text, and any call it opens is a valid one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from astrai.errors import RequestRejected
 from astrai.grammar import GrammarSpec
 from astrai.protocol import Prepared
-from astrai.tool_parsers.hermes import CLOSE, OPEN, HermesToolParser, parse_hermes_calls
+from astrai.tool_parsers import ForcedCall, ToolParser, choose_tool_parser
+from astrai.tool_parsers.hermes import (
+    CLOSE,
+    OPEN,
+    HermesToolParser,
+    call_head,
+    call_schema,
+    parse_hermes_calls,
+)
 
 #: Today's names of the ``hermes`` parser's pieces, kept for the code and tests that use them.
 ToolCallStreamFilter = HermesToolParser
 parse_tool_calls = parse_hermes_calls
 
 __all__ = ["CLOSE", "OPEN", "ToolCallStreamFilter", "call_opening", "call_schema", "calls_tag"]
-__all__ += ["open_tool_call", "parse_tool_calls"]
+__all__ += ["enforced", "open_tool_call", "parse_tool_calls"]
+
+
+def enforced(parser: type[ToolParser], chat_template: str) -> bool:
+    """Whether ``parser``'s format is enforced for a model with ``chat_template``: when the template
+    teaches that format (``matches``), or ignores tools (``chat_prompt_ids`` then describes them).
+    A template that teaches a format the parser does not know gets nothing enforced."""
+    return "tools" not in chat_template or parser.matches(chat_template)
 
 
 def call_opening(tokenizer: Any, name: str | None) -> str:
-    """The start of a tool call to append to a prompt whose answer must be one ("" if not enforceable).
-
-    ``<tool_call>`` and a newline, then ``{"name": <name>, "arguments": `` when the tool is known.
-    Only in the ``<tool_call>`` format: the one ``chat_prompt_ids`` describes to a template that
-    ignores tools, or that the template uses itself. A template that teaches another format
-    (Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``) gets "": the choice is then not enforced.
-    """
+    """The start of a ``<tool_call>`` to append to a prompt whose answer must be one ("" if the
+    template teaches another format): ``<tool_call>`` and a newline, then ``{"name": <name>,
+    "arguments": `` when the tool is known."""
     template = getattr(tokenizer, "chat_template", None) or ""
-    if "tools" in template and OPEN not in template:
+    if not enforced(HermesToolParser, template):
         return ""
-    return _call_head(name) if name else OPEN + "\n"
+    return call_head(name) if name else OPEN + "\n"
 
 
-def _call_head(name: str) -> str:
-    """How a call of tool ``name`` starts: ``<tool_call>``, a newline, ``{"name": <name>, "arguments": ``."""
-    return OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+def calls_tag(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``hermes`` structural tag of ``tool_choice`` auto."""
+    return HermesToolParser.auto_grammar(tools)
 
 
-def open_tool_call(p: Prepared, tokenizer: Any) -> str:
-    """A request that must call a tool: end its prompt with the opening of a call, constrain what
-    follows to a call of one of ``p.tools`` with arguments valid against its ``parameters``
-    (a JSON-schema grammar, so the answer always parses), and stop at the closing tag. A request
-    that may call one (``auto``, no other constraint) gets a structural tag instead: free text,
-    and any call it opens is a valid one (``calls_tag``). Returns the opening ("" when not
-    required, for several prompts, or when the template teaches another format, where nothing is
-    enforced). Modifies ``p.prompt_ids`` and ``p.params``."""
+def open_tool_call(p: Prepared, tokenizer: Any, parser: type[ToolParser] | None = None) -> ForcedCall | None:
+    """A request that must call a tool: end its prompt with the opening of a call in ``parser``'s
+    format (None: the one chosen from the chat template), constrain what follows to a call of one of
+    ``p.tools`` with arguments valid against its ``parameters``, and stop at the call's end. A
+    request that may call one (``auto``, no other constraint) gets the parser's structural tag
+    instead. Returns how the call was forced (None when not required, for several prompts, or when
+    nothing is enforced for this template and parser). Modifies ``p.prompt_ids`` and ``p.params``."""
     if not p.tools or p.prompts is not None:
-        return ""
-    opening = call_opening(tokenizer, None)
-    if not opening:
-        return ""
+        return None
+    template = getattr(tokenizer, "chat_template", None) or ""
+    parser = parser or choose_tool_parser(None, template)
+    if not enforced(parser, template):
+        return None
     if not p.tool_call_required:
         if p.params.grammar is None:  # free text, but a call the model opens is a valid call
-            p.params = dataclasses.replace(
-                p.params, grammar=GrammarSpec.of("structural_tag", calls_tag(p.tools))
-            )
-        return ""
+            tag = parser.auto_grammar(p.tools, template)
+            if tag is not None:
+                p.params = dataclasses.replace(p.params, grammar=GrammarSpec.of("structural_tag", tag))
+        return None
+    forced = parser.forced_call(p.tools, template)
+    if forced is None:
+        return None
     if p.params.grammar is not None:
         raise RequestRejected(
             "a required tool call and a response format cannot both constrain the answer", param="tool_choice"
         )
-    p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
-    grammar = GrammarSpec.of("json_schema", call_schema(p.tools))
-    p.params = dataclasses.replace(p.params, stop=[*p.params.stop, CLOSE], grammar=grammar)
-    return opening
-
-
-def calls_tag(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """An xgrammar structural tag: free text, except that once the model writes ``<tool_call>`` what
-    follows is a call ``{"name": ..., "arguments": {...}}`` of one of ``tools``, closed by the tag."""
-    tags = [
-        {
-            "begin": _call_head(t["function"]["name"]),
-            "content": {
-                "type": "json_schema",
-                "json_schema": t["function"].get("parameters") or {"type": "object"},
-            },
-            "end": "}\n" + CLOSE,
-        }
-        for t in tools
-    ]
-    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
-
-
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of one call ``{"name": ..., "arguments": {...}}`` of any of ``tools``."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                "arguments": t["function"].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if forced.opening:
+        p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(forced.opening, add_special_tokens=False)]
+    p.params = dataclasses.replace(p.params, stop=[*p.params.stop, *forced.stop], grammar=forced.grammar)
+    return forced

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from astrai.tool_parsers.base import TOOL_PARSERS, ToolParser, check_tool_parser
+from astrai.tool_parsers.base import TOOL_PARSERS, ForcedCall, ToolParser, check_tool_parser
 from astrai.tool_parsers.choose import choose_tool_parser
 
-__all__ = ["TOOL_PARSERS", "ToolParser", "check_tool_parser", "choose_tool_parser"]
+__all__ = ["TOOL_PARSERS", "ForcedCall", "ToolParser", "check_tool_parser", "choose_tool_parser"]

@@ -4,12 +4,29 @@ SmolLM and most open chat templates teach.
 Repeated tags; a JSON list inside one tag; a missing closing tag at the very end (EOS came first).
 An answer without the tag that is wholly a JSON call is read as ``llama3_json`` reads it (models
 trained on this format sometimes drop the tags; astrai has always accepted both).
+
+Enforced by grammar: ``tool_choice`` auto gets a structural tag (free text; once the model writes
+``<tool_call>``, a call of a listed tool with valid arguments, closed by the tag); a required call
+gets ``<tool_call>`` and a newline at the end of the prompt, a JSON schema of one call, and stops at
+``</tool_call>``.
 """
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall
-from astrai.tool_parsers.base import ToolParser, calls_from_json, decode_json
+from astrai.tool_parsers.base import (
+    ForcedCall,
+    calls_from_json,
+    decode_json,
+    json_format,
+    parameters,
+    structural_tag,
+)
+from astrai.tool_parsers.held import HeldToolParser
 from astrai.tool_parsers.llama3_json import parse_json_calls
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -36,46 +53,53 @@ def parse_hermes_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]
     return text[:start].rstrip(), calls
 
 
-class HermesToolParser(ToolParser):
+def call_head(name: str) -> str:
+    """How a call of tool ``name`` starts: ``<tool_call>``, a newline, ``{"name": <name>, "arguments": ``."""
+    return OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+
+
+def call_schema(tools: list[dict[str, Any]], arguments: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call ``{"name": ..., "arguments": {...}}`` of any of ``tools``."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, arguments: parameters(t)},
+            "required": ["name", arguments],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+class HermesToolParser(HeldToolParser):
     """Streams text up to a possible call and holds back the rest until the end: everything before a
     ``<tool_call>`` tag (or before a trailing prefix of it) goes out, nothing once the output is
     inside a call or starts with a JSON object."""
 
     name = "hermes"
+    markers = (OPEN,)
+    leading = ("{", "[")
 
-    def __init__(self, names: set[str], opening: str = "") -> None:
-        super().__init__(names, opening)
-        self.sent = ""  # text already released
-        self.held = opening  # text not released yet
-        self.capturing = bool(opening)  # a call (tag or leading JSON) has begun
+    @classmethod
+    def matches(cls, chat_template: str) -> bool:
+        return OPEN in chat_template and "<function=" not in chat_template  # (that is qwen3_coder's XML)
+
+    @classmethod
+    def auto_grammar(cls, tools: list[dict[str, Any]], chat_template: str = "") -> dict[str, Any]:
+        tags = [
+            {
+                "begin": call_head(t["function"]["name"]),
+                "content": json_format(parameters(t)),
+                "end": "}\n" + CLOSE,
+            }
+            for t in tools
+        ]
+        return structural_tag({"type": "triggered_tags", "triggers": [OPEN], "tags": tags})
+
+    @classmethod
+    def forced_call(cls, tools: list[dict[str, Any]], chat_template: str = "") -> ForcedCall:
+        return ForcedCall(OPEN + "\n", GrammarSpec.of("json_schema", call_schema(tools)), (CLOSE,))
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_hermes_calls(text, self.names)
-
-    def push(self, piece: str) -> str:
-        self.held += piece
-        if self.capturing:
-            return ""
-        if not self.sent and self.held.lstrip()[:1] in ("{", "["):
-            self.capturing = True
-            return ""
-        tag = self.held.find(OPEN)
-        if tag >= 0:
-            self.capturing = True
-            out, self.held = self.held[:tag], self.held[tag:]
-        else:
-            longest = min(len(OPEN) - 1, len(self.held))  # the held text's end may begin a tag
-            keep = next((k for k in range(longest, 0, -1) if OPEN.startswith(self.held[-k:])), 0)
-            if not self.sent and not self.held.strip():
-                keep = len(self.held)  # leading whitespace: the JSON form may still follow
-            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        self.sent += out
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        _, calls = self.parse(self.sent + self.held)
-        if not calls:
-            held, self.held = self.held, ""
-            return held, []
-        self.held = ""
-        return "", calls

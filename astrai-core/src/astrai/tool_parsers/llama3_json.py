@@ -1,10 +1,29 @@
 """``llama3_json``: the whole answer is one JSON call ``{"name": ..., "arguments" | "parameters": ...}``
-or a list of them, as Llama 3.x templates teach."""
+or a list of them, as Llama 3.x templates teach (chosen for a template that asks for
+``{"name": function name, "parameters": dictionary of argument name and its value}``).
+
+Enforced by grammar: ``tool_choice`` auto lets the answer be text that does not start with ``{`` or
+``[``, or one valid call; a required call is one ``{"name": ..., "parameters": {...}}`` object.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall
-from astrai.tool_parsers.base import ToolParser, calls_from_json, decode_json
+from astrai.tool_parsers.base import (
+    ForcedCall,
+    calls_from_json,
+    decode_json,
+    json_format,
+    parameters,
+    structural_tag,
+)
+from astrai.tool_parsers.held import HeldToolParser
+
+#: An answer that is text, not calls: it does not start (after whitespace) with ``{`` or ``[``.
+NOT_JSON = r"\s*([^\[{\s][\s\S]*)?"
 
 
 def parse_json_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -17,37 +36,38 @@ def parse_json_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
     return text, []
 
 
-class Llama3JsonToolParser(ToolParser):
+def _call(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, "parameters": parameters(t)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+class Llama3JsonToolParser(HeldToolParser):
     """Streams text at once unless the answer starts (after whitespace) with ``{`` or ``[``: then
     it holds everything until the end."""
 
     name = "llama3_json"
+    leading = ("{", "[")
 
-    def __init__(self, names: set[str], opening: str = "") -> None:
-        super().__init__(names, opening)
-        self.sent = ""
-        self.held = opening
-        self.capturing = bool(opening)
+    @classmethod
+    def matches(cls, chat_template: str) -> bool:
+        return '"parameters": dictionary of argument name' in chat_template
+
+    @classmethod
+    def auto_grammar(cls, tools: list[dict[str, Any]], chat_template: str = "") -> dict[str, Any]:
+        call = json_format(_call(tools))
+        return structural_tag({"type": "or", "elements": [{"type": "regex", "pattern": NOT_JSON}, call]})
+
+    @classmethod
+    def forced_call(cls, tools: list[dict[str, Any]], chat_template: str = "") -> ForcedCall:
+        return ForcedCall("", GrammarSpec.of("structural_tag", structural_tag(json_format(_call(tools)))))
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_json_calls(text, self.names)
-
-    def push(self, piece: str) -> str:
-        self.held += piece
-        if self.capturing:
-            return ""
-        if not self.sent:
-            head = self.held.lstrip()
-            if head[:1] in ("{", "["):
-                self.capturing = True
-                return ""
-            if not head:
-                return ""  # leading whitespace: the JSON form may still follow
-        out, self.held = self.held, ""
-        self.sent += out
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        held, self.held = self.held, ""
-        _, calls = self.parse(self.sent + held)
-        return ("", calls) if calls else (held, [])

@@ -91,8 +91,8 @@ REFUSED = {
     "messages[].content[].toolset_name": "MCP toolsets are not supported",
     "tools[].type": 'server tools (web search, code execution, ...) are not supported; "custom" is accepted',
     "tools[].strict": (
-        "true: calls are constrained where the chat template uses <tool_call> (the default model's), "
-        "which strict cannot promise for every template"
+        "true: calls are constrained where the chat template teaches the tool-call parser's format "
+        "(or ignores tools), which strict cannot promise for every template"
     ),
     "tools[].defer_loading": "true: there is no tool search",
     "tools[].allowed_callers": 'anything but ["direct"] (no programmatic tool calling)',

@@ -70,8 +70,8 @@ REFUSED = {
     "messages[].audio": "any value: an earlier audio answer cannot be resolved",
     "messages[].function_call": "any value: deprecated by OpenAI; use tool_calls",
     "tools[].function.strict": (
-        "true: calls are constrained where the chat template uses <tool_call> (the default model's), "
-        "which strict cannot promise for every template"
+        "true: calls are constrained where the chat template teaches the tool-call parser's format "
+        "(or ignores tools), which strict cannot promise for every template"
     ),
 }
 
