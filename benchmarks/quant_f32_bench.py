@@ -16,10 +16,12 @@ file's blocks kept, ``astrai serve --weights gguf``):
 Figures are medians in milliseconds; the ratios are dense / gguf. Compare ratios, not runs: the
 machines are shared. Measured on 2 vCPUs of an AVX2 EPYC shared with other work (load average
 8-12), ``--threads 1`` (two OpenMP threads there wait out the scheduler at every parallel region:
-the 2-thread figures were noise), decode steps dense / gguf: gemma3-270m 1 row 276 / 76 ms, 8 rows
-804 / 247, 32 rows 1,104 / 954; the default model 139 / 61, 343 / 149, 670 / 507. A 9-token
-request 397 / 245 and 413 / 163 ms. 512-token prefills, dense and gguf engines taking turns in one
-process (4 each): gemma3-270m 4.9 / 4.9 s, the default model 4.9 / 4.9 s. Greedy tokens equal.
+the 2-thread figures were noise), two runs, decode steps dense / gguf: gemma3-270m 1 row 276 / 76
+and 173 / 41 ms, 8 rows 804 / 247 and 454 / 144, 32 rows 1,104 / 954 and 1,119 / 366; the default
+model 139 / 61 and 57 / 26, 343 / 149 and 121 / 63, 670 / 507 and 276 / 244. A 9-token request:
+gemma3-270m 397 / 245 and 377 / 111 ms, the default model 413 / 163 and 108 / 66. 512-token
+prefills varied from run to run (gemma3-270m 3.9 / 4.9 and 2.7 / 2.4 s); dense and gguf engines
+taking turns in one process (4 requests each), both models 4.9 / 4.9 s. Greedy tokens equal.
 
 Usage: python benchmarks/quant_f32_bench.py [--models gemma3-270m default] [--context 64] [--threads N] [--quick]
 """
