@@ -10,12 +10,20 @@ from astrai.model.quant import NATIVE, dequantize, pack, split_blocks
 from astrai_backend_cpu.kernels import QuantLinearKernel
 from tests.core.test_quant import random_blocks
 
-pytestmark = [
-    pytest.mark.usefixtures("cpu_kernels"),
-    pytest.mark.skipif(
-        not torch.cpu._is_avx512_bf16_supported(), reason="the quantized kernels need AVX512-BF16"
-    ),
-]
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+
+@pytest.fixture(autouse=True)
+def quant_build(cpu_kernels):
+    """Skips unless the build has ``quant_linear`` (AVX512-BF16, or AVX2 with FMA: float32 rows only)."""
+    if not torch.ops.astrai_cpu.has_quant_linear():
+        pytest.skip("the quantized kernels need a build for AVX512-BF16 or AVX2 + FMA")
+
+
+def _needs_bf16() -> None:
+    if not torch.ops.astrai_cpu.has_quant_linear_bf16():
+        pytest.skip("bf16 rows need the build for AVX512-BF16 (this one has the AVX2 float32 kernels)")
+
 
 QTYPES = pytest.mark.parametrize("qtype", sorted(NATIVE))
 
@@ -27,6 +35,7 @@ def packed_weight(qtype: str, n: int, k: int, seed: int = 0):
 @QTYPES
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])  # every row-block width, and several blocks
 def test_bf16_rows_match_the_dequantized_weight_in_float32(qtype, rows):
+    _needs_bf16()
     n, k = 53, 512  # an odd tile count, a padded last tile
     packed, layout = packed_weight(qtype, n, k, seed=rows)
     gen = torch.Generator().manual_seed(rows)
@@ -42,9 +51,10 @@ def test_bf16_rows_match_the_dequantized_weight_in_float32(qtype, rows):
 
 
 @QTYPES
-@pytest.mark.parametrize("rows", [1, 5, 70])
-def test_float32_rows_are_the_float32_model(qtype, rows):
-    n, k = 40, 256
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 70])  # every row block (and tiles by 4, 2 and 1 on AVX2)
+@pytest.mark.parametrize("n", [40, 100])  # 3 and 7 tiles, the last one padded
+def test_float32_rows_are_the_float32_model(qtype, rows, n):
+    k = 256
     packed, layout = packed_weight(qtype, n, k, seed=3)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     got = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), None)
@@ -59,6 +69,7 @@ def test_float32_rows_are_the_float32_model(qtype, rows):
 @pytest.mark.parametrize("rows", [1, 9, 70])  # 70: past max_rows, still this kernel
 def test_float_out_gives_bf16_rows_float32_sums_unrounded(qtype, rows):
     """An LM head's logits: the same float32 sums as the bf16 outputs, before their rounding."""
+    _needs_bf16()
     n, k = 53, 512
     packed, layout = packed_weight(qtype, n, k, seed=rows)
     gen = torch.Generator().manual_seed(rows)
@@ -78,6 +89,8 @@ def test_float_out_gives_bf16_rows_float32_sums_unrounded(qtype, rows):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_rows_result_does_not_depend_on_the_batch(qtype, dtype):
+    if dtype == torch.bfloat16:
+        _needs_bf16()
     packed, layout = packed_weight(qtype, 96, 512)
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(1)).to(dtype)
     batch = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), None)
@@ -107,6 +120,7 @@ def test_weight_t_and_rows_are_the_reference_dequantization(qtype):
 def test_wide_rows_are_the_dense_bf16_models_bit_for_bit(qtype, rows):
     """``quant_linear_wide`` (prefill): every row against the weight as the bf16 model holds it,
     on ``linear_packed``'s loops: equal to ``linear_packed`` on the dequantized bf16 weight."""
+    _needs_bf16()
     n, k = 53, 512  # an odd tile count, a padded last tile
     packed, layout = packed_weight(qtype, n, k, seed=rows)
     gen = torch.Generator().manual_seed(rows)
@@ -147,6 +161,7 @@ def test_amx_rows_are_the_bf16_weights_products(qtype, rows, n):
 def test_wide_takes_amx_up_to_its_rows_then_the_whole_weight_into_onednn():
     """QuantLinearKernel.wide: without AMX ``quant_linear_wide``; with it, ``quant_linear_amx`` up
     to ``amx_rows`` rows and the weight dequantized whole into oneDNN's GEMM past them."""
+    _needs_bf16()
     n, k = 53, 512
     packed, layout = packed_weight("Q4_1", n, k, seed=5)
     x = torch.randn(80, k, generator=torch.Generator().manual_seed(5)).bfloat16()
@@ -175,6 +190,10 @@ def test_bad_inputs_are_refused():
         torch.ops.astrai_cpu.quant_linear(torch.randn(1, 32), packed, layout.ints(), None)
     with pytest.raises(RuntimeError, match="outside"):
         torch.ops.astrai_cpu.quant_dequant(packed, layout.ints(), torch.tensor([32]), torch.float32)
+    if not torch.ops.astrai_cpu.has_quant_linear_bf16():
+        with pytest.raises(RuntimeError, match="bf16 rows need a build for AVX512-BF16"):
+            torch.ops.astrai_cpu.quant_linear(torch.randn(1, 64).bfloat16(), packed, layout.ints(), None)
+        return
     with pytest.raises(RuntimeError, match="bf16 rows"):
         torch.ops.astrai_cpu.quant_linear_wide(torch.randn(70, 64), packed, layout.ints(), None)
     if torch.ops.astrai_cpu.has_quant_linear_amx():

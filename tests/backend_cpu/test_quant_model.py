@@ -100,17 +100,48 @@ def test_bf16_products_are_nearer_the_exact_ones_than_the_dense_bf16_path(gguf_b
 
 
 def test_auto_weights_keep_the_blocks_in_bfloat16_on_the_cpu_only(gguf_bf16):
-    """``--weights auto`` (astrai serve's default): quantized where the kernels run with bf16
-    activations; dense in float32 (exact GEMMs on the file's values), in float16 and off the CPU,
-    where "gguf" is refused."""
+    """``--weights auto`` (astrai serve's default): quantized where the kernels run, in bf16 and
+    float32; dense in float16 and off the CPU, where "gguf" is refused."""
     assert keeps_quantized("auto", "cpu", torch.bfloat16)
     assert keeps_quantized("gguf", "cpu", torch.bfloat16) and keeps_quantized("gguf", "cpu", torch.float32)
-    assert not keeps_quantized("auto", "cpu", torch.float32)
+    assert keeps_quantized("auto", "cpu", torch.float32)  # the float32 kernel: the float32 model's products
     assert not keeps_quantized("dense", "cpu", torch.bfloat16)
     for device, dtype in (("cpu", torch.float16), ("meta", torch.bfloat16)):
         assert not keeps_quantized("auto", device, dtype)
         with pytest.raises(ValueError, match="--weights gguf: "):
             keeps_quantized("gguf", device, dtype)
+
+
+@pytest.fixture(scope="module")
+def gguf_f32(default_model_path, cpu_kernels):
+    why = quantized_kernels("cpu", torch.float32)
+    if why is not None:
+        pytest.skip(why)
+    return load_model(str(default_model_path), dtype=torch.float32, weights="gguf")
+
+
+def test_float32_greedy_on_the_blocks_is_the_dense_float32_models(gguf_f32, default_model_path, make_engine):
+    """The float32 kernel (AVX2's or AVX512-BF16's) sums the dequantized weights' products in
+    float32, as the dense float32 model does in another order: the same greedy tokens. The four
+    prompts' prefill step (over 64 rows) takes ``wide``: the weights dequantized into torch's sgemm."""
+    model, tokenizer = gguf_f32
+    dense, _ = load_model(str(default_model_path), dtype=torch.float32)
+    kept = _greedy(make_engine(model, tokenizer, max_batch_size=4), PROMPTS, n=16)
+    assert kept == _greedy(make_engine(dense, tokenizer, max_batch_size=4), PROMPTS, n=16)
+
+
+def test_auto_weights_keep_the_blocks_where_the_kernel_takes_the_dtype(gguf_f32):
+    """float32 everywhere the kernel builds; bf16 only where it lists bf16 (AVX512-BF16, not AVX2),
+    and "gguf" in bf16 elsewhere says which dtypes it takes."""
+    from astrai.extension.fused import kernel_for
+
+    with torch.no_grad():
+        dtypes = kernel_for("quant_linear", torch.empty(0)).dtypes
+    assert keeps_quantized("auto", "cpu", torch.float32)
+    assert keeps_quantized("auto", "cpu", torch.bfloat16) == (torch.bfloat16 in dtypes)
+    if torch.bfloat16 not in dtypes:
+        with pytest.raises(ValueError, match="takes float32 activations, not bfloat16"):
+            keeps_quantized("gguf", "cpu", torch.bfloat16)
 
 
 def test_serve_defaults_to_auto_weights():

@@ -116,12 +116,16 @@ def test_quantized_gguf_greedy_matches_transformers_through_the_engine(
 
 
 def test_load_model_serves_a_quantized_family_gguf_with_its_tokenizer(family_gguf):
-    """``load_model``, as ``astrai serve`` calls it: float32 asks for dense weights ("auto" keeps blocks
-    only for bfloat16 on the quantized kernels), the tokenizer and end ids from the file's metadata."""
-    from astrai.model import load_model
+    """``load_model``, as ``astrai serve`` calls it: "auto" in float32 keeps the blocks where a quantized
+    kernel takes float32 (astrai-backend-cpu on AVX2 or AVX512-BF16), else dense weights; the tokenizer
+    and end ids from the file's metadata."""
+    from astrai.model import load_model, quantized_kernels
+    from astrai.model.quant import QuantizedLinear
 
     path, ref = family_gguf("gemma3", "Q4_0")
     model, tokenizer = load_model(str(path), torch.float32, weights="auto")
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+    kept = quantized_kernels("cpu", torch.float32) is None
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear if kept else torch.nn.Linear)
     assert model.config.eos_token_ids == [1] and tokenizer.decode(tokenizer.encode("the heat")) == "the heat"
     _assert_logits(model, ref, prompts(1, seed=5)[0])

@@ -135,13 +135,40 @@ def test_chat_takes_sampling_defaults_and_plugin_options(plugin_engine: Any, tmp
     assert record["finish_reason"] in ("stop", "length") and record["completion_tokens"] <= 12
 
 
-@pytest.mark.skipif(
-    not __import__("torch").cpu._is_avx512_bf16_supported(), reason="the quantized kernels need AVX512-BF16"
-)
+def _quant_kernel_dtypes() -> tuple[str, ...]:
+    """The activation dtypes of this machine's build of ``quant_linear`` (built here first, so that
+    the subprocess loads it from the cache); none without a compiler or a kernel."""
+    import torch
+
+    try:
+        from astrai_backend_cpu import load_kernels
+
+        load_kernels()
+    except Exception:  # no compiler, or no astrai-backend-cpu: no quantized kernels
+        return ()
+    ops = torch.ops.astrai_cpu
+    if not ops.has_quant_linear():
+        return ()
+    return ("bfloat16", "float32") if ops.has_quant_linear_bf16() else ("float32",)
+
+
+def test_chat_keeps_a_gguf_files_blocks_quantized_in_float32_by_default() -> None:
+    """float32 (the default ``--dtype`` without native bf16) on the blocks where the build has the
+    float32 kernel (AVX2 + FMA, or AVX512-BF16)."""
+    if "float32" not in _quant_kernel_dtypes():
+        pytest.skip("this build has no float32 quant_linear (a CPU without AVX2 + FMA)")
+    done = astrai("-v", "chat", "What is the capital of France?", "--dtype", "float32", "--max-tokens", "8")
+    assert done.returncode == 0, done.stderr
+    assert "quantized linears" in done.stderr
+    assert "Paris" in done.stdout
+
+
 @pytest.mark.parametrize("flags", [(), ("--weights", "dense")], ids=["default", "dense"])
 def test_chat_keeps_a_gguf_files_blocks_quantized_in_bfloat16_by_default(flags: tuple[str, ...]) -> None:
     """``astrai chat`` takes ``--weights`` as ``astrai serve`` does, ``auto`` by default (the load line names
     the quantized linears)."""
+    if "bfloat16" not in _quant_kernel_dtypes():
+        pytest.skip("bf16 quant_linear needs the build for AVX512-BF16")
     done = astrai(
         "-v", "chat", "What is the capital of France?", "--dtype", "bfloat16", "--max-tokens", "8", *flags
     )

@@ -40,6 +40,7 @@ SOURCES = [
         "linear.cpp",
         "decode_stack.cpp",
         "quant.cpp",
+        "quant_avx2.cpp",
     )
 ]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only

@@ -80,7 +80,7 @@ def _add_model_args(p: argparse.ArgumentParser, pm: PluginManager) -> None:
         default="auto",
         help=(
             "a GGUF file's quantized weights: kept (gguf), dequantized (dense), "
-            "or auto (gguf in bf16 where the kernels run)"
+            "or auto (gguf where a kernel runs in --dtype)"
         ),
     )
     p.add_argument("--max-tokens", type=int, default=256)

@@ -15,6 +15,8 @@
 // product up to the order of the float32 sums (no 8-bit activations, unlike llama.cpp's CPU
 // path), and a row's result never depends on the other rows. On float32 rows the same with the
 // codes expanded to float32 and fused multiply-adds (the float32 model, for the oracle tests).
+// A build for AVX2 + FMA without AVX512-BF16 has the float32 rows only, quant_avx2.cpp's kernels
+// (bf16 rows are refused; has_quant_linear_bf16 says which build this is).
 //
 // quant_dequant writes rows of the weights out (scale * code + min in float32, as gguf-py
 // dequantizes, then rounded to the output dtype): the embedding rows, and the tests.
@@ -23,6 +25,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "quant.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -44,25 +47,10 @@
 
 namespace {
 
-constexpr int64_t TILE = 16;
-// Bytes ahead that each tile's stream of group records is prefetched: into L1 3 KB ahead
-// (linear.cpp's distance), and into L2 12 KB ahead, so that more of the stream is in flight from
-// memory than L1's fill buffers hold (on an AMX Xeon, 2 cores, weights from memory: a whole
-// decode step of the default model 7.7 -> 6.3 ms for 1 row, 12.7 -> 11.0 ms for 3).
-constexpr int64_t PF_BYTES = 3072;
-constexpr int64_t PF_FAR_BYTES = 12288;
-
-// The layout's parameters, as astrai.model.quant.QuantLayout.ints(): n, k, bits, group, has_min,
-// f16_scales, signed (4-bit codes read as -8..7 instead of 0..15; 8-bit codes are always int8).
-struct Layout {
-  int64_t n, k, bits, group, has_min, f16, sign;
-  int64_t groups() const { return k / group; }
-  int64_t scale_bytes() const { return TILE * (f16 ? 2 : 4); }
-  int64_t code_bytes() const { return TILE * group * bits / 8; }
-  int64_t record() const { return scale_bytes() * (1 + has_min) + code_bytes(); }
-  int64_t tiles() const { return (n + TILE - 1) / TILE; }
-  int64_t tile_bytes() const { return groups() * record(); }
-};
+using astrai_cpu::quant::Layout;
+using astrai_cpu::quant::PF_BYTES;
+using astrai_cpu::quant::PF_FAR_BYTES;
+using astrai_cpu::quant::TILE;
 
 Layout parse(const std::vector<int64_t>& v, const at::Tensor& packed) {
   TORCH_CHECK(v.size() == 7, "quant: the layout is 7 integers (n, k, bits, group, has_min, f16_scales, signed)");
@@ -516,6 +504,14 @@ void amx_rows(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16*
 namespace astrai_cpu {
 
 bool has_quant_linear() {
+#if defined(__AVX512BF16__) || defined(ASTRAI_QUANT_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_quant_linear_bf16() {
 #if defined(__AVX512BF16__)
   return true;
 #else
@@ -525,11 +521,13 @@ bool has_quant_linear() {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
                         const c10::optional<at::Tensor>& bias, bool float_out) {
-  TORCH_CHECK(has_quant_linear(), "quant_linear: built without AVX512-BF16");
+  TORCH_CHECK(has_quant_linear(), "quant_linear: built without AVX512-BF16 or AVX2");
   const Layout L = parse(layout, packed);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == L.k && x.device().is_cpu() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "quant_linear: x must be bf16 or float32 rows [M, k] on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || has_quant_linear_bf16(),
+              "quant_linear: bf16 rows need a build for AVX512-BF16 (this one takes float32 rows)");
   const at::Tensor xs = x.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -540,7 +538,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   // float_out: float32 outputs whatever x's dtype (bf16 rows: the sums are not rounded to bf16)
   auto out = at::empty({M, L.n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (M == 0) return out;
-#if defined(__AVX512BF16__)
   std::vector<float> xsum;
   if (L.has_min) {  // each row's sum over each group, in float32 and in order
     xsum.assign(M * G, 0.f);
@@ -555,6 +552,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   }
   const float* sp = L.has_min ? xsum.data() : nullptr;
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+#if defined(ASTRAI_QUANT_AVX2)
+  quant::linear_f32_avx2(xs.const_data_ptr<float>(), M, sp, wp, L, b.defined() ? b.const_data_ptr<float>() : nullptr,
+                         out.data_ptr<float>());
+#elif defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
     const at::BFloat16* bp = b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr;
     if (float_out) {
@@ -612,9 +613,14 @@ at::Tensor quant_dequant(const at::Tensor& packed, const std::vector<int64_t>& l
 }
 
 at::Tensor quant_weight_t(const at::Tensor& packed, const std::vector<int64_t>& layout, at::ScalarType dtype) {
-  TORCH_CHECK(has_quant_linear(), "quant_weight_t: built without AVX512-BF16");
+  TORCH_CHECK(has_quant_linear(), "quant_weight_t: built without AVX512-BF16 or AVX2");
   const Layout L = parse(layout, packed);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_weight_t: float32 or bfloat16 out");
+#if defined(ASTRAI_QUANT_AVX2)
+  auto wt = at::empty({L.k, L.n}, at::TensorOptions().dtype(at::kFloat));
+  quant::weight_t_f32_avx2(packed.const_data_ptr<uint8_t>(), L, wt.data_ptr<float>());
+  return dtype == at::kFloat ? wt : wt.to(dtype);
+#endif
   auto out = at::empty({L.k, L.n}, at::TensorOptions().dtype(dtype));
 #if defined(__AVX512BF16__)
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
@@ -739,6 +745,7 @@ at::Tensor quant_linear_amx(const at::Tensor& x, const at::Tensor& packed, const
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("has_quant_linear() -> bool", &astrai_cpu::has_quant_linear);
+  m.def("has_quant_linear_bf16() -> bool", &astrai_cpu::has_quant_linear_bf16);
   m.def("quant_linear(Tensor x, Tensor packed, int[] layout, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("quant_dequant(Tensor packed, int[] layout, Tensor? rows, ScalarType dtype) -> Tensor");
   m.def("quant_weight_t(Tensor packed, int[] layout, ScalarType dtype) -> Tensor");

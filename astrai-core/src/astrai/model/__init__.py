@@ -93,8 +93,9 @@ def build_model(
 
 #: ``load_model``'s ``weights``: "gguf" keeps a GGUF file's quantized blocks (astrai.model.quant),
 #: "dense" (``load_model``'s default) dequantizes them into ``dtype`` at load; "auto" (``astrai
-#: serve``'s default) is "gguf" where the quantized kernels run and the activations are bfloat16,
-#: else "dense" (float32 asks for the file's values in exact float32 GEMMs: dense holds them).
+#: serve``'s default) is "gguf" where a quantized kernel runs in ``dtype`` (bf16 and float32 on
+#: AVX512-BF16 CPUs, float32 on AVX2 ones: the dequantized model's float32 products, up to the
+#: order of the sums), else "dense".
 WEIGHTS = ("auto", "gguf", "dense")
 
 
@@ -112,8 +113,13 @@ def quantized_kernels(device: str | torch.device, dtype: torch.dtype) -> str | N
         )
     load_backends()  # installs the backends' fused kernels (an engine does this anyway)
     with torch.no_grad():
-        if kernel_for("quant_linear", torch.empty(0)) is None:
-            return "no quant_linear kernel is installed (astrai-backend-cpu on a CPU with AVX512-BF16)"
+        kernel = kernel_for("quant_linear", torch.empty(0))
+    if kernel is None:
+        return "no quant_linear kernel is installed (astrai-backend-cpu on a CPU with AVX512-BF16 or AVX2)"
+    dtypes = getattr(kernel, "dtypes", (torch.bfloat16, torch.float32))
+    if dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        return f"this CPU's quant_linear kernel takes {names} activations, not {str(dtype).removeprefix('torch.')}"
     return None
 
 
@@ -127,7 +133,7 @@ def keeps_quantized(weights: str, device: str | torch.device, dtype: torch.dtype
         if why_not is not None:
             raise ValueError(f"--weights gguf: {why_not}")
         return True
-    return why_not is None and dtype == torch.bfloat16  # auto
+    return why_not is None  # auto
 
 
 def load_model(

@@ -264,12 +264,13 @@ class QuantizedLinear(nn.Module):
 
     ``float_out`` (an LM head): float32 outputs, every row on ``quant_linear`` (bf16 rows: the
     float32 sums are not rounded to bf16, where two logits a few hundredths apart would tie).
-    Otherwise rows up to the kernel's ``max_rows`` (decode) run on ``quant_linear``; more bf16 rows
-    (prefill) run on the kernel's ``wide`` where it has one (astrai-backend-cpu without AMX:
+    Otherwise rows up to the kernel's ``max_rows`` (decode) run on ``quant_linear``; more rows
+    (prefill) run on the kernel's ``wide`` where it has one (astrai-backend-cpu's float32 rows: the
+    weight dequantized to float32 into torch's sgemm; bf16 rows without AMX:
     tiles of the weight dequantized in turn, as the bf16 model holds them, each used by every
     row while it is in the cache), else dequantize the whole weight to the input's dtype
     (``quant_weight_t``) and take oneDNN's GEMM. Without a kernel for the input's device, the
-    reference ``dequantize``.
+    reference ``dequantize`` (also for a dtype the kernel does not list in its ``dtypes``).
     """
 
     def __init__(
@@ -320,6 +321,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         kernel = kernel_for("quant_linear", rows)
+        if kernel is not None and rows.dtype not in getattr(kernel, "dtypes", (rows.dtype,)):
+            kernel = None  # a kernel for other dtypes (float32 only on AVX2): the reference
         outs, n0 = [], 0
         for packed, lay in self.segments:
             bias = None if self.bias is None else self.bias[n0 : n0 + lay.n].to(rows.dtype)
@@ -327,7 +330,7 @@ class QuantizedLinear(nn.Module):
             if kernel is not None and self.float_out:
                 outs.append(kernel(rows, packed, lay.ints(), bias, float_out=True))
                 continue
-            if kernel is not None and (rows.shape[0] <= kernel.max_rows or rows.dtype != torch.bfloat16):
+            if kernel is not None and rows.shape[0] <= kernel.max_rows:
                 outs.append(kernel(rows, packed, lay.ints(), bias))  # the bias added before the one rounding
                 continue
             wide = getattr(kernel, "wide", None) if kernel is not None else None

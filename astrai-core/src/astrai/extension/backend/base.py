@@ -105,8 +105,9 @@ class AttentionBackend(ABC):
         - ``quant_linear``: an object running ``QuantizedLinear`` (GGUF weights in its tile layout):
           ``kernel(x, packed, layout, bias, float_out=False)`` for bf16 or float32 ``x [M, K]``
           (the dequantized weight's product summed in float32, the bias added, one rounding to x's
-          dtype; with ``float_out`` float32, any number of rows); ``max_rows``: the most bf16 rows
-          it takes, more go to ``wide(x, packed, layout, bias)`` when it has one, else to
+          dtype; with ``float_out`` float32, any number of rows); ``dtypes`` (optional, default
+          both): the activation dtypes it takes (others run on the reference); ``max_rows``: the
+          most rows it takes, more go to ``wide(x, packed, layout, bias)`` when it has one, else to
           ``weight_t(packed, layout, dtype)`` (the weight dequantized, ``[K, N]``) and oneDNN;
           ``rows(packed, layout, ids, dtype)``: rows of the weight dequantized (embedding lookups).
         - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
