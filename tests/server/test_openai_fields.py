@@ -122,10 +122,6 @@ REFUSED_EXAMPLES: dict[str, tuple[dict, str]] = {
         {"messages": _replayed(function_call={"name": "f", "arguments": "{}"})},
         "messages.1.function_call",
     ),
-    "tools[].function.strict": (
-        {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
-        "tools.0.function.strict",
-    ),
 }
 
 
@@ -286,3 +282,35 @@ def test_sampling_extension_errors_name_the_field(
     r = httpx.post(base_url + CHAT, json={**BASE, **extra}, timeout=120)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+STRICT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.slow
+def test_a_strict_tool_is_served_where_its_calls_are_enforced_and_refused_where_not(base_url: str) -> None:
+    """``strict: true`` (the Agents SDK's default): the default model's calls are enforced by grammar,
+    so a required call is one of the tool with schema-valid arguments; beside a response format
+    that already constrains the answer nothing enforces a call, and the field is named in a 400."""
+    body = {**BASE, "tools": [STRICT_TOOL], "tool_choice": "required", "max_tokens": 48}
+    r = httpx.post(base_url + CHAT, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and set(json.loads(call["arguments"])) == {"city"}
+    body = {**BASE, "tools": [STRICT_TOOL], "response_format": {"type": "json_object"}, "max_tokens": 8}
+    r = httpx.post(base_url + CHAT, json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools.0.function.strict" and "response format" in error["message"]

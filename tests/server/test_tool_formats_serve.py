@@ -235,7 +235,7 @@ def test_the_agents_sdk_calls_the_function(url: str, fmt: str) -> None:
     set_tracing_disabled(True)
     seen = []
 
-    @function_tool(strict_mode=False)  # (astrai refuses strict: not every template's calls are enforced)
+    @function_tool  # strict, the SDK's default: this template's calls are enforced by grammar
     def get_weather(city: Literal["Paris"], days: Literal[3]) -> str:
         """The weather in a city for a few days."""
         seen.append((city.strip(), days))

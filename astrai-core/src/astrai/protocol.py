@@ -134,6 +134,9 @@ class Prepared:
     # the request field that set ``params.thinking_budget`` (errors name it); "reasoning_effort" when an
     # effort did, which a model that does not think ignores (astrai_server.thinking)
     thinking_param: str | None = None
+    # the field of a tool the client marked strict (OpenAI ``tools[].function.strict``): its calls must
+    # be enforced by grammar, or the request is a 400 naming it (astrai_server.tools); None: none is
+    strict_tools: str | None = None
 
 
 def value_or_default(request: BaseModel, name: str) -> Any:

@@ -63,20 +63,22 @@ def open_tool_call(p: Prepared, tokenizer: Any, parser: type[ToolParser] | None 
     instead. Returns how the call was forced (None when not required, for several prompts, or when
     nothing is enforced for this template and parser). Modifies ``p.prompt_ids`` and ``p.params``."""
     if not p.tools or p.prompts is not None:
-        return None
+        return _unenforced(p, "")
     template = getattr(tokenizer, "chat_template", None) or ""
     parser = parser or choose_tool_parser(None, template)
     if not enforced(parser, template):
-        return None
+        return _unenforced(p, f"this model's chat template does not teach the {parser.name} call format")
     if not p.tool_call_required:
-        if p.params.grammar is None:  # free text, but a call the model opens is a valid call
-            tag = parser.auto_grammar(p.tools, template)
-            if tag is not None:
-                p.params = dataclasses.replace(p.params, grammar=GrammarSpec.of("structural_tag", tag))
+        if p.params.grammar is not None:
+            return _unenforced(p, "a response format already constrains the answer")
+        tag = parser.auto_grammar(p.tools, template)  # free text, but a call the model opens is valid
+        if tag is None:
+            return _unenforced(p, f"the {parser.name} tool-call parser enforces no call format")
+        p.params = dataclasses.replace(p.params, grammar=GrammarSpec.of("structural_tag", tag))
         return None
     forced = parser.forced_call(p.tools, template)
     if forced is None:
-        return None
+        return _unenforced(p, f"the {parser.name} tool-call parser enforces no call format")
     if p.params.grammar is not None:
         raise RequestRejected(
             "a required tool call and a response format cannot both constrain the answer", param="tool_choice"
@@ -85,3 +87,15 @@ def open_tool_call(p: Prepared, tokenizer: Any, parser: type[ToolParser] | None 
         p.prompt_ids = [*p.prompt_ids, *tokenizer.encode(forced.opening, add_special_tokens=False)]
     p.params = dataclasses.replace(p.params, stop=[*p.params.stop, *forced.stop], grammar=forced.grammar)
     return forced
+
+
+def _unenforced(p: Prepared, why: str) -> None:
+    """None, for calls that no grammar enforces; RequestRejected naming ``p.strict_tools`` when the
+    client asked for strict calls (``why``: what stands in the way)."""
+    if p.strict_tools is not None and p.tools:
+        raise RequestRejected(
+            f"{p.strict_tools}: true needs the calls constrained by grammar, which this request cannot "
+            f"have ({why})",
+            param=p.strict_tools,
+        )
+    return None

@@ -69,10 +69,6 @@ REFUSED = {
     "web_search_options": "any value: astrai does not search the web",
     "messages[].audio": "any value: an earlier audio answer cannot be resolved",
     "messages[].function_call": "any value: deprecated by OpenAI; use tool_calls",
-    "tools[].function.strict": (
-        "true: calls are constrained where the chat template teaches the tool-call parser's format "
-        "(or ignores tools), which strict cannot promise for every template"
-    ),
 }
 
 #: Fields accepted and ignored: metadata that changes nothing a client can observe.
@@ -335,11 +331,14 @@ def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
 
 
 def _tool_dicts(tools: list[ToolDef]) -> list[dict[str, Any]]:
-    """The tools as the chat template sees them; RequestRejected for ``strict`` true."""
-    for i, t in enumerate(tools):
-        if t.function.strict:
-            raise _refused("tools[].function.strict", f"tools.{i}.function.strict")
+    """The tools as the chat template sees them (``strict`` is the handler's: ``_strict_field``)."""
     return [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in tools]
+
+
+def _strict_field(req: ChatCompletionRequest) -> str | None:
+    """``tools.<i>.function.strict`` of the first tool marked strict (its calls must be enforced)."""
+    i = next((i for i, t in enumerate(req.tools or ()) if t.function.strict), None)
+    return None if i is None or req.tool_choice == "none" else f"tools.{i}.function.strict"
 
 
 def _refuse_unserved(req: ChatCompletionRequest) -> None:
@@ -419,6 +418,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
             cache_salt=request.cache_salt,
             sampling_sent=sent_fields(request),
             thinking_param=thinking_param,
+            strict_tools=_strict_field(request),
             response_id=new_id("chatcmpl-"),
             model=request.model,
             state=state,
