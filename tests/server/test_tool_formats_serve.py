@@ -220,7 +220,9 @@ def test_responses_function_call_events(openai_client: Any, fmt: str) -> None:
     ]
 
 
-@pytest.mark.parametrize("fmt", ["pythonic"], indirect=True)
+# (qwen3_coder: a string value may keep whitespace around it that the grammar lets a random model
+# write, which the SDK's Literal["Paris"] refuses: see the note)
+@pytest.mark.parametrize("fmt", ["mistral", "pythonic"], indirect=True)
 def test_the_agents_sdk_calls_the_function(url: str, fmt: str) -> None:
     from agents import (
         Agent,
