@@ -320,17 +320,16 @@ class OllamaResponseBuilder(_OllamaBuilder):
         return {"/api/tags": self._tags}
 
     def _tags(self, engine: Any) -> dict[str, Any]:
-        params = list(engine.model.parameters())
+        count, size = _weights(engine.model)
         family = engine.model.config.architecture
         details = {
             "parent_model": "",
             "format": "astrai",
             "family": family,
             "families": [family],
-            "parameter_size": f"{sum(p.numel() for p in params) / 1e6:.0f}M",
+            "parameter_size": f"{count / 1e6:.0f}M",
             "quantization_level": "",
         }
-        size = sum(p.numel() * p.element_size() for p in params)
         model = {
             "name": self.model_name,
             "model": self.model_name,
@@ -340,6 +339,27 @@ class OllamaResponseBuilder(_OllamaBuilder):
             "details": details,
         }
         return {"models": [model]}
+
+
+def _weights(model: Any) -> tuple[int, int]:
+    """``(parameters, bytes)`` of ``model``'s weights, each tensor once (a tied head shares its table).
+    A table astrai keeps quantized (GGUF blocks: a buffer with its layout's ``n`` x ``k``) counts the
+    matrix it holds, at its packed size."""
+    seen: set[int] = set()
+    count = size = 0
+    tables = [(p, None) for p in model.parameters()]
+    for m in model.modules():
+        if hasattr(m, "segments"):  # a quantized linear: one table per fused projection
+            tables += m.segments
+        elif hasattr(m, "packed") and hasattr(m, "layout"):  # a quantized embedding
+            tables.append((m.packed, m.layout))
+    for tensor, layout in tables:
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        count += tensor.numel() if layout is None else layout.n * layout.k
+        size += tensor.numel() * tensor.element_size()
+    return count, size
 
 
 class OllamaGenerateBuilder(_OllamaBuilder):
