@@ -46,7 +46,8 @@ CASES = {
         ("", [ROME, ("add", {"a": 1})]),
     ),
     "mistral-unknown": (MistralToolParser, '[TOOL_CALLS][{"name": "rm", "arguments": {}}]', None),
-    "mistral-broken": (MistralToolParser, "[TOOL_CALLS]get_weather[ARGS]{oops", None),
+    # a call that goes wrong once its arguments began keeps what of them went out
+    "mistral-broken": (MistralToolParser, "[TOOL_CALLS]get_weather[ARGS]{oops", ("", [("get_weather", "{")])),
     "mistral-text": (MistralToolParser, "a [TOOL b [x]", None),
     "pythonic": (
         PythonicToolParser,
@@ -70,7 +71,11 @@ CASES = {
         ("Let me look.", [ROME, ("add", {"a": 3, "tags": ["x"]})]),
     ),
     "qwen3_coder-unclosed": (Qwen3CoderToolParser, XML_ROME.removesuffix("</tool_call>"), ("", [ROME])),
-    "qwen3_coder-cut": (Qwen3CoderToolParser, XML_ROME.removesuffix("</function>\n</tool_call>"), None),
+    "qwen3_coder-cut": (
+        Qwen3CoderToolParser,
+        XML_ROME.removesuffix("</function>\n</tool_call>"),
+        ("", [("get_weather", '{"city": "Rome", "days": 2')]),
+    ),
     "qwen3_coder-string-stays": (
         Qwen3CoderToolParser,
         "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n"
@@ -91,8 +96,15 @@ CASES = {
 }
 
 
-def _calls(calls: list) -> list[tuple[str, dict]]:
-    return [(c.name, json.loads(c.arguments)) for c in calls]
+def _calls(calls: list) -> list[tuple[str, dict | str]]:
+    """(name, arguments decoded, or as they are where they are not JSON: a call cut short)."""
+    out = []
+    for c in calls:
+        try:
+            out.append((c.name, json.loads(c.arguments)))
+        except ValueError:
+            out.append((c.name, c.arguments))
+    return out
 
 
 def _streamed(parser: ToolParser, pieces: list[str]) -> tuple[str, list]:
@@ -122,9 +134,15 @@ def test_every_split_streams_to_the_whole_answer(case: str) -> None:
 
 
 def test_mistral_ids_are_kept_or_made_in_mistrals_form() -> None:
-    text = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "given1234"}, {"name": "add", "arguments": {"a": 2}}]'
+    # an id given before the arguments is kept; one after them comes when the call has gone out
+    # (streamed) with an id of its own, in Mistral's form
+    text = '[TOOL_CALLS][{"id": "given1234", "name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]'
     given, made = MistralToolParser(NAMES).parse(text)[1]
     assert given.id == "given1234" and len(made.id) == 9 and made.id.isalnum()
+    text = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "given1234"}, {"name": "add", "arguments": {"a": 2}}]'
+    calls = MistralToolParser(NAMES).parse(text)[1]
+    assert [json.loads(c.arguments) for c in calls] == [{"a": 1}, {"a": 2}]
+    assert all(len(c.id) == 9 and c.id.isalnum() and c.id != "given1234" for c in calls)
     assert MistralToolParser(NAMES).parse(CASES["mistral-args"][1])[1][1].id == "abc123XYZ"
 
 
@@ -207,3 +225,27 @@ def test_grammars_enforce_the_format(case: str) -> None:
         _grammar(forced.grammar), forced_rest.replace("2", '"two"').replace('>\n"two"', ">\ntwo")
     )
     assert _calls(cls(NAMES, forced.opening, TOOLS).parse(forced.opening + forced_rest)[1]) == [ROME]
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_calls_stream_as_prefixes_of_the_final_calls(case: str) -> None:
+    """Pushed a character at a time, a committed call keeps its id and name and its arguments only
+    grow, each a prefix of what the answer's calls end with; the calls in the usual shape start
+    before the answer ends (they stream), with their names."""
+    cls, text, _ = _case(case)
+    parser = cls(NAMES, tools=TOOLS)
+    seen: list[tuple[str, str, str]] = []
+    first_seen_at: list[int] = []
+    for i, ch in enumerate(text):
+        parser.push(ch)
+        now = [(c.id, c.name, c.arguments) for c in parser.calls]
+        assert len(now) >= len(seen)
+        for (id0, name0, args0), (id1, name1, args1) in zip(seen, now, strict=False):
+            assert (id1, name1) == (id0, name0) and args1.startswith(args0)
+        first_seen_at += [i] * (len(now) - len(seen))
+        seen = now
+    _, final = parser.finish()
+    assert [(c.id, c.name) for c in final[: len(seen)]] == [s[:2] for s in seen]
+    assert all(c.arguments == s[2] for c, s in zip(final, seen, strict=False))
+    if seen:
+        assert first_seen_at[0] < len(text) - 1  # the first call went out before the answer's end

@@ -66,6 +66,26 @@ STOPPED = ChatResult(
 CALLED = ChatResult(
     [Choice(0, "", "tool_calls", completion_tokens=21, tool_calls=[WEATHER])], prompt_tokens=14
 )
+# The same call streamed as the model wrote it: its start with the first piece of its arguments,
+# then the rest (every character of them went out before the end of the stream).
+CALL_PIECES = ['{"city": ', '"Paris"}']
+STREAMED_CALL = ChatResult(
+    [
+        Choice(
+            0,
+            "",
+            "tool_calls",
+            completion_tokens=21,
+            tool_calls=[WEATHER],
+            calls_streamed=[len(WEATHER.arguments)],
+        )
+    ],
+    prompt_tokens=14,
+)
+
+
+def _call_frames(b: Any, p: Prepared) -> list[str]:
+    return [f for k, x in enumerate(CALL_PIECES) for f in b.format_call_delta(p, 0, 0, WEATHER, x, k == 0)]
 
 
 def openai_stream(_: Any) -> str:
@@ -79,7 +99,7 @@ def openai_stream(_: Any) -> str:
 
 def openai_stream_tools(_: Any) -> str:
     b, p = _openai()
-    return "".join(b.format_stream_end(p, CALLED))
+    return "".join(_call_frames(b, p) + b.format_stream_end(p, STREAMED_CALL))
 
 
 def openai_stream_error(_: Any) -> str:
@@ -94,13 +114,15 @@ def openai_response(_: Any) -> str:
 
 def anthropic_stream(_: Any) -> str:
     b, p = _anthropic()
+    start = b.format_stream_start(p)
     chunks = [f for x in PIECES[:-1] for f in b.format_chunk(p, 0, x)]
-    return "".join(b.format_stream_start(p) + chunks + b.format_stream_end(p, STOPPED))
+    return "".join(start + chunks + b.format_stream_end(p, STOPPED))
 
 
 def anthropic_stream_tools(_: Any) -> str:
     b, p = _anthropic()
-    return "".join(b.format_stream_end(p, CALLED))
+    b.format_stream_start(p)  # (not shown: message_start and the text block's start)
+    return "".join(_call_frames(b, p) + b.format_stream_end(p, STREAMED_CALL))
 
 
 def anthropic_stream_error(_: Any) -> str:

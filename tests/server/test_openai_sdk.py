@@ -157,16 +157,31 @@ def test_tool_call_comes_back_as_tool_calls(openai_client: Any) -> None:
     )
     chunks = list(openai_client.chat.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert _streamed_calls(chunks) == [("get_weather", {"city": "Paris"})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def _streamed_calls(chunks: list[Any]) -> list[tuple[str, dict]]:
+    """The calls of a stream as the SDK's own accumulator assembles them, checked to have streamed:
+    the first delta of a call carries its id and name, later ones more of its arguments."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(chunk)
     deltas = [
         t
         for c in chunks
         if c.choices and c.choices[0].delta.tool_calls
         for t in c.choices[0].delta.tool_calls
     ]
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == [
-        ("get_weather", {"city": "Paris"})
-    ]
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    firsts = [t for t in deltas if t.id]
+    assert all(t.function.name and t.type == "function" for t in firsts)
+    assert all(t.function.name is None for t in deltas if not t.id)
+    assert len(deltas) > len(firsts)  # the arguments came in pieces after the call's start
+    calls = state.get_final_completion().choices[0].message.tool_calls or []
+    assert [c.id for c in calls] == [t.id for t in firsts]
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
 
 
 # The weather came back and was answered: asked about another city, the model answers from thin air
@@ -192,15 +207,7 @@ def test_tool_choice_required_or_named_makes_the_answer_a_call(openai_client: An
         ]
     chunks = list(openai_client.chat.completions.create(**kw, tool_choice=named, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
-    deltas = [
-        t
-        for c in chunks
-        if c.choices and c.choices[0].delta.tool_calls
-        for t in c.choices[0].delta.tool_calls
-    ]
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == [
-        ("get_weather", {"city": "Rome"})
-    ]
+    assert _streamed_calls(chunks) == [("get_weather", {"city": "Rome"})]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 

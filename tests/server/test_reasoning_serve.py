@@ -8,6 +8,7 @@ in the prompt, which makes it longer)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -146,16 +147,19 @@ def test_tool_calls_are_read_after_the_reasoning(client: Any, stream: bool) -> N
         message, finish = r.choices[0].message, r.choices[0].finish_reason
         reasoning, content, calls = message.reasoning_content, message.content, message.tool_calls
     else:
-        reasoning, content, calls, finish = "", "", [], None
+        reasoning, content, parts, finish = "", "", {}, None
         for chunk in client.chat.completions.create(
             **kwargs, stream=True, extra_body={"structured_outputs": forced}
         ):
             for choice in chunk.choices:
                 reasoning += getattr(choice.delta, "reasoning_content", None) or ""
                 content += choice.delta.content or ""
-                calls += choice.delta.tool_calls or []
+                for d in choice.delta.tool_calls or []:  # a call's name first, then its arguments
+                    name, args = parts.get(d.index, ("", ""))
+                    parts[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
                 finish = choice.finish_reason or finish
         content = content or None
+        calls = [SimpleNamespace(function=SimpleNamespace(name=n, arguments=a)) for n, a in parts.values()]
     assert (reasoning, content, finish) == (THOUGHT, None, "tool_calls")
     assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
 

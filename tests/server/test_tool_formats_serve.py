@@ -47,7 +47,7 @@ TWO_CALLS = {  # the text of two calls, get_weather(Paris, 3) and add(1), in eac
 BAD = {  # a call of an unknown tool, and a malformed call, in each format
     "mistral": (
         '[TOOL_CALLS][{"name": "rm", "arguments": {}}]',
-        '[TOOL_CALLS][{"name": "add", "arguments": {"a": }]',
+        '[TOOL_CALLS][{"name": "add", "arguments": [1]}]',  # (arguments not an object: never begun)
     ),
     "pythonic": ('[rm(path="/")]', "[add(a=1"),
     "qwen3_coder": (
@@ -220,10 +220,9 @@ def test_responses_function_call_events(openai_client: Any, fmt: str) -> None:
     ]
 
 
-# (qwen3_coder: a string value may keep whitespace around it that the grammar lets a random model
-# write, which the SDK's Literal["Paris"] refuses: see the note)
-@pytest.mark.parametrize("fmt", ["mistral", "pythonic"], indirect=True)
 def test_the_agents_sdk_calls_the_function(url: str, fmt: str) -> None:
+    """The OpenAI Agents SDK, strict tools (its default), runs the tool from a call in every format,
+    read whole and streamed (its own accumulator of the argument deltas)."""
     from agents import (
         Agent,
         ModelSettings,
@@ -240,10 +239,10 @@ def test_the_agents_sdk_calls_the_function(url: str, fmt: str) -> None:
     @function_tool  # strict, the SDK's default: this template's calls are enforced by grammar
     def get_weather(city: Literal["Paris"], days: Literal[3]) -> str:
         """The weather in a city for a few days."""
-        seen.append((city.strip(), days))
+        seen.append((city, days))
         return "sunny"
 
-    async def run() -> Any:
+    async def run(streamed: bool) -> Any:
         async with AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
             agent = Agent(
                 name="weather",
@@ -253,7 +252,71 @@ def test_the_agents_sdk_calls_the_function(url: str, fmt: str) -> None:
                 tool_use_behavior="stop_on_first_tool",
                 model_settings=ModelSettings(tool_choice="required", max_tokens=120),
             )
-            return await Runner.run(agent, "weather in Paris?", max_turns=2)
+            if not streamed:
+                return await Runner.run(agent, "weather in Paris?", max_turns=2)
+            result = Runner.run_streamed(agent, "weather in Paris?", max_turns=2)
+            async for _ in result.stream_events():
+                pass
+            return result
 
-    result = asyncio.run(run())
-    assert seen == [("Paris", 3)] and result.final_output == "sunny"
+    for streamed in (False, True):
+        seen.clear()
+        result = asyncio.run(run(streamed))
+        assert seen == [("Paris", 3)] and result.final_output == "sunny", streamed
+
+
+def _raw_chat(client: Any, stream: bool, **kwargs: Any) -> tuple[str | None, list[tuple[str, str]], str]:
+    """``(content, [(name, arguments as sent)], finish_reason)``; streamed deltas joined by index."""
+    args = dict(model="astrai", messages=MESSAGES, tools=TOOLS, temperature=0, **kwargs)
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    content, parts, finish = "", {}, None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                name, pieces = parts.get(d.index, ("", []))
+                parts[d.index] = (name + (d.function.name or ""), [*pieces, d.function.arguments or ""])
+    return content or None, [(n, "".join(p)) for n, p in parts.values()], finish
+
+
+def test_arguments_stream_as_the_model_writes_them(openai_client: Any, fmt: str) -> None:
+    forced = {"structured_outputs": {"regex": literal(TWO_CALLS[fmt])}}
+    args = dict(model="astrai", messages=MESSAGES, tools=TOOLS, max_tokens=250, extra_body=forced)
+    pieces: dict[int, list[str]] = {}
+    for chunk in openai_client.chat.completions.create(**args, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            if d.function.arguments:
+                pieces.setdefault(d.index, []).append(d.function.arguments)
+    # JSON arguments as their tokens come, XML a parameter at a time, Python literals whole
+    assert len(pieces[0]) > 1 if fmt in ("mistral", "qwen3_coder") else len(pieces[0]) == 1
+    assert [_arguments("".join(p)) for _, p in sorted(pieces.items())] == [PARIS, {"a": 1}]
+
+
+def test_calls_cut_by_max_tokens_stream_as_they_end(openai_client: Any, engine: Any, fmt: str) -> None:
+    """At every length, the streamed answer is the whole one: a call cut inside its arguments keeps
+    what of them came (finish_reason "length", as OpenAI's), except a Python call, which comes whole
+    or stays text."""
+    forced = {"structured_outputs": {"regex": literal(TWO_CALLS[fmt])}}
+    total = len(engine.tokenizer.encode(TWO_CALLS[fmt]))
+    cut = []
+    for n in range(3, total + 2, 4):
+        whole = _raw_chat(openai_client, False, max_tokens=n, extra_body=forced)
+        assert _raw_chat(openai_client, True, max_tokens=n, extra_body=forced) == whole, n
+        if whole[1] and whole[2] == "length":
+            cut.append(whole)
+    if fmt == "pythonic":
+        assert all(_arguments(args) for _, calls, _ in cut for _, args in calls)  # whole calls only
+    else:
+        assert any(not _decodes(calls[-1][1]) for _, calls, _ in cut)  # some cut inside arguments
+
+
+def _decodes(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -76,6 +76,9 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (first: None), when asked
     logprobs_streamed: int = 0  # how many of ``logprobs`` went out with streamed chunks already
+    # the calls that went out as they streamed (the first of ``tool_calls``): per call, the characters
+    # of its ``arguments`` that went out (``ResponseBuilder.format_call_delta``)
+    calls_streamed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -204,6 +207,9 @@ class ResponseBuilder(ABC):
     # whether a thinking model's reasoning is split off the answer (``format_reasoning_chunk``,
     # ``Choice.reasoning``); a raw-text protocol (``/v1/completions``) keeps the text as generated
     splits_reasoning: ClassVar[bool] = True
+    # whether tool calls stream as the model writes them (``format_call_delta``); else they go out
+    # whole in ``format_stream_end``
+    streams_calls: ClassVar[bool] = False
 
     def __init__(self, model_name: str = "astrai") -> None:
         self.model_name = model_name
@@ -239,6 +245,15 @@ class ResponseBuilder(ABC):
         """Frames carrying ``text``, a non-empty piece of choice ``index``'s reasoning (the thinking a
         reasoning parser split off the answer; it always comes before the answer's chunks). Default:
         none (a protocol that cannot show reasoning drops it; ``Choice.reasoning`` still holds it)."""
+        return []
+
+    def format_call_delta(
+        self, prepared: Prepared, index: int, k: int, call: ToolCall, arguments: str, first: bool
+    ) -> list[str]:
+        """Frames carrying call ``k`` of choice ``index`` as it streams (``streams_calls``): ``first``
+        when it starts (its id and name go out then), ``arguments`` the next piece of its arguments
+        (possibly empty). Calls come after the choice's text; ``format_stream_end`` sends what of them
+        did not go out here (``Choice.calls_streamed``). Default: none."""
         return []
 
     @abstractmethod

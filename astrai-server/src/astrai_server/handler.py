@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from astrai.errors import EngineNotReady, RequestRejected
-from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder
+from astrai.protocol import ChatResult, Choice, Prepared, ResponseBuilder, ToolCall
 from astrai.sampling import SamplingParams
 from astrai.tool_parsers import ForcedCall
 from astrai_server.errors import public_message, status_for
@@ -217,6 +217,10 @@ class ProtocolHandler:
                 if text:
                     for frame in b.format_chunk(p, index, text, **logprobs):
                         yield frame
+                if b.streams_calls:
+                    for k, call, piece, first in run.call_deltas(index):
+                        for frame in b.format_call_delta(p, index, k, call, piece, first):
+                            yield frame
             result = run.result()
             self._usage(result)
             for index, reasoning in run.held_reasoning():
@@ -310,6 +314,8 @@ class _Run:
         self.filters = [tool(names, opening, prepared.tools) for _ in range(count)] if names else None
         self.names, self.opening = names, opening
         self._held: list[str] = [""] * count  # set by result(): text a filter held that was no call
+        self._released = [""] * count  # text a filter let through, per choice
+        self._calls_sent: list[list[int]] = [[] for _ in range(count)]  # per call: argument characters sent
         # the answer's reasoning, split off before tool calls are looked for (none after a forced call's opening)
         self.reasoners = None
         if reasoning is not None and reasoning.name != "none" and not opening:
@@ -392,8 +398,24 @@ class _Run:
                 self._reasoning[index] += reasoning
                 self._content[index] += piece
             text = self.filters[index].push(piece) if self.filters and piece else piece
-            if reasoning or text:
+            if self.filters:
+                self._released[index] += text
+            if reasoning or text or (self.filters and self.filters[index].calls):
                 yield index, reasoning, text, self._logprobs(index, self._pieces[index] - 1) if text else {}
+
+    def call_deltas(self, index: int) -> list[tuple[int, ToolCall, str, bool]]:
+        """Choice ``index``'s tool calls as they grew since the last time: ``(k, call, new arguments,
+        whether it starts)`` (``ResponseBuilder.format_call_delta``)."""
+        calls = getattr(self.filters[index], "calls", None) if self.filters else None
+        sent, out = self._calls_sent[index], []
+        for k, call in enumerate(calls or ()):
+            first = k == len(sent)
+            if first:
+                sent.append(0)
+            if first or len(call.arguments) > sent[k]:
+                out.append((k, call, call.arguments[sent[k] :], first))
+                sent[k] = len(call.arguments)
+        return out
 
     async def peek(self) -> None:
         """Wait for the first event of any choice, leaving it for ``events()``."""
@@ -439,6 +461,7 @@ class _Run:
                 self._held_reasoning[i], tail = self.reasoners[i].finish()
                 if tail and self.filters:
                     self._held[i] = self.filters[i].push(tail)
+                    self._released[i] += self._held[i]
                 elif tail:
                     self._held[i] = tail
                 reasoning = (self._reasoning[i] + self._held_reasoning[i]) or None
@@ -447,7 +470,7 @@ class _Run:
             if self.filters:
                 held, calls = self.filters[i].finish()
                 self._held[i] += held
-                text = self.filters[i].parse(text)[0] if calls else text
+                text = self._released[i].rstrip() if calls else text  # the text before the calls
             if stop_sequence is not None and stop_sequence in self.call_stops:  # the forced call's end
                 reason, stop_sequence = "stop", None
             params = self.prepared.params
@@ -455,7 +478,8 @@ class _Run:
                 Choice(
                     index=i,
                     text=text,
-                    finish_reason="tool_calls" if calls else reason,
+                    # (a call cut by max_tokens: "length", as OpenAI's own)
+                    finish_reason="tool_calls" if calls and reason != "length" else reason,
                     completion_tokens=r.completion_tokens,
                     stop_sequence=stop_sequence,
                     tool_calls=calls,
@@ -465,6 +489,7 @@ class _Run:
                     logprobs=list(r.logprobs) if params.logprobs is not None else None,
                     prompt_logprobs=r.prompt_logprobs if params.prompt_logprobs is not None else None,
                     logprobs_streamed=self._sent[i],
+                    calls_streamed=list(self._calls_sent[i]),
                 )
             )
         n = (

@@ -20,13 +20,18 @@ from astrai.plugins import check_class
 from astrai.protocol import ToolCall, new_id
 
 __all__ = ["TOOL_PARSERS", "ForcedCall", "ToolParser", "calls_from_json", "check_tool_parser"]
-__all__ += ["MAX_WHITESPACE", "decode_json", "json_format", "parameters", "structural_tag"]
+__all__ += ["JSON_HEAD", "MAX_WHITESPACE", "decode_json", "json_format", "parameters", "structural_tag"]
 
 TOOL_PARSERS = "astrai.tool_parsers"
 
 #: Whitespace a call's grammar allows in a row (JSON mode allows 16): arguments need no more than a
 #: newline and an indent, and a model that loops on spaces ends its call instead of its token budget.
 MAX_WHITESPACE = 4
+
+
+#: A call's JSON object up to its arguments' ``{``, the name first, as the formats' grammars write it
+#: (``HeldToolParser.open_call``: such a call streams as it is written).
+JSON_HEAD = r'\{\s*"name"\s*:\s*"(?P<name>[^"\\\n]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class ToolParser(ABC):
     whose argument values are typed by the tool's schema (``qwen3_coder``).
     ``push``/``finish`` over any split of a text give the calls of ``parse`` of the whole text,
     and the released text plus ``finish``'s held text is the whole text when there is no call.
+    A parser whose calls stream as they are written keeps them in a ``calls`` list as they grow
+    (``HeldToolParser``): the server sends each call's start and its arguments' new pieces after
+    every ``push``; ``finish`` then returns those calls first, unchanged.
     """
 
     name: ClassVar[str]  # entry-point name, e.g. "hermes"

@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import regex
+
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall
 from astrai.tool_parsers.base import (
+    JSON_HEAD,
     ForcedCall,
     calls_from_json,
     decode_json,
@@ -26,10 +29,13 @@ from astrai.tool_parsers.base import (
     parameters,
     structural_tag,
 )
-from astrai.tool_parsers.held import HeldToolParser
+from astrai.tool_parsers.held import HeldToolParser, match_head
 from astrai.tool_parsers.llama3_json import parse_json_calls
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+_FIRST = regex.compile(r"\s*<tool_call>\s*" + JSON_HEAD)
+_NEXT = regex.compile(r"\s*\}\s*</tool_call>\s*<tool_call>\s*" + JSON_HEAD)
 
 
 def parse_hermes_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -80,6 +86,10 @@ class HermesToolParser(HeldToolParser):
     name = "hermes"
     markers = (OPEN,)
     leading = ("{", "[")
+    after_call = regex.compile(r"\s*\}\s*(?:</tool_call>)?")
+
+    def open_call(self, text: str, at: int, first: bool) -> Any:
+        return match_head(_FIRST if first else _NEXT, text, at, back=1)
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
@@ -101,5 +111,5 @@ class HermesToolParser(HeldToolParser):
     def forced_call(cls, tools: list[dict[str, Any]], chat_template: str = "") -> ForcedCall:
         return ForcedCall(OPEN + "\n", GrammarSpec.of("json_schema", call_schema(tools)), (CLOSE,))
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse_text(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_hermes_calls(text, self.names)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import regex
+
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall
 from astrai.tool_parsers.base import (
+    JSON_HEAD,
     ForcedCall,
     calls_from_json,
     decode_json,
@@ -20,10 +23,13 @@ from astrai.tool_parsers.base import (
     parameters,
     structural_tag,
 )
-from astrai.tool_parsers.held import HeldToolParser
+from astrai.tool_parsers.held import HeldToolParser, match_head
 
 #: An answer that is text, not calls: it does not start (after whitespace) with ``{`` or ``[``.
 NOT_JSON = r"\s*([^\[{\s][\s\S]*)?"
+
+_FIRST = regex.compile(r"\s*(?:\[\s*)?" + JSON_HEAD)
+_NEXT = regex.compile(r"\s*\}\s*,\s*" + JSON_HEAD)
 
 
 def parse_json_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -55,6 +61,10 @@ class Llama3JsonToolParser(HeldToolParser):
 
     name = "llama3_json"
     leading = ("{", "[")
+    after_call = regex.compile(r"\s*\}\s*\]?")
+
+    def open_call(self, text: str, at: int, first: bool) -> Any:
+        return match_head(_FIRST if first else _NEXT, text, at, back=1)
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
@@ -69,5 +79,5 @@ class Llama3JsonToolParser(HeldToolParser):
     def forced_call(cls, tools: list[dict[str, Any]], chat_template: str = "") -> ForcedCall:
         return ForcedCall("", GrammarSpec.of("structural_tag", structural_tag(json_format(_call(tools)))))
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse_text(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_json_calls(text, self.names)

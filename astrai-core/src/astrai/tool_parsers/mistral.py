@@ -17,9 +17,12 @@ import secrets
 import string
 from typing import Any
 
+import regex
+
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall
 from astrai.tool_parsers.base import (
+    JSON_HEAD,
     ForcedCall,
     calls_from_json,
     decode_json,
@@ -27,10 +30,18 @@ from astrai.tool_parsers.base import (
     parameters,
     structural_tag,
 )
-from astrai.tool_parsers.held import HeldToolParser
+from astrai.tool_parsers.held import HeldToolParser, match_head
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ALNUM = string.ascii_letters + string.digits
+
+# a call's start, as the grammar writes it: the JSON list's first or next item, or name[ARGS]{
+_ARGS_HEAD = (
+    r"\[TOOL_CALLS\]\s*(?P<name>[^\[\]\s]+)\s*(?:\[CALL_ID\]\s*(?P<id>[A-Za-z0-9]+)\s*)?\[ARGS\]\s*\{"
+)
+_FIRST = regex.compile(r"\s*(?:\[TOOL_CALLS\]\s*\[\s*" + JSON_HEAD + "|" + _ARGS_HEAD + ")")
+# (an "id" the model writes after a streamed call's arguments comes too late: the call has its own)
+_NEXT = regex.compile(r'\s*(?:(?:,\s*"id"\s*:\s*"[^"]*"\s*)?\}\s*,\s*' + JSON_HEAD + "|" + _ARGS_HEAD + ")")
 
 
 def mistral_id() -> str:
@@ -100,6 +111,13 @@ class MistralToolParser(HeldToolParser):
 
     name = "mistral"
     markers = (TOOL_CALLS,)
+    after_call = regex.compile(r'\s*(?:,\s*"id"\s*:\s*"[^"]*"\s*)?(?:\}\s*\]?)?')
+
+    def open_call(self, text: str, at: int, first: bool) -> Any:
+        return match_head(_FIRST if first else _NEXT, text, at, back=1)
+
+    def new_id(self) -> str:
+        return mistral_id()
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
@@ -124,5 +142,5 @@ class MistralToolParser(HeldToolParser):
         listed = structural_tag(json_format(_json_list(tools, 1)))
         return ForcedCall(TOOL_CALLS, GrammarSpec.of("structural_tag", listed))
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse_text(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_mistral_calls(text, self.names)

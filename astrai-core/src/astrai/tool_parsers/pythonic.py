@@ -18,14 +18,19 @@ import ast
 import json
 from typing import Any
 
+import regex
+
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall, new_id
 from astrai.tool_parsers.base import ForcedCall, json_format, parameters, structural_tag
-from astrai.tool_parsers.held import HeldToolParser
+from astrai.tool_parsers.held import HeldToolParser, match_head
 
 START, END = "<|python_start|>", "<|python_end|>"
 NOT_A_LIST = r"\s*([^\[\s][\s\S]*)?"
 _NAMES = {"true": True, "false": False, "null": None}
+# streaming: a call's start up to its "(", the list's first or next
+_FIRST = regex.compile(r"\s*(?:<\|python_start\|>\s*)?\[\s*(?P<name>[A-Za-z_]\w*)\s*\(")
+_NEXT = regex.compile(r"\s*,\s*(?P<name>[A-Za-z_]\w*)\s*\(")
 
 
 def parse_pythonic_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -50,14 +55,57 @@ def _call(node: ast.expr, names: set[str]) -> ToolCall:
     """A call node as a ToolCall; ValueError when it is not a call of a listed tool with literal keywords."""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.func.id not in names:
         raise ValueError("not a call of a listed tool")
+    return ToolCall(id=new_id("call_"), name=node.func.id, arguments=_arguments(node))
+
+
+def _arguments(node: ast.Call) -> str:
+    """A call node's keyword arguments as a JSON object; ValueError for anything but literal keywords."""
     if node.args or any(k.arg is None for k in node.keywords):
         raise ValueError("positional or ** arguments")
     arguments = {k.arg: _literal(k.value) for k in node.keywords}
-    return ToolCall(
-        id=new_id("call_"),
-        name=node.func.id,
-        arguments=json.dumps(arguments, ensure_ascii=False, allow_nan=False),
-    )
+    return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+
+
+class CallArguments:
+    """A call's arguments, from its ``(`` to the ``)`` that closes it (brackets and string literals
+    followed), out in one piece once complete: a call's values are Python literals, whose JSON is
+    known only whole (so a call cut short or not of literals never starts: it stays text)."""
+
+    def __init__(self) -> None:
+        self.body = ""
+        self.depth = 0
+        self.quote = ""  # the open string's quote (one character or three), or none
+        self.escaped = False
+        self.done = self.failed = False
+
+    def feed(self, text: str) -> tuple[int, str]:
+        for i, ch in enumerate(text):
+            self.body += ch
+            if self.quote:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif self.body.endswith(self.quote):
+                    self.quote = ""
+            elif ch in "\"'":
+                self.quote = ch * 3 if self.body.endswith(ch * 3) and len(self.body) >= 3 else ch
+            elif ch in "([{":
+                self.depth += 1
+            elif ch in ")]}":
+                self.depth -= 1
+                if self.depth < 0:
+                    return i + 1, self._end()
+        return len(text), ""
+
+    def _end(self) -> str:
+        try:
+            node = ast.parse("f(" + self.body, mode="eval").body
+            arguments = _arguments(node) if isinstance(node, ast.Call) else None
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            arguments = None
+        self.done, self.failed = arguments is not None, arguments is None
+        return arguments or ""
 
 
 def _literal(node: ast.expr) -> Any:
@@ -114,6 +162,13 @@ class PythonicToolParser(HeldToolParser):
     name = "pythonic"
     markers = (START,)
     leading = ("[",)
+    after_call = regex.compile(r"\s*\]\s*(?:<\|python_end\|>)?")
+
+    def open_call(self, text: str, at: int, first: bool) -> Any:
+        return match_head(_FIRST if first else _NEXT, text, at)
+
+    def arguments(self, name: str) -> CallArguments:
+        return CallArguments()
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
@@ -136,5 +191,5 @@ class PythonicToolParser(HeldToolParser):
         fmt = {"type": "sequence", "elements": [_calls(tools, True), {"type": "const_string", "value": "]"}]}
         return ForcedCall("[", GrammarSpec.of("structural_tag", structural_tag(fmt)))
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse_text(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_pythonic_calls(text, self.names)

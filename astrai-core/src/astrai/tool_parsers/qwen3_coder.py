@@ -11,8 +11,11 @@
 repeated for parallel calls. A value is converted by the type its tool's schema gives the
 parameter: a string stays raw (one newline on either side is the format's, not the value's);
 numbers, booleans, null, objects and arrays are read as JSON (a value that does not read as its
-type stays a string, as vLLM does). A missing ``</tool_call>`` at the very end is accepted, not a
-missing ``</function>`` (the output was cut inside the call); an unknown tool, stray text inside a call or text after the calls leaves the answer text.
+type stays a string, as vLLM does; an enum's value with spaces around it is the value). Calls
+stream a parameter at a time (``XmlArguments``); a call cut inside keeps the parameters that went
+out (``HeldToolParser``). Read as a whole text (a call not in this shape), a missing
+``</tool_call>`` at the very end is accepted, not a missing ``</function>``; an unknown tool, stray
+text inside a call or text after the calls leaves the answer text.
 
 Enforced by grammar with xgrammar's ``qwen_xml`` JSON-schema style (each parameter's value valid
 against its schema).
@@ -24,14 +27,21 @@ import json
 import re
 from typing import Any
 
+import regex
+
 from astrai.grammar.base import GrammarSpec
 from astrai.protocol import ToolCall, new_id
 from astrai.tool_parsers.base import ForcedCall, json_format, parameters, structural_tag
-from astrai.tool_parsers.held import HeldToolParser
+from astrai.tool_parsers.held import HeldToolParser, match_head
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+# streaming: a call's start up to its name, and its next parameter or its end
+_HEAD = r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>"
+_FIRST = regex.compile(_HEAD)
+_NEXT = regex.compile(r"\s*</tool_call>" + _HEAD)
+_NEXT_PARAMETER = regex.compile(r"\s*(?:<parameter=([^>\n]+)>(.*?)</parameter>|(</function>))", regex.DOTALL)
 
 
 def parse_qwen3_coder_calls(
@@ -64,11 +74,9 @@ def _call(body: str, names: set[str], schemas: dict[str, dict[str, Any]]) -> Too
     if _PARAMETER.sub("", inner).strip():  # text between the parameters, or one left open
         return None
     props = schemas.get(name, {}).get("properties") or {}
-    arguments = {}
-    for key, raw in _PARAMETER.findall(inner):
-        value = raw[1:] if raw.startswith("\n") else raw
-        value = value[:-1] if value.endswith("\n") else value
-        arguments[key.strip()] = convert(value, props.get(key.strip()))
+    arguments = {
+        key.strip(): convert(_unwrap(raw), props.get(key.strip())) for key, raw in _PARAMETER.findall(inner)
+    }
     try:
         encoded = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except ValueError:
@@ -76,10 +84,60 @@ def _call(body: str, names: set[str], schemas: dict[str, dict[str, Any]]) -> Too
     return ToolCall(id=new_id("call_"), name=name, arguments=encoded)
 
 
+def _unwrap(raw: str) -> str:
+    """A parameter's value without the newline on either side that the format puts there."""
+    value = raw[1:] if raw.startswith("\n") else raw
+    return value[:-1] if value.endswith("\n") else value
+
+
+class XmlArguments:
+    """A call's ``<parameter=...>`` elements as the canonical JSON of its arguments, one parameter at a
+    time (each as ``convert`` reads it), ``}`` at ``</function>``."""
+
+    def __init__(self, schema: dict[str, Any]) -> None:
+        self.props = schema.get("properties") or {}
+        self.keys: set[str] = set()
+        self.done = self.failed = False
+
+    def feed(self, text: str) -> tuple[int, str]:
+        at, out = 0, []
+        while not (self.done or self.failed):
+            m = _NEXT_PARAMETER.match(text, at, partial=True)
+            if m is None:
+                self.failed = True
+            elif m.partial:
+                break
+            elif m.group(3):  # </function>
+                out.append("}" if self.keys else "{}")
+                self.done, at = True, m.end()
+            else:
+                key = m.group(1).strip()
+                try:
+                    value = json.dumps(
+                        convert(_unwrap(m.group(2)), self.props.get(key)), ensure_ascii=False, allow_nan=False
+                    )
+                except ValueError:
+                    value = None
+                if value is None or key in self.keys:  # not JSON, or a key given twice: not a prefix
+                    self.failed = True
+                    break
+                out.append(
+                    ("{" if not self.keys else ", ") + json.dumps(key, ensure_ascii=False) + ": " + value
+                )
+                self.keys.add(key)
+                at = m.end()
+        return at, "".join(out)
+
+
 def convert(value: str, schema: Any) -> Any:
     """``value`` as the type ``schema`` gives it; the string itself for a string, an unknown
     parameter, a schema without a type, or a value that does not read as its type."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
+    if not isinstance(schema, dict):
+        return value
+    choices = schema.get("enum") or ([schema["const"]] if "const" in schema else [])
+    if value not in choices and value.strip() in choices:  # spaces around an enum's value (the
+        return value.strip()  # grammar allows a few): the value meant
+    kinds = schema.get("type")
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     if not kinds:
         return value
@@ -118,6 +176,13 @@ class Qwen3CoderToolParser(HeldToolParser):
 
     name = "qwen3_coder"
     markers = (OPEN,)
+    after_call = regex.compile(r"\s*(?:</tool_call>)?")
+
+    def open_call(self, text: str, at: int, first: bool) -> Any:
+        return match_head(_FIRST if first else _NEXT, text, at)
+
+    def arguments(self, name: str) -> XmlArguments:
+        return XmlArguments(self.schemas.get(name, {}))
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
@@ -134,5 +199,5 @@ class Qwen3CoderToolParser(HeldToolParser):
         fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
         return ForcedCall(OPEN + "\n", GrammarSpec.of("structural_tag", structural_tag(fmt)))
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse_text(self, text: str) -> tuple[str, list[ToolCall]]:
         return parse_qwen3_coder_calls(text, self.names, self.schemas)

@@ -111,7 +111,7 @@ IGNORED = {
     "user_profile_id": "The party a request acts for; astrai has no accounts.",
     "workspace_id": "The workspace of a key; astrai has none.",
     "messages[].content[].is_error": "The model sees the tool result's content only.",
-    "tools[].eager_input_streaming": "A tool's input arrives in one input_json_delta either way.",
+    "tools[].eager_input_streaming": "A tool's input streams in input_json_delta pieces as the model writes it either way.",
 }
 
 
@@ -475,6 +475,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
     """Anthropic Messages over JSON and SSE (named events), and its token counting."""
 
     name = "anthropic"
+    streams_calls = True
     route = "/v1/messages"
     overloaded_status = 529  # Anthropic's "overloaded_error"
     request_model = MessagesRequest
@@ -536,17 +537,18 @@ class AnthropicResponseBuilder(ResponseBuilder):
         frames = [sse({"type": "message_start", "message": message}, "message_start")]
         if _state(prepared)["thinking"]:
             return frames  # the blocks open as their text comes: the thinking's (if any), then the text's
-        block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-        return [*frames, sse(block, "content_block_start")]  # without thinking: one text block, then calls
+        return [*frames, *self._open(prepared, "text")]  # without thinking: one text block, then calls
 
-    def _open(self, p: Prepared, kind: str) -> list[str]:
-        """Frames closing the open block, if any, and opening a ``kind`` block (thinking or text)."""
+    def _open(self, p: Prepared, kind: str, call: ToolCall | None = None) -> list[str]:
+        """Frames closing the open block, if any, and opening a ``kind`` block (thinking, text, or
+        the tool_use of ``call``)."""
         frames = self._close(p)
-        block = (
-            {"type": "thinking", "thinking": "", "signature": ""}
-            if kind == "thinking"
-            else {"type": "text", "text": ""}
-        )
+        if call is not None:
+            block = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
+        elif kind == "thinking":
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+        else:
+            block = {"type": "text", "text": ""}
         p.state["open"], p.state["blocks"], index = kind, p.state["blocks"] + 1, p.state["blocks"]
         p.state["text"] = p.state["text"] or kind == "text"
         return [
@@ -586,35 +588,40 @@ class AnthropicResponseBuilder(ResponseBuilder):
         ]
 
     def format_chunk(self, prepared: Prepared, index: int, text: str, **logprobs: Any) -> list[str]:
-        st, frames, block = _state(prepared), [], 0
-        if st["thinking"]:
-            frames = [] if st["open"] == "text" else self._open(prepared, "text")
-            block = st["blocks"] - 1
+        st = _state(prepared)
+        frames = [] if st["open"] == "text" else self._open(prepared, "text")
         delta = {"type": "text_delta", "text": text}
-        return [
-            *frames,
-            sse({"type": "content_block_delta", "index": block, "delta": delta}, "content_block_delta"),
-        ]
+        return [*frames, _input_delta(st["blocks"] - 1, delta)]
+
+    def format_call_delta(
+        self, prepared: Prepared, index: int, k: int, call: ToolCall, arguments: str, first: bool
+    ) -> list[str]:
+        st = _state(prepared)
+        if k and st["one_call"]:
+            return []
+        frames = self._open(prepared, "tool", call) if first else []
+        if first:
+            st["tools"][k] = st["blocks"] - 1
+        if arguments:
+            frames.append(
+                _input_delta(st["tools"][k], {"type": "input_json_delta", "partial_json": arguments})
+            )
+        return frames
 
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         p, choice = prepared, result.choices[0]
         calls, st = _calls(prepared, choice), _state(p)
-        if st["thinking"]:
-            # an answer of no text has an empty text block unless it is calls (as format_response)
-            frames = self._open(p, "text") if not (st["text"] or choice.tool_calls) else []
-            frames += self._close(p)
-        else:
-            frames = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")]
-        for k, call in enumerate(calls, start=st["blocks"] if st["thinking"] else 1):
-            start = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
+        # an answer of no text has an empty text block unless it is calls (as format_response)
+        frames = self._open(p, "text") if not (st["text"] or choice.tool_calls) else []
+        for k, call in enumerate(calls[: len(choice.calls_streamed)]):  # the rest of what streamed
+            if rest := call.arguments[choice.calls_streamed[k] :]:
+                frames.append(
+                    _input_delta(st["tools"][k], {"type": "input_json_delta", "partial_json": rest})
+                )
+        frames += self._close(p)
+        for call in calls[len(choice.calls_streamed) :]:
             delta = {"type": "input_json_delta", "partial_json": call.arguments}
-            frames += [
-                sse(
-                    {"type": "content_block_start", "index": k, "content_block": start}, "content_block_start"
-                ),
-                sse({"type": "content_block_delta", "index": k, "delta": delta}, "content_block_delta"),
-                sse({"type": "content_block_stop", "index": k}, "content_block_stop"),
-            ]
+            frames += [*self._open(p, "tool", call), _input_delta(st["blocks"] - 1, delta), *self._close(p)]
         delta = {"stop_reason": STOP_REASON[choice.finish_reason], "stop_sequence": choice.stop_sequence}
         usage = {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens}
         frames += [
@@ -633,7 +640,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
         if choice.text or not choice.tool_calls:
             content.append({"type": "text", "text": choice.text})
         content += [
-            {"type": "tool_use", "id": _tool_id(t.id), "name": t.name, "input": json.loads(t.arguments)}
+            {"type": "tool_use", "id": _tool_id(t.id), "name": t.name, "input": _input(t.arguments)}
             for t in _calls(prepared, choice)
         ]
         return {
@@ -655,16 +662,31 @@ class AnthropicResponseBuilder(ResponseBuilder):
         return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-#: A stream's blocks (``Prepared.state``): ``blocks`` streamed, the ``open`` one (None, "thinking" or
-#: "text"), whether a ``text`` block opened, and the ``reasoning`` streamed (to sign).
+#: A stream's blocks (``Prepared.state``): ``blocks`` streamed, the ``open`` one (None, "thinking",
+#: "text" or "tool"), whether a ``text`` block opened, the ``reasoning`` streamed (to sign), and
+#: ``tools``: each streamed call's block (a fresh dict per stream: ``_state``).
 STREAM_STATE = {"blocks": 0, "open": None, "text": False, "reasoning": ""}
 
 
 def _state(p: Prepared) -> dict[str, Any]:
     """``p.state``, with what a stream keeps there (a ``Prepared`` made elsewhere may have none)."""
-    for key, value in {"thinking": False, **STREAM_STATE}.items():
+    for key, value in {"thinking": False, "one_call": False, **STREAM_STATE}.items():
         p.state.setdefault(key, value)
+    p.state.setdefault("tools", {})
     return p.state
+
+
+def _input_delta(block: int, delta: dict[str, Any]) -> str:
+    return sse({"type": "content_block_delta", "index": block, "delta": delta}, "content_block_delta")
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's ``input``: its arguments decoded; {} for arguments a length limit cut short."""
+    try:
+        decoded = json.loads(arguments)
+    except ValueError:
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
 
 
 def _calls(prepared: Prepared, choice: Choice) -> list[ToolCall]:

@@ -31,6 +31,7 @@ from astrai.protocol import (
     Choice,
     Prepared,
     ResponseBuilder,
+    ToolCall,
     chat_prompt_ids,
     new_id,
     plugin_sampling,
@@ -379,6 +380,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
     name = "openai"
     route = "/v1/chat/completions"
     request_model = ChatCompletionRequest
+    streams_calls = True
 
     def prepare(self, request: ChatCompletionRequest, engine: Any) -> Prepared:
         """``state``: ``include_usage``, ``one_call`` (``parallel_tool_calls`` false: only the first
@@ -485,11 +487,33 @@ class OpenAIResponseBuilder(ResponseBuilder):
         choice = {"index": index, "delta": {"reasoning_content": text}, "finish_reason": None}
         return [self._chunk(prepared, [choice])]
 
+    def format_call_delta(
+        self, prepared: Prepared, index: int, k: int, call: ToolCall, arguments: str, first: bool
+    ) -> list[str]:
+        if k and prepared.state.get("one_call"):
+            return []
+        entry: dict[str, Any] = {"index": k, "function": {"arguments": arguments}}
+        if first:
+            entry = {
+                "index": k,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": arguments},
+            }
+        delta = {"tool_calls": [entry]}
+        return [self._chunk(prepared, [{"index": index, "delta": delta, "finish_reason": None}])]
+
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         frames = []
         for c in result.choices:
-            if calls := _calls(prepared, c):
-                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+            entries = []  # what of the calls did not stream: the rest of their arguments, the others whole
+            for k, call in enumerate(_calls(prepared, c)):
+                if k >= len(c.calls_streamed):
+                    entries.append({"index": k, **call})
+                elif rest := call["function"]["arguments"][c.calls_streamed[k] :]:
+                    entries.append({"index": k, "function": {"arguments": rest}})
+            if entries:
+                delta = {"tool_calls": entries}
                 frames.append(
                     self._chunk(prepared, [{"index": c.index, "delta": delta, "finish_reason": None}])
                 )

@@ -32,6 +32,7 @@ from astrai.protocol import (
     Choice,
     Prepared,
     ResponseBuilder,
+    ToolCall,
     chat_prompt_ids,
     new_id,
     plugin_sampling,
@@ -417,12 +418,15 @@ class ResponsesBuilder(ResponseBuilder):
     name = "responses"
     route = "/v1/responses"
     request_model = ResponsesRequest
+    streams_calls = True
 
     def prepare(self, request: ResponsesRequest, engine: Any) -> Prepared:
         """``state``: ``seq`` (the next event's sequence number), ``message_id``, ``opened`` (whether the
         stream has opened the message item), ``reasoning_id``, ``reasoning`` (the reasoning streamed;
-        None before any), ``reasoned`` (whether the stream closed the reasoning item) and, when log-probs
-        were asked, ``tokenizer``."""
+        None before any), ``reasoned`` (whether the stream closed the reasoning item), ``text`` and
+        ``text_logprobs`` (the message's, streamed), ``closed`` (whether the message item ended, as a
+        streamed call began), ``calls`` (per streamed call: its output index, ended or not) and, when
+        log-probs were asked, ``tokenizer``."""
         request.refuse_unserved()
         tools = _select_tools(request)
         params = request.sampling_params(engine.context_limit)
@@ -490,7 +494,11 @@ class ResponsesBuilder(ResponseBuilder):
 
     def _message(self, p: Prepared, c: Choice | None) -> dict[str, Any]:
         """The assistant message item: in progress and empty (``c`` None), or finished."""
-        status = "in_progress" if c is None else "incomplete" if c.finish_reason == "length" else "completed"
+        status = "in_progress" if c is None else "completed"
+        if (
+            c is not None and c.finish_reason == "length" and not c.tool_calls
+        ):  # (calls: it ended before them)
+            status = "incomplete"
         content = [] if c is None else [self._part(p, c.text, c.logprobs)]
         return {
             "type": "message",
@@ -573,6 +581,9 @@ class ResponsesBuilder(ResponseBuilder):
 
     def format_chunk(self, prepared: Prepared, index: int, text: str, **logprobs: Any) -> list[str]:
         frames = self._open_message(prepared)  # first: sequence numbers follow the frames' order
+        _reasoning_state(prepared)
+        prepared.state["text"] += text
+        prepared.state["text_logprobs"] += logprobs.get("logprobs") or []
         entries = _logprobs(prepared, logprobs.get("logprobs"), False)
         where = _in_message(prepared)
         return [
@@ -580,35 +591,84 @@ class ResponsesBuilder(ResponseBuilder):
             self._event(prepared, "response.output_text.delta", **where, delta=text, logprobs=entries),
         ]
 
+    def _close_message(self, p: Prepared, c: Choice) -> list[str]:
+        """The end of the message item (opened first if the stream has not), as ``c`` finished it."""
+        p.state["closed"] = True
+        entries = _logprobs(p, c.logprobs, False)
+        return self._open_message(p) + [
+            self._event(p, "response.output_text.done", **_in_message(p), text=c.text, logprobs=entries),
+            self._event(
+                p, "response.content_part.done", **_in_message(p), part=self._part(p, c.text, c.logprobs)
+            ),
+            self._event(
+                p,
+                "response.output_item.done",
+                output_index=_in_message(p)["output_index"],
+                item=self._message(p, c),
+            ),
+        ]
+
+    def _call_added(self, p: Prepared, k: int, call: ToolCall) -> list[str]:
+        at = (p.state["reasoning"] is not None) + p.state["opened"] + k  # after the reasoning and message
+        p.state["calls"][k] = [at, False]
+        item = {**_function_call(call, "in_progress"), "arguments": ""}
+        return [self._event(p, "response.output_item.added", output_index=at, item=item)]
+
+    def _call_delta(self, p: Prepared, k: int, call: ToolCall, piece: str) -> list[str]:
+        where = {"item_id": _function_call(call, "")["id"], "output_index": p.state["calls"][k][0]}
+        return [self._event(p, "response.function_call_arguments.delta", **where, delta=piece)]
+
+    def _call_done(self, p: Prepared, k: int, call: ToolCall) -> list[str]:
+        at, p.state["calls"][k][1] = p.state["calls"][k][0], True
+        where = {"item_id": _function_call(call, "")["id"], "output_index": at}
+        return [
+            self._event(p, "response.function_call_arguments.done", **where, arguments=call.arguments),
+            self._event(
+                p, "response.output_item.done", output_index=at, item=_function_call(call, "completed")
+            ),
+        ]
+
+    def format_call_delta(
+        self, prepared: Prepared, index: int, k: int, call: ToolCall, arguments: str, first: bool
+    ) -> list[str]:
+        p, frames = prepared, []
+        _reasoning_state(p)
+        if k and not value_or_default(p.request, "parallel_tool_calls"):
+            return []
+        if first:
+            frames += self._close_reasoning(p)
+            if p.state["opened"] and not p.state["closed"]:  # the text before the calls ends
+                text = p.state["text"].rstrip()
+                frames += self._close_message(
+                    p, Choice(0, text, "tool_calls", 0, tool_calls=[call], logprobs=p.state["text_logprobs"])
+                )
+            if k:
+                frames += self._call_done(p, k - 1, p.state["calls"][k - 1][2])
+            frames += self._call_added(p, k, call)
+            p.state["calls"][k].append(call)
+        if arguments:
+            frames += self._call_delta(p, k, call, arguments)
+        return frames
+
     def format_stream_end(self, prepared: Prepared, result: ChatResult) -> list[str]:
         p, c = prepared, result.choices[0]
-        frames = self._close_reasoning(p)
-        if p.state["opened"] or not c.tool_calls:
-            entries = _logprobs(p, c.logprobs, False)  # every token's, those that brought no text included
-            frames += self._open_message(p) + [
-                self._event(p, "response.output_text.done", **_in_message(p), text=c.text, logprobs=entries),
-                self._event(
-                    p, "response.content_part.done", **_in_message(p), part=self._part(p, c.text, c.logprobs)
-                ),
-                self._event(
-                    p,
-                    "response.output_item.done",
-                    output_index=_in_message(p)["output_index"],
-                    item=self._message(p, c),
-                ),
-            ]
-        before = (p.state["reasoning"] is not None) + p.state["opened"]  # the items before the calls
-        for k, call in enumerate(_calls(p, c), start=before):
-            item = _function_call(call, "in_progress")
-            where = {"item_id": item["id"], "output_index": k}
-            frames += [
-                self._event(p, "response.output_item.added", output_index=k, item={**item, "arguments": ""}),
-                self._event(p, "response.function_call_arguments.delta", **where, delta=call.arguments),
-                self._event(p, "response.function_call_arguments.done", **where, arguments=call.arguments),
-                self._event(
-                    p, "response.output_item.done", output_index=k, item=_function_call(call, "completed")
-                ),
-            ]
+        frames = self._close_reasoning(p)  # (the state's keys set: _reasoning_state)
+        if (p.state["opened"] and not p.state["closed"]) or not (c.tool_calls or p.state["closed"]):
+            frames += self._close_message(
+                p, c
+            )  # every token's log-probs, those that brought no text included
+        calls = _calls(p, c)
+        for k, call in enumerate(calls):
+            if k not in p.state["calls"]:
+                frames += self._call_added(p, k, call)
+                p.state["calls"][k].append(call)
+                rest = call.arguments
+            else:
+                rest = call.arguments[c.calls_streamed[k] :] if k < len(c.calls_streamed) else ""
+            if rest:
+                frames += self._call_delta(p, k, call, rest)
+            if not p.state["calls"][k][1]:
+                frames += self._call_done(p, k, call)
         response = self._response(p, result)
         return [*frames, self._event(p, f"response.{response['status']}", response=response)]
 
@@ -633,10 +693,13 @@ REASONING_STATE = {"reasoning": None, "reasoned": False}
 
 
 def _reasoning_state(p: Prepared) -> dict[str, Any]:
-    """``p.state`` with a reasoning id and ``REASONING_STATE`` (a ``Prepared`` made elsewhere may have none)."""
+    """``p.state`` with a reasoning id, ``REASONING_STATE`` and what a stream keeps of its message and
+    calls (a ``Prepared`` made elsewhere may have none of them)."""
     p.state.setdefault("reasoning_id", "rs_" + p.state.get("message_id", new_id("msg_")).removeprefix("msg_"))
     for key, value in REASONING_STATE.items():
         p.state.setdefault(key, value)
+    for key, make in (("text", str), ("text_logprobs", list), ("closed", bool), ("calls", dict)):
+        p.state.setdefault(key, make())
     return p.state
 
 
