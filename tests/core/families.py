@@ -28,6 +28,8 @@ SIZES = dict(
 NEAR_TIE = 1e-3
 
 FAMILIES = ["qwen3", "gemma3", "gemma2", "mistral", "ministral", "phi3", "llama3"]
+#: mixture-of-experts families (HF checkpoints; their GGUF form is not written here yet)
+MOE_FAMILIES = ["qwen3_moe", "mixtral"]
 
 
 def hf_config(family: str):
@@ -37,6 +39,11 @@ def hf_config(family: str):
     sliding = ["sliding_attention", "full_attention", "sliding_attention"]
     if family == "qwen3":
         return tf.Qwen3Config(**SIZES, num_hidden_layers=2, tie_word_embeddings=False)
+    if family == "qwen3_moe":  # the middle layer dense (mlp_only_layers), four experts elsewhere
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        return tf.Qwen3MoeConfig(**SIZES, num_hidden_layers=3, mlp_only_layers=[1], **moe)
+    if family == "mixtral":
+        return tf.MixtralConfig(**SIZES, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
     if family == "mistral":
         return tf.MistralConfig(**SIZES, num_hidden_layers=2, sliding_window=WINDOW)
     if family == "ministral":
@@ -87,7 +94,7 @@ def build_checkpoints(tmp_path_factory) -> dict:
 
     out = {}
     gen = torch.Generator().manual_seed(31)
-    for family in FAMILIES:
+    for family in FAMILIES + MOE_FAMILIES:
         model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32).eval()
         offset = "gemma" in family  # Gemma's norms are (1 + weight)
         with torch.no_grad():

@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from families import FAMILIES, SIZES, VOCAB, clear_prefix, forward_all, load_astrai, prompts
+from families import FAMILIES, MOE_FAMILIES, SIZES, VOCAB, clear_prefix, forward_all, load_astrai, prompts
 
 from astrai.kvcache.layout import KVLayout
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_logits_match_transformers(checkpoints, family, backend):
     from astrai.extension import attn_backend
 
@@ -44,7 +44,7 @@ def test_logits_match_transformers(checkpoints, family, backend):
         torch.testing.assert_close(chunked, want, rtol=0, atol=2e-4 * scale)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_greedy_matches_transformers_through_the_engine(checkpoints, make_engine, tiny_tokenizer, family):
     """Chunked prefill (16 tokens a step), prefix-cache hits (prompts sharing 24 tokens, pages of 4) and
     preemption (a pool of 176 tokens for 4 requests of up to 72). Where layers have a window of 8, their

@@ -4,6 +4,9 @@
   parallel, no communication;
 - o_proj and down_proj are split by input columns: row parallel, their outputs summed over the
   ranks (an all-reduce after each, ``astrai.distributed.tp``);
+- a mixture of experts splits every expert the same way (each expert's gate/up rows and down
+  columns: tensor parallel inside the experts, the router replicated), so that each rank runs
+  every chosen expert on its slice and one all-reduce sums the layer, as the dense MLP's;
 - embeddings are replicated; the LM head is split by vocabulary rows (padded to a multiple of
   ``n``) and its logits gathered on rank 0;
 - with more ranks than KV heads, each KV head is replicated over ``n / num_key_value_heads``
@@ -47,6 +50,9 @@ def _problem(config: ModelConfig, n: int) -> str | None:
         return f"{n} ranks cannot share {kv} KV heads evenly (a multiple of {kv} is needed to replicate them)"
     if inter % n:
         return f"the MLP's {inter} intermediate rows do not divide into {n}"
+    experts = config.moe_intermediate_size
+    if config.num_experts and experts and experts % n:
+        return f"each expert's {experts} intermediate rows do not divide into {n}"
     return None
 
 
@@ -75,6 +81,7 @@ def shard_config(config: ModelConfig, n: int) -> ModelConfig:
         num_attention_heads=config.num_attention_heads // n,
         num_key_value_heads=max(1, config.num_key_value_heads // n),
         intermediate_size=config.intermediate_size // n,
+        moe_intermediate_size=config.moe_intermediate_size and config.moe_intermediate_size // n,
     )
 
 
@@ -107,9 +114,12 @@ def shard_weights(
     q_rows = slice(rank * heads // n * d, (rank + 1) * heads // n * d)
     kv_rows = _kv_rows(config, n, rank)
     mlp_rows = slice(rank * inter // n, (rank + 1) * inter // n)
+    expert = config.moe_intermediate_size or inter
+    expert_rows = slice(rank * expert // n, (rank + 1) * expert // n)
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        rows = expert_rows if ".experts." in name else mlp_rows
         if leaf == "q_proj":
             part = w[q_rows]
         elif leaf in ("k_proj", "v_proj"):
@@ -117,9 +127,9 @@ def shard_weights(
         elif leaf == "o_proj":
             part = w[:, q_rows]
         elif leaf in ("gate_proj", "up_proj"):
-            part = w[mlp_rows]
+            part = w[rows]
         elif leaf == "down_proj":
-            part = w[:, mlp_rows]
+            part = w[:, rows]
         else:
             part = w
         out[name] = part.contiguous() if part is not w else w

@@ -2,7 +2,8 @@
 
 An :class:`Architecture` says which ``nn.Module`` class builds a model and how a
 checkpoint's tensor names map onto that module's parameter names. The built-ins (``llama``,
-``qwen2``, ``qwen3``, ``mistral``, ``ministral``, ``gemma2``, ``gemma3``, ``phi3``) are registered in
+``qwen2``, ``qwen3``, ``mistral``, ``ministral``, ``gemma2``, ``gemma3``, ``phi3``; ``qwen3_moe`` and
+``mixtral`` in their family modules) are registered in
 astrai-core's ``pyproject.toml`` like any third-party architecture would be; the loaders look an
 architecture up by the checkpoint's GGUF ``general.architecture`` or HF ``model_type``.
 """
@@ -71,6 +72,15 @@ class Architecture:
     # GGUF metadata the common reader does not know: ``gguf_config(key, config)`` completes the
     # config, ``key(name, default)`` reading ``{arch}.{name}``
     gguf_config: Callable[[Callable[[str, Any], Any], ModelConfig], None] | None = None
+    # a checkpoint's tensor names -> the model's, where they differ: (regex, replacement) pairs in
+    # order (Mixtral's ``block_sparse_moe.experts.{e}.w1`` is ``mlp.experts.{e}.gate_proj``)
+    hf_renames: tuple[tuple[str, str], ...] = ()
+
+    def checkpoint_name(self, name: str) -> str:
+        """The model's parameter name for an HF checkpoint's tensor ``name``."""
+        for pattern, replacement in self.hf_renames:
+            name = re.sub(pattern, replacement, name)
+        return name
 
     def hf_name(self, gguf_name: str) -> str | None:
         """HF parameter name for a llama.cpp tensor name; None when there is none."""
@@ -89,9 +99,9 @@ def _llama_class() -> type[nn.Module]:
     return LlamaForCausalLM
 
 
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_BLOCK = {
+_TOP = GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_QK_NORM = GGUF_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_BLOCK = GGUF_BLOCK = {  # (GGUF_*: the tables a family module outside this one builds on)
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",

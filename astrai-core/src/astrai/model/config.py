@@ -47,6 +47,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (Gemma); None: head_dim
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    # Mixture of experts (Qwen3-MoE, Mixtral): ``num_experts`` routed experts of
+    # ``moe_intermediate_size`` each, ``num_experts_per_tok`` chosen per token, their weights
+    # renormalised over the chosen (``norm_topk_prob``); a layer is sparse when it is not in
+    # ``mlp_only_layers`` and its number plus one is a multiple of ``decoder_sparse_step``
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     def window(self, layer_id: int) -> int:
         """Layer ``layer_id``'s sliding window (0: it attends to every position)."""
@@ -55,6 +65,14 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer_id] != "sliding_attention":
             return 0
         return int(self.sliding_window)
+
+    def sparse(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id``'s MLP is a mixture of experts."""
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % max(self.decoder_sparse_step, 1) == 0
+        )
 
     @property
     def windows(self) -> tuple[int, ...]:

@@ -117,6 +117,15 @@ def _family_fields(cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
     act = full.get("hidden_activation") or full.get("hidden_act")
     if act:
         fields["hidden_act"] = act
+    experts = full.get("num_experts") or full.get("num_local_experts")  # (Mixtral's name)
+    if experts:
+        fields["num_experts"] = int(experts)
+        fields["num_experts_per_tok"] = int(full.get("num_experts_per_tok") or 2)
+        size = full.get("moe_intermediate_size")  # (Mixtral's experts are intermediate_size wide)
+        fields["moe_intermediate_size"] = int(size) if size else None
+        fields["norm_topk_prob"] = bool(full.get("norm_topk_prob", True))
+        fields["decoder_sparse_step"] = int(full.get("decoder_sparse_step") or 1)
+        fields["mlp_only_layers"] = [int(i) for i in full.get("mlp_only_layers") or ()]
     return fields
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from astrai.errors import ModelFormatError, ModelNotFound
+from astrai.model.architecture import get_architecture
 from astrai.model.checks import TensorInfo, check_model
 from astrai.model.config import ModelConfig
 from astrai.model.hf_config import hf_config, read_json
@@ -93,6 +94,7 @@ def hf_header(folder: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
     if not (folder / "config.json").is_file():
         raise ModelNotFound(f"{folder}: no config.json")
     config = hf_config(folder, read_json(folder / "config.json"))
+    rename = get_architecture(config.architecture).checkpoint_name
     tensors: dict[str, TensorInfo] = {}
     parts = fused_parts(config)
     for file, names in _shards(folder).items():
@@ -102,6 +104,7 @@ def hf_header(folder: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
                 name = _text_name(stored)
                 if name is None or name.endswith("rotary_emb.inv_freq"):  # (a buffer older ones saved)
                     continue
+                name = rename(name)
                 if stored not in present:
                     raise ModelFormatError(
                         f"{folder / file}: no tensor {stored!r} (the index lists it there)"
@@ -126,6 +129,7 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
 
     shards = _shards(folder)
     parts = fused_parts(config)
+    rename = get_architecture(config.architecture).checkpoint_name
     state: dict[str, torch.Tensor] = {}
     bar = tqdm(
         total=sum(map(len, shards.values())), desc=f"Loading {folder.name}", unit="tensor", disable=None
@@ -138,6 +142,7 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
                     name = _text_name(stored)
                     if name is None or name.endswith("rotary_emb.inv_freq"):  # (a buffer older ones saved)
                         continue
+                    name = rename(name)
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some exporters save the tied copy too
                     t = f.get_tensor(stored).to(dtype)

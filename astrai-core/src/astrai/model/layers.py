@@ -200,12 +200,14 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (Llama, Qwen, Mistral, Phi-3)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, attn: Attention | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, attn: Attention | None = None, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attn or Attention(config, layer_id, window=config.window(layer_id))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.mlp = mlp or GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), freqs, kv_cache)

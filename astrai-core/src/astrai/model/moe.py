@@ -1,0 +1,64 @@
+"""``SparseMoE``: a mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks ``top_k`` of
+``num_experts`` gated MLPs per token and sums their outputs weighted by the routing probabilities.
+
+One router GEMM for the step's tokens; then the (token, choice) pairs are sorted by expert once, and
+each expert that any token chose runs its gate/up/down on its own rows only (an expert no token chose
+costs nothing), its outputs scaled by their weights and added back at their tokens. The loop is over
+the experts a step uses, never over tokens. Routing follows transformers: softmax over all experts
+in float32, the ``top_k`` largest, renormalised over those when ``norm_topk`` (Mixtral always;
+Qwen3-MoE as its config says), the weights then rounded to the hidden states' dtype.
+
+Parameter names are the checkpoints': ``gate.weight`` (the router) and ``experts.{e}.gate_proj``,
+``up_proj``, ``down_proj`` (Mixtral's ``w1``/``w3``/``w2`` are renamed at load: ``Architecture``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from astrai.model.layers import GatedMLP
+
+
+class SparseMoE(nn.Module):
+    """``sum_k w_k * expert_k(x)`` over each token's ``top_k`` experts."""
+
+    reduce = None  # tensor parallel: the sum over ranks of the experts' partial outputs
+
+    def __init__(
+        self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk: bool, act: str = "silu"
+    ) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(hidden, intermediate, act) for _ in range(num_experts))
+        self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
+
+    def fuse(self) -> None:
+        """Each expert's gate and up projections in one GEMM; after loading weights."""
+        for expert in self.experts:
+            expert.fuse()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, top_k] in x's dtype, expert ids [T, top_k])`` of the step's tokens."""
+        probs = self.gate(x).float().softmax(dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows_of = order // self.top_k
+        scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = rows_of[start : start + n]
+                y = self.experts[e](x.index_select(0, rows)) * scale[start : start + n]
+                out.index_add_(0, rows, y)
+                start += n
+        return out if self.reduce is None else self.reduce(out)

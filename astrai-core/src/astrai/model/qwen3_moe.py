@@ -1,0 +1,45 @@
+"""Qwen3-MoE: Qwen3's attention (per-head q/k norms, no biases) with a mixture of experts in place of
+the MLP (``astrai.model.moe``) in the layers the config makes sparse (``decoder_sparse_step``,
+``mlp_only_layers``; the others keep a dense MLP of ``intermediate_size``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from astrai.model.architecture import GGUF_BLOCK, GGUF_QK_NORM, GGUF_TOP, Architecture
+from astrai.model.decoder import DecoderLM
+from astrai.model.layers import Attention, DecoderLayer, RMSNorm
+from astrai.model.moe import SparseMoE
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from astrai.model.config import ModelConfig
+
+
+def moe_mlp(config: ModelConfig, layer_id: int) -> nn.Module | None:
+    """Layer ``layer_id``'s mixture of experts, or None where the config keeps a dense MLP."""
+    if not config.sparse(layer_id):
+        return None
+    return SparseMoE(
+        config.hidden_size,
+        config.moe_intermediate_size or config.intermediate_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.norm_topk_prob,
+        config.hidden_act,
+    )
+
+
+class Qwen3MoeForCausalLM(DecoderLM):
+    """Qwen3-MoE: pre-norm layers, q/k-normed attention, routed experts."""
+
+    def make_layer(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        attn = Attention(config, layer_id, window=config.window(layer_id), qk_norm=RMSNorm)
+        return DecoderLayer(config, layer_id, attn, moe_mlp(config, layer_id))
+
+
+QWEN3_MOE = Architecture(
+    "qwen3_moe", Qwen3MoeForCausalLM, GGUF_TOP, GGUF_BLOCK | GGUF_QK_NORM, gguf_rope_interleaved=False
+)
+"""Qwen3-MoE's ``astrai.models`` entry point."""

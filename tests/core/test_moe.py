@@ -1,0 +1,123 @@
+"""``SparseMoE`` (``astrai.model.moe``) on its own: the layer of transformers' Qwen3-MoE and Mixtral
+blocks, experts that no token chose never run, a row gets its own experts whatever rows come with it,
+and the tensor-parallel split of its experts sums back to the whole layer. (The families' logits and
+greedy tokens against transformers are ``test_families``'.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.distributed.sharding import shard_config, shard_weights
+from astrai.model.config import ModelConfig
+from astrai.model.moe import SparseMoE
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+HIDDEN, INTER, EXPERTS = 32, 24, 6
+
+
+def _pair(family: str):
+    """(transformers' sparse block with random weights, astrai's layer holding the same)."""
+    import transformers as tf
+
+    torch.manual_seed(5)
+    if family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(
+            hidden_size=HIDDEN,
+            moe_intermediate_size=INTER,
+            num_experts=EXPERTS,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+        )
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+    else:
+        config = tf.MixtralConfig(
+            hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS, num_experts_per_tok=2
+        )
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+    block = Block(config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    ours = SparseMoE(HIDDEN, INTER, EXPERTS, 2, norm_topk=family == "mixtral")
+    with torch.no_grad():
+        ours.gate.weight.copy_(block.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            gate, up = block.experts.gate_up_proj[e].chunk(2)
+            expert.gate_proj.weight.copy_(gate)
+            expert.up_proj.weight.copy_(up)
+            expert.down_proj.weight.copy_(block.experts.down_proj[e])
+    return block, ours
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_layer_is_transformers_block(family: str) -> None:
+    block, ours = _pair(family)
+    x = torch.randn(37, HIDDEN)
+    with torch.no_grad():
+        want = block(x.unsqueeze(0))
+        want = (want[0] if isinstance(want, tuple) else want)[0]
+        torch.testing.assert_close(ours(x), want, atol=1e-6, rtol=1e-5)
+        ours.fuse()  # gate and up in one GEMM per expert
+        torch.testing.assert_close(ours(x), want, atol=1e-6, rtol=1e-5)
+
+
+def test_experts_no_token_chose_never_run() -> None:
+    _, ours = _pair("mixtral")
+    ran: list[int] = []
+    for e, expert in enumerate(ours.experts):
+        expert.register_forward_hook(lambda *_, e=e: ran.append(e))
+    x = torch.randn(1, HIDDEN)
+    with torch.no_grad():
+        _, ids = ours.route(x)
+        ours(x)
+    assert sorted(ran) == sorted(ids[0].tolist())  # one token: its two experts, once each
+
+
+def test_a_row_gets_its_own_experts_in_any_batch() -> None:
+    """Grouped by expert, a row's output is what it gets alone (to torch's GEMM rounding, which
+    differs with the rows an expert runs: the dense float path is not batch invariant)."""
+    _, ours = _pair("qwen3_moe")
+    x = torch.randn(16, HIDDEN)
+    with torch.no_grad():
+        whole = ours(x)
+        alone = torch.cat([ours(x[i : i + 1]) for i in range(16)])
+    torch.testing.assert_close(whole, alone, atol=1e-6, rtol=1e-6)
+
+
+def test_a_two_way_split_of_the_experts_sums_to_the_layer() -> None:
+    """Each rank holds every expert's half (``shard_weights``: gate/up rows, down columns, the router
+    whole); the ranks' outputs summed (the all-reduce) are the layer's."""
+    _, ours = _pair("qwen3_moe")
+    config = ModelConfig(
+        "qwen3_moe",
+        64,
+        HIDDEN,
+        48,
+        1,
+        4,
+        2,
+        8,
+        64,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        moe_intermediate_size=INTER,
+        norm_topk_prob=False,
+    )
+    weights = {f"model.layers.0.mlp.{k}": v for k, v in ours.state_dict().items()}
+    weights["model.embed_tokens.weight"] = torch.zeros(64, HIDDEN)
+    half = shard_config(config, 2)
+    assert half.moe_intermediate_size == INTER // 2
+    x = torch.randn(9, HIDDEN)
+    total = torch.zeros(9, HIDDEN)
+    for rank in range(2):
+        shard = shard_weights(weights, config, 2, rank)
+        part = SparseMoE(HIDDEN, INTER // 2, EXPERTS, 2, norm_topk=False)
+        part.load_state_dict(
+            {k.removeprefix("model.layers.0.mlp."): v for k, v in shard.items() if ".mlp." in k}
+        )
+        with torch.no_grad():
+            total += part(x)
+    with torch.no_grad():
+        torch.testing.assert_close(total, ours(x), atol=1e-6, rtol=1e-5)
