@@ -39,9 +39,9 @@ def hf_config(family: str):
     sliding = ["sliding_attention", "full_attention", "sliding_attention"]
     if family == "qwen3":
         return tf.Qwen3Config(**SIZES, num_hidden_layers=2, tie_word_embeddings=False)
-    if family == "qwen3_moe":  # the middle layer dense (mlp_only_layers), four experts elsewhere
+    if family == "qwen3_moe":  # every layer sparse, as Qwen3-30B-A3B (and all llama.cpp can write)
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-        return tf.Qwen3MoeConfig(**SIZES, num_hidden_layers=3, mlp_only_layers=[1], **moe)
+        return tf.Qwen3MoeConfig(**SIZES, num_hidden_layers=2, **moe)
     if family == "mixtral":
         return tf.MixtralConfig(**SIZES, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
     if family == "mistral":

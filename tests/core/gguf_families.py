@@ -33,6 +33,7 @@ import copy
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,26 @@ def _phi3(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
     }
 
 
+def _experts(w: GGUFWriter, hp: dict[str, Any]) -> None:
+    """The mixture-of-experts keys (``Qwen3MoeModel``, ``MixtralModel`` (as ``LlamaModel``))."""
+    w.add_expert_count(hp.get("num_experts") or hp["num_local_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    if hp.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+
+
+def _qwen3_moe(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
+    _common(w, hp)
+    _experts(w, hp)
+    return {}
+
+
+def _mixtral(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
+    extra = _llama(w, hp)
+    _experts(w, hp)
+    return extra
+
+
 def _no_window(config: Any) -> None:
     if getattr(config, "layer_types", None) is not None:  # (Ministral's sliding_window must stay set)
         config.layer_types = ["full_attention"] * config.num_hidden_layers
@@ -209,6 +230,19 @@ CONVERTERS = {
     "gemma2": Converter("gemma2", _gemma2, norm_shift=1.0, drops=("lm_head.weight",)),
     "gemma3_text": Converter("gemma3", _gemma3, norm_shift=1.0, reading=_gemma3_reading),
     "phi3": Converter("phi3", _phi3),
+    "qwen3_moe": Converter("qwen3moe", _qwen3_moe),
+    "mixtral": Converter("llama", _mixtral, permute_qk=True),
+}
+
+#: an expert's projection in a checkpoint -> llama.cpp's stacked tensor of that kind
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_KIND = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
 }
 
 
@@ -264,8 +298,12 @@ def write_gguf(
     _tokenizer(writer, hp)
     heads = {"q_proj": hp["num_attention_heads"], "k_proj": hp["num_key_value_heads"]}
     held: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
         if name in conv.drops:
+            continue
+        if m := _EXPERT.fullmatch(name):  # stacked per layer and kind below, as the converter does
+            experts.setdefault((int(m[1]), _EXPERT_KIND[m[3]]), {})[int(m[2])] = tensor.float()
             continue
         data = tensor.float()
         n_head = heads.get(name.rsplit(".", 2)[-2]) if conv.permute_qk else None
@@ -276,7 +314,7 @@ def write_gguf(
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         values = data.numpy()
-        if qtype is not None and values.ndim == 2:
+        if qtype is not None and values.ndim == 2 and "ffn_gate_inp" not in gguf_name:  # (routers stay F32)
             raw = quantize(values, qtype)
             writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
             values = dequantize(raw, qtype)
@@ -286,6 +324,22 @@ def write_gguf(
         if conv.norm_shift and name.endswith("norm.weight"):
             back = back - conv.norm_shift
         held[name] = _unpermute(back, n_head) if n_head is not None else back
+    for (layer, kind), by_expert in sorted(experts.items()):
+        values = torch.stack([by_expert[e] for e in sorted(by_expert)]).numpy()  # [experts, rows, cols]
+        if qtype is not None:
+            raw = quantize(values, qtype)
+            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=qtype)
+            values = dequantize(raw, qtype)
+        else:
+            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", values)
+        held[f"model.layers.{layer}.mlp.experts.{kind}"] = torch.from_numpy(np.array(values, np.float32))
+    for layer in sorted({layer for layer, _ in experts}):  # transformers' own layout: gate and up stacked
+        prefix = f"model.layers.{layer}.mlp.experts."
+        gate, up = held.pop(prefix + "gate"), held.pop(prefix + "up")
+        held[prefix + "gate_up_proj"] = torch.cat([gate, up], dim=1)
+        held[prefix + "down_proj"] = held.pop(prefix + "down")
+    for name in [n for n in held if ".block_sparse_moe.gate." in n]:
+        held[name.replace(".block_sparse_moe.", ".mlp.")] = held.pop(name)
     for name, values in extra.items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()

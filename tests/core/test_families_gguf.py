@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES, clear_prefix, forward_all, load_astrai, prompts
+from families import FAMILIES, MOE_FAMILIES, clear_prefix, forward_all, load_astrai, prompts
 from gguf_families import CONVERTERS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,7 +64,7 @@ def test_the_gguf_holds_the_safetensors_weights(checkpoints, family_gguf, family
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_gguf_logits_match_transformers(family_gguf, family, backend):
     path, ref = family_gguf(family)
     model = load_astrai(path)
@@ -129,3 +129,23 @@ def test_load_model_serves_a_quantized_family_gguf_with_its_tokenizer(family_ggu
     assert isinstance(qkv, QuantizedLinear if kept else torch.nn.Linear)
     assert model.config.eos_token_ids == [1] and tokenizer.decode(tokenizer.encode("the heat")) == "the heat"
     _assert_logits(model, ref, prompts(1, seed=5)[0])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_quantized_experts_stay_quantized_and_match_transformers(checkpoints, family_gguf, family, qtype):
+    """llama.cpp's stacked expert tensors (``ffn_*_exps``) read as each expert's own matrices, kept in
+    blocks (each expert's gate and up fused); the logits equal transformers' on the dequantized
+    weights, as the dense families' do."""
+    from astrai.model.moe import SparseMoE
+    from astrai.model.quant import QuantizedLinear
+
+    path, ref = family_gguf(family, qtype)
+    kept = load_astrai(path, quantized=True)
+    moe = [layer.mlp for layer in kept.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moe and all(
+        isinstance(x.gate_up_proj, QuantizedLinear) and isinstance(x.down_proj, QuantizedLinear)
+        for layer in moe
+        for x in layer.experts
+    )
+    _assert_logits(kept, ref, prompts(1, seed=5)[0])

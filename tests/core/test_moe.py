@@ -121,3 +121,23 @@ def test_a_two_way_split_of_the_experts_sums_to_the_layer() -> None:
             total += part(x)
     with torch.no_grad():
         torch.testing.assert_close(total, ours(x), atol=1e-6, rtol=1e-5)
+
+
+def test_dense_layers_among_sparse_ones_as_the_config_says(tmp_path) -> None:
+    """Qwen3-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``: the model's dense layers are
+    where transformers' are, and the logits of such a checkpoint equal transformers'."""
+    import transformers as tf
+    from families import SIZES, forward_all, load_astrai
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    config = tf.Qwen3MoeConfig(
+        **SIZES, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], **moe
+    )
+    hf = tf.Qwen3MoeForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    model = load_astrai(tmp_path)
+    assert [isinstance(layer.mlp, SparseMoE) for layer in model.model.layers] == [False, True, False, False]
+    ids = list(range(2, 40))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(forward_all(model, ids, [len(ids)]), want, atol=1e-4, rtol=1e-4)

@@ -61,6 +61,10 @@ def gguf_tensors(reader: GGUFReader, arch: str, path: Path) -> dict[str, TensorI
                 f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        if "{e}" in name:  # experts stacked in one tensor: each under its own name
+            for e in range(shape[0]):
+                tensors[name.format(e=e)] = TensorInfo(t.name, shape[1:], int(t.n_bytes) // shape[0], qtype)
+            continue
         tensors[name] = TensorInfo(t.name, shape, int(t.n_bytes), qtype)
     return tensors
 
@@ -94,8 +98,11 @@ def gguf_header(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, 
     table, checked against each other (``check_model``); reads no weight. Raises ModelNotFound for
     an unsupported architecture, tensor or type, ModelFormatError for metadata that is missing,
     not a number or contradicts the tensors (the message names the key)."""
-    arch = _field(reader, "general.architecture")
-    tensors = gguf_tensors(reader, arch, path)  # raises ModelNotFound (or the plugin's error) early
+    arch = _field(reader, "general.architecture")  # the metadata keys' prefix
+    model = arch  # the astrai.models architecture: llama.cpp writes Mixtral as "llama" with experts
+    if arch == "llama" and _field(reader, "llama.expert_count"):
+        model = "mixtral"
+    tensors = gguf_tensors(reader, model, path)  # raises ModelNotFound (or the plugin's error) early
 
     def key(name: str, default: Any = ...) -> Any:
         value = _field(reader, f"{arch}.{name}", None if default is ... else default)
@@ -106,7 +113,7 @@ def gguf_header(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, 
         return value
 
     fields = {field: f"{arch}.{name}" for field, name in _FIELDS.items()}
-    architecture = get_architecture(arch, str(path))
+    architecture = get_architecture(model, str(path))
     hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = key("attention.key_length", None) or key("rope.dimension_count", None)
     if not head_dim:
@@ -125,7 +132,7 @@ def gguf_header(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, 
         raise ModelFormatError(f"{path}: no tokenizer.ggml.tokens, {arch}.vocab_size or token_embd.weight")
     bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
     config = ModelConfig(
-        architecture=arch,
+        architecture=model,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -146,6 +153,13 @@ def gguf_header(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, 
     )
     if architecture.gguf_config is not None:
         architecture.gguf_config(lambda name, default: _field(reader, f"{arch}.{name}", default), config)
+    if key("expert_count", None):  # a mixture of experts
+        config.num_experts, config.num_experts_per_tok = (
+            int(key("expert_count")),
+            int(key("expert_used_count", 2)),
+        )
+        experts = key("expert_feed_forward_length", None)
+        config.moe_intermediate_size = int(experts) if experts else None
     tensors = _unfused(tensors, config, path)
     check_model(config, tensors, path, fields)
     rope = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors if t.name in _ROPE_TENSORS}
@@ -188,6 +202,12 @@ def gguf_weights(
         fused, qtype = arch.hf_name(t.name), t.tensor_type.name
         if fused is None:  # RoPE tensors: read into config.rope_scaling by gguf_header
             continue
+        if "{e}" in fused:  # experts stacked in one tensor: each one's rows under its own name
+            for e in range(int(t.shape[-1])):
+                state.update(
+                    _tensor(np.asarray(t.data)[e], t.tensor_type, fused.format(e=e), config, dtype, quantized)
+                )
+            continue
         rows = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
         pieces = unfuse(fused, rows, parts) or [(fused, slice(0, rows))]
         # by the model's names: a fused tensor (Phi-3's attn_qkv) stays quantized as its parts do
@@ -213,6 +233,16 @@ def gguf_weights(
             state[name] = to_rope_layout(name, piece, config) if permute else piece
     logger.info("loaded %d tensors from %s", len(state), path)
     return state
+
+
+def _tensor(
+    data: np.ndarray, kind: Any, name: str, config: ModelConfig, dtype: torch.dtype, quantized: bool
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """One expert's matrix of a stacked tensor, kept quantized or dequantized (no RoPE rows in it)."""
+    qtype = kind.name
+    if quantized and stays_quantized(name, qtype):
+        return {name: QuantWeight(*pack(*split_blocks(data, qtype), NATIVE[qtype]), qtype)}
+    return {name: torch.from_numpy(np.array(dequantize(data, kind), np.float32)).to(dtype)}
 
 
 def load_gguf(

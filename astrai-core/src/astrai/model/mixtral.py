@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from astrai.model.architecture import GGUF_BLOCK, GGUF_TOP, Architecture
 from astrai.model.decoder import DecoderLM
 from astrai.model.layers import DecoderLayer
+from astrai.model.moe import GGUF_EXPERTS
 from astrai.model.qwen3_moe import moe_mlp
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ MIXTRAL = Architecture(
     "mixtral",
     MixtralForCausalLM,
     GGUF_TOP,
-    GGUF_BLOCK,
+    GGUF_BLOCK | GGUF_EXPERTS,
     gguf_rope_interleaved=True,
     hf_renames=(
         (r"\.block_sparse_moe\.", ".mlp."),

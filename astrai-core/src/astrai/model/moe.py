@@ -19,6 +19,15 @@ from torch import nn
 
 from astrai.model.layers import GatedMLP
 
+#: llama.cpp's mixture-of-experts tensors: the router, and every expert of a kind stacked in one
+#: tensor (``{e}``: the GGUF loader enters each expert under its own name)
+GGUF_EXPERTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+
 
 class SparseMoE(nn.Module):
     """``sum_k w_k * expert_k(x)`` over each token's ``top_k`` experts."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from astrai.model.architecture import GGUF_BLOCK, GGUF_QK_NORM, GGUF_TOP, Architecture
 from astrai.model.decoder import DecoderLM
 from astrai.model.layers import Attention, DecoderLayer, RMSNorm
-from astrai.model.moe import SparseMoE
+from astrai.model.moe import GGUF_EXPERTS, SparseMoE
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,6 +40,11 @@ class Qwen3MoeForCausalLM(DecoderLM):
 
 
 QWEN3_MOE = Architecture(
-    "qwen3_moe", Qwen3MoeForCausalLM, GGUF_TOP, GGUF_BLOCK | GGUF_QK_NORM, gguf_rope_interleaved=False
+    "qwen3_moe",
+    Qwen3MoeForCausalLM,
+    GGUF_TOP,
+    GGUF_BLOCK | GGUF_QK_NORM | GGUF_EXPERTS,
+    gguf_rope_interleaved=False,
+    aliases=("qwen3moe",),  # llama.cpp's name
 )
 """Qwen3-MoE's ``astrai.models`` entry point."""
