@@ -141,3 +141,31 @@ def test_dense_layers_among_sparse_ones_as_the_config_says(tmp_path) -> None:
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(forward_all(model, ids, [len(ids)]), want, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_experts_give_a_row_the_same_bits_in_any_batch(family_gguf) -> None:
+    """Experts kept in Q8_0 blocks run on the kernel's quant_linear (astrai-backend-cpu's where this
+    CPU has one, else the reference), whose rows do not depend on their batch: routed the same, a
+    row's output is the same bits alone and among others, whichever experts the others chose. (The
+    router is a dense float GEMM, as batch-dependent as the model's other dense linears on a CPU
+    without astrai-backend-cpu's packed kernel.)"""
+    from families import load_astrai
+
+    from astrai.extension.backend.policy import get_registry
+
+    get_registry()  # the installed kernels, as a served model has them
+    path, _ = family_gguf("qwen3_moe", "Q8_0")
+    layer = load_astrai(path, quantized=True).model.layers[0].mlp
+    assert isinstance(layer, SparseMoE)
+    x = torch.randn(12, layer.gate.in_features)
+    with torch.no_grad():
+        weights, ids = layer.route(x)
+
+        def run(rows: slice) -> torch.Tensor:
+            layer.route = lambda _: (weights[rows], ids[rows])
+            return layer(x[rows])
+
+        whole = run(slice(0, 12))
+        alone = torch.cat([run(slice(i, i + 1)) for i in range(12)])
+        pairs = torch.cat([run(slice(i, i + 2)) for i in range(0, 12, 2)])
+    assert torch.equal(whole, alone) and torch.equal(whole, pairs)
