@@ -137,7 +137,7 @@ def main() -> int:
         code = family_bench.main()
     result = json.loads(buffer.getvalue())
     result["config"]["moe_model"] = {**model, "gguf": str(path), "file_bytes": os.path.getsize(path)}
-    for name, system in result.get("headline", {}).get(str(path), {}).items():
+    for system in result.get("headline", {}).get(str(path), {}).values():
         if isinstance(system, dict) and system.get("rss_mib"):
             system["rss_over_tensor_bytes"] = system["rss_mib"] * 2**20 / os.path.getsize(path)
     print(json.dumps(result, indent=2))
