@@ -249,3 +249,22 @@ def test_calls_stream_as_prefixes_of_the_final_calls(case: str) -> None:
     assert all(c.arguments == s[2] for c, s in zip(final, seen, strict=False))
     if seen:
         assert first_seen_at[0] < len(text) - 1  # the first call went out before the answer's end
+
+
+def test_a_parser_written_with_parse_still_reads_whole_answers() -> None:
+    """A ``HeldToolParser`` subclass from before streamed calls (it overrides ``parse``, no
+    ``open_call``) keeps working: its calls come from its ``parse`` at the end."""
+    from astrai.protocol import ToolCall
+    from astrai.tool_parsers.held import HeldToolParser
+
+    class Old(HeldToolParser):
+        name = "old"
+        markers = ("<call>",)
+
+        def parse(self, text: str) -> tuple[str, list]:
+            at = text.find("<call>")
+            return (text[:at], [ToolCall("call_1", text[at + 6 :].strip(), "{}")]) if at >= 0 else (text, [])
+
+    parser = Old({"add"})
+    released = parser.push("Sure. <call> add")
+    assert (released, [c.name for c in parser.finish()[1]]) == ("Sure. ", ["add"])

@@ -104,8 +104,11 @@ class HeldToolParser(ToolParser):
         return new_id("call_")
 
     def parse_text(self, text: str) -> tuple[str, list[ToolCall]]:
-        """``parse`` of a whole answer whose calls are not in the usual shape (nothing committed)."""
-        raise NotImplementedError
+        """``parse`` of a whole answer whose calls are not in the usual shape (nothing committed).
+        A parser written before streamed calls overrides ``parse`` instead: that is used then."""
+        if type(self).parse is not HeldToolParser.parse:
+            return self.parse(text)
+        raise NotImplementedError(f"{type(self).__name__} implements neither parse_text nor parse")
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """What the stream of ``text`` gives: its calls, and the text before them."""
