@@ -155,6 +155,7 @@ def main() -> int:
     }
     for model in args.models.split(","):
         gguf = resolve_model(model)[1]
+        label = Path(model).name  # a shipped name, or a GGUF file's name (server and log names)
         prompts = prompts_for(gguf)
         loads = [  # quant_bench's, each request's user turn sent as the prompt
             dataclasses.replace(w, requests=[m[-1]["content"] for m in w.requests])
@@ -166,8 +167,8 @@ def main() -> int:
             "prompt_tokens": {w.name: [prompts.count(text) for text in w.requests] for w in loads},
         }
         systems = {
-            "astrai": lambda port, model=model: bench.System(
-                f"astrai-{model}",
+            "astrai": lambda port, model=model, label=label: bench.System(
+                f"astrai-{label}",
                 [*astrai, model, "--host", "127.0.0.1", "--port", str(port)],
                 "astrai",
                 {"ignore_eos": True},
@@ -175,8 +176,8 @@ def main() -> int:
             )
         }
         if not args.no_peer:
-            systems["llama_server"] = lambda port, model=model, gguf=gguf: bench.System(
-                f"llama_server-{model}",
+            systems["llama_server"] = lambda port, model=model, gguf=gguf, label=label: bench.System(
+                f"llama_server-{label}",
                 [
                     "env",
                     f"PEER_GGUF={gguf}",

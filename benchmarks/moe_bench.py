@@ -123,7 +123,17 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     out = args.out or Path(tempfile.mkdtemp(prefix="moe-bench-"))
     path = out / f"qwen3moe-{args.size}-q8_0.gguf"
-    model = write_moe_gguf(path, SIZES[args.size]) if not path.exists() else {"reused": True}
+    if path.exists():  # written by an earlier run: its shape and tensor bytes from the file
+        from gguf import GGUFReader
+
+        tensors = GGUFReader(str(path)).tensors
+        model = {
+            **SIZES[args.size],
+            "tensor_bytes": int(sum(int(t.n_bytes) for t in tensors)),
+            "reused": True,
+        }
+    else:
+        model = write_moe_gguf(path, SIZES[args.size])
     argv = ["family_bench.py", "--models", str(path), "--workloads", str(path)]
     argv += ["--quick"] * args.quick + ["--no-peer"] * args.no_peer
     import family_bench  # beside this file
@@ -137,9 +147,9 @@ def main() -> int:
         code = family_bench.main()
     result = json.loads(buffer.getvalue())
     result["config"]["moe_model"] = {**model, "gguf": str(path), "file_bytes": os.path.getsize(path)}
-    for system in result.get("headline", {}).get(str(path), {}).values():
-        if isinstance(system, dict) and system.get("rss_mib"):
-            system["rss_over_tensor_bytes"] = system["rss_mib"] * 2**20 / os.path.getsize(path)
+    for name, system in result.get("headline", {}).get(str(path), {}).items():
+        if name in ("astrai", "llama_server") and system.get("rss_mib"):  # the resident set / the weights
+            system["rss_over_tensor_bytes"] = system["rss_mib"] * 2**20 / model["tensor_bytes"]
     print(json.dumps(result, indent=2))
     return code
 

@@ -169,3 +169,30 @@ def test_quantized_experts_give_a_row_the_same_bits_in_any_batch(family_gguf) ->
         alone = torch.cat([run(slice(i, i + 1)) for i in range(12)])
         pairs = torch.cat([run(slice(i, i + 2)) for i in range(0, 12, 2)])
     assert torch.equal(whole, alone) and torch.equal(whole, pairs)
+
+
+def test_the_grouped_kernel_gives_the_per_expert_loops_bits(family_gguf) -> None:
+    """Where a kernel lends ``quant_experts`` (astrai-backend-cpu), the quantized experts of a step run
+    in two calls; the layer's output is the same bits as one ``quant_linear`` per expert, for a
+    decode-sized step (experts as the parallel work) and a prefill-sized one (each in turn)."""
+    from families import load_astrai
+
+    from astrai.extension.backend.policy import get_registry
+    from astrai.extension.fused import kernel_for
+
+    get_registry()
+    path, _ = family_gguf("qwen3_moe", "Q8_0")
+    layer = load_astrai(path, quantized=True).model.layers[0].mlp
+    with torch.no_grad():
+        lent = kernel_for("quant_experts", torch.zeros(1, 1))
+    if lent is None:
+        pytest.skip("no installed kernel lends quant_experts on this machine (astrai-backend-cpu builds it)")
+    assert layer._grouped() is not None
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, layer.gate.in_features)
+        with torch.inference_mode():  # as the model runs (the kernel's threads take the mode too)
+            grouped = layer(x)
+            layer._packed = None  # the per-expert loop
+            looped = layer(x)
+            del layer._packed
+        assert torch.equal(grouped, looped), rows

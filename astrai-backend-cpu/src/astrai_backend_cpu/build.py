@@ -41,6 +41,7 @@ SOURCES = [
         "decode_stack.cpp",
         "quant.cpp",
         "quant_avx2.cpp",
+        "experts.cpp",
     )
 ]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only

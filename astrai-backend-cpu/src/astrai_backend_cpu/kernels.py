@@ -1,4 +1,5 @@
-"""The plugin's fused kernels: rotary, the norms, ``linear``, ``decoder_layers``, ``quant_linear``.
+"""The plugin's fused kernels: rotary, the norms, ``linear``, ``decoder_layers``, ``quant_linear``,
+``quant_experts``.
 
 ``fused_kernels(CpuBackend)`` makes them; ``CpuBackend.kernels("cpu")`` lends them to the model
 (the contract of each op is ``AttentionBackend.kernels``'s).
@@ -118,6 +119,20 @@ class QuantLinearKernel:
         return torch.ops.astrai_cpu.quant_dequant(packed, layout, ids, dtype)
 
 
+class QuantExpertsKernel:
+    """The ``quant_experts`` kernel on ``astrai_cpu::quant_experts`` (see ``csrc/experts.cpp``): one
+    projection of every chosen expert of a mixture-of-experts layer in one call, on the rows of
+    each sorted by expert; the dtypes of ``quant_linear``'s build."""
+
+    def __init__(self, quant: QuantLinearKernel) -> None:
+        self.dtypes = quant.dtypes
+
+    def __call__(
+        self, x: torch.Tensor, offsets: torch.Tensor, packed: list[torch.Tensor], layout: list[int]
+    ) -> torch.Tensor:
+        return torch.ops.astrai_cpu.quant_experts(x, offsets, packed, layout)
+
+
 def fused_kernels(backend: type) -> dict[str, Kernel]:
     """``{op: kernel}`` of the fused CPU kernels (rotary: bf16 only, by its dispatch rule); new
     kernel objects on each call (the backend asks once per instance).
@@ -136,6 +151,7 @@ def fused_kernels(backend: type) -> dict[str, Kernel]:
     quant = QuantLinearKernel() if ops.has_quant_linear() else None
     if quant is not None:
         lent["quant_linear"] = quant
+        lent["quant_experts"] = QuantExpertsKernel(quant)
     if ops.has_linear_packed():  # the compiler targeted AVX512-BF16: small-batch GEMMs at the read bandwidth
         linear = LinearKernel()
         lent["linear"] = linear

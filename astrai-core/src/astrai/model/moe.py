@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from astrai.extension.fused import kernel_for, silu_and_mul
 from astrai.model.layers import GatedMLP
+from astrai.model.quant import QuantizedLinear
 
 #: llama.cpp's mixture-of-experts tensors: the router, and every expert of a kind stacked in one
 #: tensor (``{e}``: the GGUF loader enters each expert under its own name)
@@ -55,13 +57,50 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    def _grouped(self) -> tuple[list, list[int], list, list[int]] | None:
+        """The experts' packed gate_up and down weights and their layouts, when every expert holds
+        its fused projections as one quantized block of the same layout (``quant_experts``)."""
+        if getattr(self, "_packed", False) is not False:
+            return self._packed
+        self._packed = None
+        parts = [(getattr(e, "gate_up_proj", None), e.down_proj) for e in self.experts]
+        if all(isinstance(g, QuantizedLinear) and isinstance(d, QuantizedLinear) for g, d in parts):
+            gate_up = [g.segments for g, _ in parts]
+            down = [d.segments for _, d in parts]
+            if all(len(s) == 1 and s[0][1] == gate_up[0][0][1] for s in gate_up) and all(
+                len(s) == 1 and s[0][1] == down[0][0][1] for s in down
+            ):
+                self._packed = (
+                    [s[0][0] for s in gate_up],
+                    gate_up[0][0][1].ints(),
+                    [s[0][0] for s in down],
+                    down[0][0][1].ints(),
+                )
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows_of = order // self.top_k
         scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        kernel = kernel_for("quant_experts", x)
+        grouped = self._grouped() if kernel is not None and x.dtype in kernel.dtypes else None
+        if grouped is not None:  # every chosen expert's projection in one call, no loop here
+            gate_up, gate_up_layout, down, down_layout = grouped
+            offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
+            torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0, out=offsets[1:])
+            h = kernel(x.index_select(0, rows_of), offsets, gate_up, gate_up_layout)
+            first = self.experts[0]  # (as GatedMLP computes its activation)
+            if first.act_name == "silu":
+                h = silu_and_mul(h)
+            else:
+                gate, up = h.chunk(2, dim=-1)
+                h = first.act(gate) * up
+            y = kernel(h.contiguous(), offsets, down, down_layout) * scale
+            out = torch.zeros_like(x).index_add_(0, rows_of, y)
+            return out if self.reduce is None else self.reduce(out)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 #: The ops a backend may lend a kernel for (``AttentionBackend.kernels`` gives each one's contract).
 OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
+OPS += ("quant_experts",)
 
 #: A fused kernel: a callable, or an object with the methods and attributes its op names.
 Kernel = Callable[..., Any]
@@ -110,6 +111,12 @@ class AttentionBackend(ABC):
           most rows it takes, more go to ``wide(x, packed, layout, bias)`` when it has one, else to
           ``weight_t(packed, layout, dtype)`` (the weight dequantized, ``[K, N]``) and oneDNN;
           ``rows(packed, layout, ids, dtype)``: rows of the weight dequantized (embedding lookups).
+        - ``quant_experts``: ``kernel(x, offsets, packed, layout)``: one projection of a
+          mixture-of-experts layer's chosen experts in one call (``astrai.model.moe``): ``x [R, K]``
+          the rows sorted by expert, expert ``e``'s rows ``offsets[e]:offsets[e + 1]`` (int64,
+          ``[experts + 1]``), ``packed`` one tile-layout weight per expert, all of ``layout``;
+          each row's result ``quant_linear``'s on that row (no bias), ``[R, N]``; ``dtypes`` as
+          ``quant_linear``'s.
         - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
           hidden]``, the rotary rows ``freqs [1, T, head_dim/2, 2]`` and the step's ``KVCache``: runs
           all of ``model``'s decoder layers (writing the step's K/V as they would) and returns the
