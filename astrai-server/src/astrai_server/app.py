@@ -160,14 +160,14 @@ async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
     if task.done():
         return task.result()
     task.cancel()
+    try:
+        await task  # the cancelled work withdrawn (a grammar compile's worker freed) before the log says so
+    except (asyncio.CancelledError, Exception):
+        pass
     logger.info(
         "client of request %s left before its request was submitted: abandoned",
         getattr(request.state, "request_id", "?"),
     )
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):
-        pass
     return None
 
 
