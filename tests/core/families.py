@@ -28,8 +28,8 @@ SIZES = dict(
 NEAR_TIE = 1e-3
 
 FAMILIES = ["qwen3", "gemma3", "gemma2", "mistral", "ministral", "phi3", "llama3"]
-#: mixture-of-experts families (HF checkpoints; their GGUF form is not written here yet)
-MOE_FAMILIES = ["qwen3_moe", "mixtral"]
+#: mixture-of-experts families (Qwen2-MoE with its shared expert)
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def hf_config(family: str):
@@ -42,6 +42,9 @@ def hf_config(family: str):
     if family == "qwen3_moe":  # every layer sparse, as Qwen3-30B-A3B (and all llama.cpp can write)
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
         return tf.Qwen3MoeConfig(**SIZES, num_hidden_layers=2, **moe)
+    if family == "qwen2_moe":  # routed experts (weights not renormalised) beside a shared expert
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False)
+        return tf.Qwen2MoeConfig(**SIZES, num_hidden_layers=2, shared_expert_intermediate_size=96, **moe)
     if family == "mixtral":
         return tf.MixtralConfig(**SIZES, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
     if family == "mistral":

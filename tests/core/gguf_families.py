@@ -14,6 +14,8 @@ writes, and each family's tensor changes:
 - ``gemma2``, ``gemma3``: every ``*norm.weight`` stored as ``1 + weight``; Gemma 2's soft-caps and
   window and no RoPE base, no ``lm_head``; Gemma 3's window and the local layers' RoPE base
   (``rope.freq_base_swa``), no window pattern (llama.cpp's loader assumes every sixth layer global);
+- ``qwen3_moe``, ``qwen2_moe``, ``mixtral``: every expert of a layer and kind stacked in one
+  ``ffn_{gate,up,down}_exps`` tensor, the routers (and Qwen2-MoE's shared-expert gate) in F32;
 - ``phi3``: the fused ``attn_qkv`` and ``ffn_up`` (gate and up), ``rope.dimension_count`` the rotated
   dims, the LongRoPE factors as ``rope_factors_long``/``rope_factors_short`` with
   ``rope.scaling.attn_factor`` and the original context length.
@@ -176,14 +178,17 @@ def _phi3(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _experts(w: GGUFWriter, hp: dict[str, Any]) -> None:
-    """The mixture-of-experts keys (``Qwen3MoeModel``, ``MixtralModel`` (as ``LlamaModel``))."""
+    """The mixture-of-experts keys (``Qwen2MoeModel``, ``Qwen3MoeModel``, ``MixtralModel`` (as
+    ``LlamaModel``))."""
     w.add_expert_count(hp.get("num_experts") or hp["num_local_experts"])
     w.add_expert_used_count(hp["num_experts_per_tok"])
     if hp.get("moe_intermediate_size"):
         w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if hp.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
 
 
-def _qwen3_moe(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
+def _qwen_moe(w: GGUFWriter, hp: dict[str, Any]) -> dict[str, np.ndarray]:
     _common(w, hp)
     _experts(w, hp)
     return {}
@@ -230,7 +235,8 @@ CONVERTERS = {
     "gemma2": Converter("gemma2", _gemma2, norm_shift=1.0, drops=("lm_head.weight",)),
     "gemma3_text": Converter("gemma3", _gemma3, norm_shift=1.0, reading=_gemma3_reading),
     "phi3": Converter("phi3", _phi3),
-    "qwen3_moe": Converter("qwen3moe", _qwen3_moe),
+    "qwen3_moe": Converter("qwen3moe", _qwen_moe),
+    "qwen2_moe": Converter("qwen2moe", _qwen_moe),
     "mixtral": Converter("llama", _mixtral, permute_qk=True),
 }
 

@@ -14,7 +14,7 @@ from astrai.model.moe import SparseMoE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-HIDDEN, INTER, EXPERTS = 32, 24, 6
+HIDDEN, INTER, EXPERTS, SHARED = 32, 24, 6, 40
 
 
 def _pair(family: str):
@@ -31,6 +31,15 @@ def _pair(family: str):
             norm_topk_prob=False,
         )
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+    elif family == "qwen2_moe":  # with a shared expert
+        config = tf.Qwen2MoeConfig(
+            hidden_size=HIDDEN,
+            moe_intermediate_size=INTER,
+            shared_expert_intermediate_size=SHARED,
+            num_experts=EXPERTS,
+            num_experts_per_tok=2,
+        )
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
     else:
         config = tf.MixtralConfig(
             hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS, num_experts_per_tok=2
@@ -40,8 +49,12 @@ def _pair(family: str):
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
-    ours = SparseMoE(HIDDEN, INTER, EXPERTS, 2, norm_topk=family == "mixtral")
+    shared = SHARED if family == "qwen2_moe" else 0
+    ours = SparseMoE(HIDDEN, INTER, EXPERTS, 2, norm_topk=family == "mixtral", shared=shared)
     with torch.no_grad():
+        if shared:
+            ours.shared_expert.load_state_dict(block.shared_expert.state_dict())
+            ours.shared_expert_gate.weight.copy_(block.shared_expert_gate.weight)
         ours.gate.weight.copy_(block.gate.weight)
         for e, expert in enumerate(ours.experts):
             gate, up = block.experts.gate_up_proj[e].chunk(2)
@@ -51,7 +64,7 @@ def _pair(family: str):
     return block, ours
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_the_layer_is_transformers_block(family: str) -> None:
     block, ours = _pair(family)
     x = torch.randn(37, HIDDEN)
@@ -60,6 +73,29 @@ def test_the_layer_is_transformers_block(family: str) -> None:
         want = (want[0] if isinstance(want, tuple) else want)[0]
         torch.testing.assert_close(ours(x), want, atol=1e-6, rtol=1e-5)
         ours.fuse()  # gate and up in one GEMM per expert
+        torch.testing.assert_close(ours(x), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_routing_ties_break_as_transformers_breaks_them(family: str) -> None:
+    """Experts 2 and 4 share a router row, so every token's second choice is an exact tie between them
+    (and 1 and 3 tie for last): the expert chosen, its weight and the layer's output are transformers'."""
+    block, ours = _pair(family)
+    v = torch.randn(HIDDEN)
+    rows = torch.stack([a * v for a in (2.0, -1.0, 1.0, -1.0, 1.0, 0.0)])
+    with torch.no_grad():
+        block.gate.weight.copy_(rows)
+        ours.gate.weight.copy_(rows)
+    x = torch.randn(24, HIDDEN)
+    x = x * (x @ v).sign().unsqueeze(1)  # v . x > 0: expert 0 first, then the tie of 2 and 4
+    with torch.no_grad():
+        _, want_weights, want_ids = block.gate(x)
+        weights, ids = ours.route(x)
+        assert torch.equal(want_ids[:, 0], torch.zeros(24, dtype=torch.long))
+        assert set(want_ids[:, 1].tolist()) <= {2, 4}
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+        want = block(x.unsqueeze(0))
+        want = (want[0] if isinstance(want, tuple) else want)[0]
         torch.testing.assert_close(ours(x), want, atol=1e-6, rtol=1e-5)
 
 

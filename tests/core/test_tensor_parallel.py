@@ -199,12 +199,12 @@ def test_an_idle_engine_outlives_its_collective_timeout(tiny_model, tiny_tokeniz
         engine.shutdown()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen3", "qwen2_moe"])
 def test_a_two_way_split_of_a_family_gguf_gives_the_single_process_logits(family_gguf, family):
     """Each worker reads the family's GGUF file (``gguf_families``), rank 0 its tokenizer too: Gemma 3's
     per-head q/k norms, local RoPE base, windows and scaled embeddings, Phi-3's fused tensors cut apart
-    before the split and its partial rotary, Qwen3's q/k norms, Qwen3-MoE's experts (each split in two,
-    the router whole); float32 logits of a prefill and three decode steps equal one process's."""
+    before the split and its partial rotary, Qwen3's q/k norms, Qwen2-MoE's experts (each split in two,
+    the router whole) and its shared expert (split as a dense MLP, its gate whole); float32 logits of a prefill and three decode steps equal one process's."""
     from families import load_astrai
 
     path, _ = family_gguf(family)

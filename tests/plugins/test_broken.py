@@ -40,7 +40,7 @@ def test_selecting_a_broken_architecture_raises_its_error() -> None:
         get_architecture("broken_arch")
     with pytest.raises(
         ModelNotFound,
-        match="'gpt2' is not supported; misspelled or not installed\\? Installed: gemma2, gemma3, gemma3_text, llama, ministral, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe$",
+        match="'gpt2' is not supported; misspelled or not installed\\? Installed: gemma2, gemma3, gemma3_text, llama, ministral, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe$",
     ):
         get_architecture("gpt2")
 

@@ -53,6 +53,9 @@ def _problem(config: ModelConfig, n: int) -> str | None:
     experts = config.moe_intermediate_size
     if config.num_experts and experts and experts % n:
         return f"each expert's {experts} intermediate rows do not divide into {n}"
+    shared = config.shared_expert_intermediate_size
+    if config.num_experts and shared % n:
+        return f"the shared expert's {shared} intermediate rows do not divide into {n}"
     return None
 
 
@@ -82,6 +85,7 @@ def shard_config(config: ModelConfig, n: int) -> ModelConfig:
         num_key_value_heads=max(1, config.num_key_value_heads // n),
         intermediate_size=config.intermediate_size // n,
         moe_intermediate_size=config.moe_intermediate_size and config.moe_intermediate_size // n,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // n,
     )
 
 
@@ -116,10 +120,12 @@ def shard_weights(
     mlp_rows = slice(rank * inter // n, (rank + 1) * inter // n)
     expert = config.moe_intermediate_size or inter
     expert_rows = slice(rank * expert // n, (rank + 1) * expert // n)
+    shared = config.shared_expert_intermediate_size
+    shared_rows = slice(rank * shared // n, (rank + 1) * shared // n)
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
-        rows = expert_rows if ".experts." in name else mlp_rows
+        rows = expert_rows if ".experts." in name else shared_rows if ".shared_expert." in name else mlp_rows
         if leaf == "q_proj":
             part = w[q_rows]
         elif leaf in ("k_proj", "v_proj"):

@@ -47,14 +47,17 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (Gemma); None: head_dim
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
-    # Mixture of experts (Qwen3-MoE, Mixtral): ``num_experts`` routed experts of
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): ``num_experts`` routed experts of
     # ``moe_intermediate_size`` each, ``num_experts_per_tok`` chosen per token, their weights
-    # renormalised over the chosen (``norm_topk_prob``); a layer is sparse when it is not in
-    # ``mlp_only_layers`` and its number plus one is a multiple of ``decoder_sparse_step``
+    # renormalised over the chosen (``norm_topk_prob``), and a gated shared expert of
+    # ``shared_expert_intermediate_size`` rows where that is not 0 (Qwen2-MoE); a layer is sparse
+    # when it is not in ``mlp_only_layers`` and its number plus one is a multiple of
+    # ``decoder_sparse_step``
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
 

@@ -125,6 +125,7 @@ def _family_fields(cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
         fields["moe_intermediate_size"] = int(size) if size else None
         fields["norm_topk_prob"] = bool(full.get("norm_topk_prob", True))
         fields["decoder_sparse_step"] = int(full.get("decoder_sparse_step") or 1)
+        fields["shared_expert_intermediate_size"] = int(full.get("shared_expert_intermediate_size") or 0)
         fields["mlp_only_layers"] = [int(i) for i in full.get("mlp_only_layers") or ()]
     return fields
 
@@ -162,7 +163,7 @@ def hf_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", architecture.attention_bias)),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", architecture.attention_bias))),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             name=folder.name,

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 from astrai.model.architecture import GGUF_BLOCK, GGUF_TOP, Architecture
 from astrai.model.decoder import DecoderLM
 from astrai.model.layers import DecoderLayer
-from astrai.model.moe import GGUF_EXPERTS
-from astrai.model.qwen3_moe import moe_mlp
+from astrai.model.moe import GGUF_EXPERTS, moe_mlp
 
 if TYPE_CHECKING:
     from torch import nn

@@ -9,26 +9,12 @@ from typing import TYPE_CHECKING
 from astrai.model.architecture import GGUF_BLOCK, GGUF_QK_NORM, GGUF_TOP, Architecture
 from astrai.model.decoder import DecoderLM
 from astrai.model.layers import Attention, DecoderLayer, RMSNorm
-from astrai.model.moe import GGUF_EXPERTS, SparseMoE
+from astrai.model.moe import GGUF_EXPERTS, moe_mlp
 
 if TYPE_CHECKING:
     from torch import nn
 
     from astrai.model.config import ModelConfig
-
-
-def moe_mlp(config: ModelConfig, layer_id: int) -> nn.Module | None:
-    """Layer ``layer_id``'s mixture of experts, or None where the config keeps a dense MLP."""
-    if not config.sparse(layer_id):
-        return None
-    return SparseMoE(
-        config.hidden_size,
-        config.moe_intermediate_size or config.intermediate_size,
-        config.num_experts,
-        config.num_experts_per_tok,
-        config.norm_topk_prob,
-        config.hidden_act,
-    )
 
 
 class Qwen3MoeForCausalLM(DecoderLM):
