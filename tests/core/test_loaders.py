@@ -672,6 +672,23 @@ def test_parameter_shapes_are_the_shapes_of_the_model_built(tiny_model):
         assert type(model).parameter_shapes(config) == built
 
 
+def test_a_model_built_for_loading_holds_no_parameter_until_its_weights_come(tiny_model):
+    """``build_model(random_init=False)``: every parameter on the meta device (a mixture of experts kept
+    quantized never exists in float), the RoPE table real; ``load_weights`` gives each parameter its
+    tensor (a copy, in the model's dtype) and ties the LM head to the embeddings again."""
+    from astrai.model import build_model
+
+    config = dataclasses.replace(tiny_model.config, tie_word_embeddings=True)
+    model = build_model(config, torch.bfloat16, random_init=False)
+    assert all(p.is_meta for p in model.parameters())
+    assert not model.rotary.freqs_cis.is_meta and model.rotary.freqs_cis.dtype == torch.float32
+    weights = {name: torch.randn(shape) for name, shape in type(model).parameter_shapes(config).items()}
+    model.load_weights(weights)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, weights[name].bfloat16()), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_the_rotary_table_is_sized_by_the_context_served(tiny_model):
     from astrai.model import build_model
 

@@ -88,13 +88,13 @@ def build_shard(
     """Rank ``groups.rank``'s shard of the checkpoint, fused (and packed where the CPU can)."""
     from astrai.model import build_model
     from astrai.model.cpu_linear import prepack_linears, prepack_supported
+    from astrai.model.layers import meta_parameters
 
     cfg = shard_config(config, groups.size)
     cfg.tie_word_embeddings = False  # the LM head is a vocabulary slice, the embeddings whole
-    model = build_model(cfg, dtype, device)
-    model.lm_head = nn.Linear(cfg.hidden_size, lm_rows(cfg.vocab_size, groups.size), bias=False).to(
-        dtype=dtype, device=device
-    )
+    model = build_model(cfg, dtype, device, random_init=False)  # (parameters on meta until loaded)
+    with meta_parameters():
+        model.lm_head = nn.Linear(cfg.hidden_size, lm_rows(cfg.vocab_size, groups.size), bias=False).to(dtype)
     model.load_weights(
         {k: v.to(device) for k, v in shard_weights(weights, config, groups.size, groups.rank).items()}
     )

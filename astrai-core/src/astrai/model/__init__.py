@@ -7,7 +7,6 @@ then reads the weights: a malformed or oversized checkpoint is refused before an
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -23,7 +22,7 @@ from astrai.model.checkpoint import Checkpoint, open_checkpoint, read_weights
 from astrai.model.config import ModelConfig
 from astrai.model.cpu_linear import prepack_linears, prepack_supported
 from astrai.model.detokenizer import IncrementalDecoder
-from astrai.model.layers import zero_init
+from astrai.model.layers import meta_parameters
 from astrai.model.llama import LlamaForCausalLM
 from astrai.model.tokenizer import Tokenizer
 
@@ -76,16 +75,24 @@ def build_model(
 
     The class comes from the ``astrai.models`` entry point of that name (built-ins:
     ``llama``, ``qwen2``). Parameters take ``dtype``; the RoPE table stays float32
-    whatever the dtype. ``random_init=False``: linears and embeddings start at zero (for a
-    caller that loads every parameter next). ``max_seq_len``: the longest context the model
+    whatever the dtype. ``random_init=False``: the parameters are on the meta device, taking no
+    memory, for a caller that loads every one next (``load_weights`` materialises them on the
+    checkpoint's tensors' device). ``max_seq_len``: the longest context the model
     will serve; the model's config (``max_position_embeddings``) and its rotary table are
     capped at it, so a checkpoint's huge context length costs nothing it does not serve.
     Raises ModelNotFound for an architecture nobody provides.
     """
     config = served_config(config, max_seq_len)
     cls = get_architecture(config.architecture).model_class
-    with contextlib.nullcontext() if random_init else zero_init():
+    if random_init:
         model = cls(config).to(device)
+    else:
+        with meta_parameters():
+            model = cls(config)
+        for module in model.modules():  # the buffers (RoPE tables) are real
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
     for p in model.parameters():  # parameters only: buffers (the RoPE table) stay float32
         p.data = p.data.to(dtype)
     return model.eval()

@@ -135,7 +135,9 @@ class DecoderLM(nn.Module):
             layer.mlp.fuse()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy a loader's state dict in; raises ``ValueError`` on missing or unexpected names."""
+        """Copy a loader's state dict in; raises ``ValueError`` on missing or unexpected names. A
+        parameter on the meta device (``build_model(random_init=False)``) becomes a copy of its
+        tensor, in the parameter's dtype, on the tensor's device."""
         own = dict(self.named_parameters(remove_duplicate=True))
         if self.config.tie_word_embeddings:
             own.pop("lm_head.weight", None)
@@ -153,4 +155,14 @@ class DecoderLM(nn.Module):
                     raise ValueError(
                         f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(param.shape)}"
                     )
-                param.copy_(src)
+                if param.is_meta:
+                    owner, _, leaf = name.rpartition(".")
+                    value = torch.empty(src.shape, dtype=param.dtype, device=src.device)
+                    value.copy_(src)
+                    module = self.get_submodule(owner)
+                    module._parameters[leaf] = nn.Parameter(value, requires_grad=param.requires_grad)
+                else:
+                    param.copy_(src)
+        head = getattr(self.lm_head, "weight", None)
+        if self.config.tie_word_embeddings and head is not None and head.is_meta:
+            self.lm_head.weight = self.model.embed_tokens.weight
