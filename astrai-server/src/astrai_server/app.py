@@ -49,6 +49,7 @@ from astrai_server.body import (
 )
 from astrai_server.config import ServerSettings
 from astrai_server.edge import install as install_edge
+from astrai_server.embeddings import embeddings_endpoint, refuse_embedder
 from astrai_server.errors import RETRY_AFTER_SECONDS, HTTPProblem, public_message, status_for
 from astrai_server.fit import TextBound, refuse_oversized, text_bound
 from astrai_server.handler import ProtocolHandler, count_choices, refuse_unknown
@@ -90,6 +91,10 @@ def create_app(
         plugins = getattr(engine, "plugins", None) or PluginManager.discover()
     app = FastAPI(title="astrai", docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json: below
     app.state.engine, app.state.settings, app.state.plugins = engine, settings, plugins
+    app.state.embedders = {}  # served name -> EmbeddingEngine (--embedding-model; astrai_server.loader)
+    for builder in builders:
+        if hasattr(builder, "embedders"):  # a protocol that lists models lists these too (OpenAI's)
+            builder.embedders = app.state.embedders
     install_edge(app, settings)  # request ids, access log, in-flight count, CORS, API keys (edge.py)
     # a hook plugin: an engine made with ``plugins`` from now on reports its requests to it (metrics.py)
     app.state.metrics = ServerMetrics(settings.served_model_name, lambda: app.state.engine)
@@ -106,6 +111,7 @@ def create_app(
                 path, _json_endpoint(builder, model, body), methods=["POST"], name=f"{builder.name}:{path}"
             )
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
+    app.add_api_route("/v1/embeddings", embeddings_endpoint(_check_key), methods=["POST"], name="embeddings")
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/stats", _stats, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
@@ -310,6 +316,7 @@ def _protocol_endpoint(builder: ResponseBuilder) -> Any:
                 _parse, builder, raw, None, request.app.state.engine, settings.max_choices
             )
             del raw
+            refuse_embedder(getattr(parsed, "model", None), request.app.state.embedders)
             parsers = Parsers(settings.reasoning_parser, settings.tool_call_parser)
             handler = ProtocolHandler(
                 builder, _ready_engine(request), request.state, settings.max_choices, parsers

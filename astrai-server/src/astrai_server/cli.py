@@ -57,6 +57,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     _flag(p, "revision", "branch, tag or commit of a Hub id model; default: main")
     _flag(p, "served_model_name", "model name reported by /v1/models")
+    _flag(
+        p,
+        "embedding_model",
+        "an embedding model served beside --model at /v1/embeddings (minilm-l6, a folder, a Hub id)",
+    )
+    _flag(
+        p,
+        "served_embedding_model_name",
+        "the embedding model's name in requests and /v1/models (default: --embedding-model)",
+    )
     _flag(p, "chat_template", "chat template over the checkpoint's: a Jinja file, or an inline Jinja string")
     _flag(
         p,

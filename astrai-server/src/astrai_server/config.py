@@ -71,6 +71,12 @@ class ServerSettings(BaseModel):
     model: str | None = None  # name, .gguf file, HF folder or Hub id; None: the default model
     revision: str | None = None  # branch, tag or commit of a Hub id; None: main
     served_model_name: str = "astrai"  # the name /v1/models lists
+    # an embedding model served beside the chat model (/v1/embeddings): a known name (minilm-l6), a
+    # folder or a Hub id; None: none
+    embedding_model: str | None = None
+    served_embedding_model_name: str | None = (
+        None  # its name in requests and /v1/models; None: --embedding-model
+    )
     chat_template: str | None = None  # a Jinja file or inline template over the checkpoint's; None: its own
     reasoning_parser: str | None = (
         None  # an astrai.reasoning_parsers name; None: chosen from the chat template

@@ -116,16 +116,41 @@ class EngineLoader:
                 weights=s.weights,
             )
             text_bound(engine)  # the tokenizer's longest token (fit.py), now rather than in the first request
+            embedders = self._embedders()
         except Exception as exc:  # every failure of the load ends in one line, whatever raised it
             self._failed(exc)
             return
         with self._lock:
             if not self._stopped:
+                self.app.state.embedders.update(embedders)  # (before the engine: /health is ready with both)
                 self.app.state.engine, engine = engine, None
         if engine is not None:  # the server stopped while the model loaded: nobody will serve it
             engine.shutdown()
+            for embedder in embedders.values():
+                embedder.shutdown()
             return
         logger.info("engine ready: %s", s.model or "the default model")
+
+    def _embedders(self) -> dict[str, Any]:
+        """The embedding model of ``--embedding-model`` by its served name (none: empty)."""
+        s = self.settings
+        if s.embedding_model is None:
+            return {}
+        from astrai.embedding import load_embedder
+        from astrai.model.resolve import local_model
+
+        embedder = load_embedder(local_model(s.embedding_model, None) or s.embedding_model)
+        name = s.served_embedding_model_name or s.embedding_model
+        logger.info(
+            "embedding model ready: %s as %r (%d dimensions, inputs of up to %d tokens, %s pooling%s)",
+            s.embedding_model,
+            name,
+            embedder.dimensions,
+            embedder.context_limit,
+            embedder.pooling.mode,
+            ", normalized" if embedder.pooling.normalize else "",
+        )
+        return {name: embedder}
 
     def _failed(self, exc: Exception) -> None:
         logger.debug("loading the model failed", exc_info=exc)

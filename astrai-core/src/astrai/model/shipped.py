@@ -61,8 +61,13 @@ def _distribution(name: str, search_path: list[str] | None) -> importlib.metadat
 
 
 def _file_of(dist: importlib.metadata.Distribution, match: str, *, prefix: bool = False) -> Path | None:
+    """The distribution's file called ``match`` (a name, or the end of its path: ``folder/name``)."""
     for file in dist.files or []:
-        if file.name == match or (prefix and file.name.startswith(match)):
+        if (
+            file.name == match
+            or file.as_posix().endswith("/" + match)
+            or (prefix and file.name.startswith(match))
+        ):
             path = Path(dist.locate_file(file))
             if path.is_file():
                 return path

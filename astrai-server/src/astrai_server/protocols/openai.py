@@ -40,6 +40,7 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
+from astrai_server.embeddings import model_cards
 from astrai_server.openai_shapes import FINISH, StreamOptions, logprob_entries, openai_error, openai_usage
 from astrai_server.request_parts import (
     Strict,
@@ -429,6 +430,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
     def __init__(self, model_name: str = "astrai") -> None:
         super().__init__(model_name)
         self.created = int(time.time())
+        self.embedders: dict[str, Any] = {}  # the embedding models served beside (the app sets it)
 
     def get_routes(self) -> dict[str, Callable[..., dict[str, Any]]]:
         # {model:path}: served names such as "HuggingFaceTB/SmolLM2-135M" hold a slash
@@ -455,9 +457,11 @@ class OpenAIResponseBuilder(ResponseBuilder):
         }
 
     def _models(self, engine: Any) -> dict[str, Any]:
-        return {"object": "list", "data": [self._card(engine)]}
+        return {"object": "list", "data": [self._card(engine), *model_cards(self.embedders, self.created)]}
 
     def _model(self, engine: Any, model: str) -> dict[str, Any]:
+        if model in self.embedders:
+            return model_cards({model: self.embedders[model]}, self.created)[0]
         if model != self.model_name:  # OpenAI's words
             raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it.")
         return self._card(engine)

@@ -1,0 +1,214 @@
+"""BERT encoders (all-MiniLM, BGE and E5 base models, the cross-encoders built on them): learned
+absolute positions and token types added to the word embeddings and normalised, then layers of
+bidirectional attention and a GELU MLP, each followed by its residual add and LayerNorm (post-norm).
+
+Parameter names are transformers' ``BertModel``'s (``embeddings.*``, ``encoder.layer.{i}.*``), so
+that a checkpoint loads as it is; its ``pooler`` (the classification pre-head) is not used by
+sentence embeddings and is left out.
+
+A batch is a list of sequences of different lengths, packed: every linear runs on the packed tokens
+only; attention alone sees them padded to the longest sequence (one ``scaled_dot_product_attention``
+over the batch, padding masked), and its output is packed again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from astrai.errors import ModelFormatError
+
+__all__ = ["BertConfig", "BertModel"]
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The encoder's shape, from its ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str = "gelu"
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], where: str = "") -> BertConfig:
+        """Raises ModelFormatError for what this encoder does not compute (relative positions, an
+        activation other than GELU)."""
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ModelFormatError(
+                f"{where}: position_embedding_type {cfg['position_embedding_type']!r} is not supported"
+            )
+        act = cfg.get("hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ModelFormatError(
+                f"{where}: hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)})"
+            )
+        try:
+            return cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=int(cfg["num_attention_heads"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                max_position_embeddings=int(cfg["max_position_embeddings"]),
+                type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+                layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+                hidden_act=act,
+            )
+        except KeyError as exc:
+            raise ModelFormatError(f"{where}: config.json has no {exc.args[0]}") from None
+
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class _Output(nn.Module):
+    """``LayerNorm(dense(x) + residual)``."""
+
+    def __init__(self, into: int, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.dense = nn.Linear(into, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.add_module("self", _SelfAttention(hidden))  # (transformers' name)
+        self.output = _Output(hidden, hidden, eps)
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, inter)
+
+
+class BertLayer(nn.Module):
+    """``h = LN(x + attn(x))``, then ``LN(h + down(act(up(h))))``."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.layer_norm_eps
+        self.attention = _Attention(h, eps)
+        self.intermediate = _Intermediate(h, config.intermediate_size)
+        self.output = _Output(config.intermediate_size, h, eps)
+        self.heads = config.num_attention_heads
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(
+        self, x: torch.Tensor, padded: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """``x`` [T, H] packed; ``padded`` [B, L] each position's packed row (T for padding), ``valid``
+        [B * L] the positions that are tokens, ``mask`` [B, 1, 1, L] the keys each query sees."""
+        attn = self.attention.self
+        B, L = padded.shape
+        qkv = torch.cat([attn.query(x), attn.key(x), attn.value(x)], dim=-1)
+        qkv = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])])[padded]  # [B, L, 3H]
+        q, k, v = qkv.view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, L, d]
+        out = out.transpose(1, 2).reshape(B * L, -1)[valid]
+        h = self.attention.output(out, x)
+        return self.output(self.act(self.intermediate.dense(h)), h)
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertModel(nn.Module):
+    """The encoder: token ids of a batch of sequences -> each token's last hidden state."""
+
+    #: checkpoint tensors that are not the encoder's (the pooler, a buffer of position ids)
+    UNUSED = ("pooler.", "embeddings.position_ids")
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = _Embeddings(config)
+        self.encoder = _Encoder(config)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``input_ids`` [T] the sequences one after another, ``lengths`` [B] theirs (int64, each at
+        least 1 and at most ``max_position_embeddings``), ``token_type_ids`` [T] (None: all 0) ->
+        [T, hidden] packed like ``input_ids``."""
+        T, B = input_ids.shape[0], lengths.shape[0]
+        L = int(lengths.max())
+        starts = torch.cumsum(lengths, 0) - lengths
+        column = torch.arange(L)
+        is_token = column.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
+        padded = torch.where(is_token, starts.unsqueeze(1) + column, torch.full((), T))
+        valid = is_token.reshape(-1)
+        positions = column.expand(B, L)[is_token]  # [T], each sequence from 0
+        emb = self.embeddings
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        x = (
+            emb.word_embeddings(input_ids)
+            + emb.token_type_embeddings(types)
+            + emb.position_embeddings(positions)
+        )
+        x = emb.LayerNorm(x)
+        mask = is_token.view(B, 1, 1, L)
+        for layer in self.encoder.layer:
+            x = layer(x, padded, valid, mask)
+        return x
+
+    def load_weights(self, state: dict[str, torch.Tensor], where: str = "") -> None:
+        """The checkpoint's tensors (transformers' names, an optional ``bert.`` prefix), the
+        unused ones left out; raises ModelFormatError naming what is missing, unexpected or of
+        another shape."""
+        state = {k.removeprefix("bert."): v for k, v in state.items()}
+        state = {k: v for k, v in state.items() if not k.startswith(self.UNUSED)}
+        own = dict(self.named_parameters())
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ModelFormatError(
+                f"{where}: weights do not fit a BERT encoder: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        with torch.no_grad():
+            for name, param in own.items():
+                if state[name].shape != param.shape:
+                    raise ModelFormatError(
+                        f"{where}: {name} has shape {tuple(state[name].shape)}, the config says {tuple(param.shape)}"
+                    )
+                param.copy_(state[name])

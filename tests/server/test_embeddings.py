@@ -1,0 +1,212 @@
+"""``POST /v1/embeddings`` of a real ``astrai serve --embedding-model minilm-l6`` beside the default
+chat model: the official ``openai`` SDK (float and base64), LangChain's ``OpenAIEmbeddings`` and
+litellm against sentence-transformers on the same files; inputs as token ids; what is refused and
+how (OpenAI's error shape); both models in ``/v1/models``; chat streams unchanged while embeddings run."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.model.resolve import resolve_model
+
+pytestmark = pytest.mark.slow  # the real default model and the real MiniLM
+
+EMB = "minilm-l6"
+TEXTS = [
+    "A man is eating food.",
+    "hi",
+    "Embeddings map text to vectors, and similar texts to nearby vectors.",
+    "¿Dónde está la biblioteca?",
+]
+
+
+@pytest.fixture(scope="module")
+def served(start_server):
+    return start_server("--embedding-model", EMB)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(resolve_model(EMB)[1]), device="cpu")
+
+
+def _close(got: list[list[float]], want: Any) -> None:
+    got_t = torch.tensor(got)
+    assert got_t.shape == tuple(want.shape)
+    assert F.cosine_similarity(got_t, want).min() >= 0.9999
+
+
+def test_the_sdk_gets_sentence_transformers_vectors_as_floats_and_as_base64(client, oracle) -> None:
+    """Left to itself the SDK asks for base64 and decodes it; asked for floats, it gets JSON numbers;
+    asked for base64 explicitly, it hands over the string (little-endian float32)."""
+    want = oracle.encode(TEXTS, convert_to_tensor=True)
+    r = client.embeddings.create(model=EMB, input=TEXTS, encoding_format="float")
+    assert [d.index for d in r.data] == list(range(len(TEXTS))) and r.model == EMB
+    _close([d.embedding for d in r.data], want)
+    ids = sum(map(len, oracle.tokenizer(TEXTS)["input_ids"]))
+    assert r.usage.prompt_tokens == r.usage.total_tokens == ids
+    floats = [d.embedding for d in r.data]
+    assert [d.embedding for d in client.embeddings.create(model=EMB, input=TEXTS).data] == floats
+    raw = client.embeddings.create(model=EMB, input=TEXTS, encoding_format="base64").data
+    assert [np.frombuffer(base64.b64decode(d.embedding), "<f4").tolist() for d in raw] == floats
+
+
+def test_token_ids_are_inputs_too(client, oracle) -> None:
+    ids = oracle.tokenizer(TEXTS[:2])["input_ids"]
+    texts = client.embeddings.create(model=EMB, input=TEXTS[:2])
+    many = client.embeddings.create(model=EMB, input=ids)
+    one = client.embeddings.create(model=EMB, input=ids[0])
+    torch.testing.assert_close(
+        torch.tensor([d.embedding for d in many.data]), torch.tensor([d.embedding for d in texts.data])
+    )
+    assert len(one.data) == 1
+    torch.testing.assert_close(torch.tensor(one.data[0].embedding), torch.tensor(texts.data[0].embedding))
+
+
+def test_truncate_prompt_tokens_cuts_a_long_input_as_sentence_transformers_does(client, oracle) -> None:
+    long = "the model reads this sentence again and again " * 60  # ~480 tokens: past the 256 it takes
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model=EMB, input=long)
+    assert refused.value.body["param"] == "input"
+    assert refused.value.body["message"].startswith("input 0 has 48")
+    assert "takes at most 256 (truncate_prompt_tokens cuts inputs)" in refused.value.body["message"]
+    r = client.embeddings.create(model=EMB, input=long, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == 256
+    _close([r.data[0].embedding], oracle.encode([long], convert_to_tensor=True))  # (it cuts at 256)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "message"),
+    [
+        (
+            {"model": "astrai", "input": "x"},
+            400,
+            "model",
+            "astrai is a generation model; /v1/embeddings needs an embedding model: minilm-l6",
+        ),
+        (
+            {"model": "nope", "input": "x"},
+            404,
+            None,
+            "The model `nope` does not exist or you do not have access to it.",
+        ),
+        (
+            {"model": EMB, "input": "x", "dimensions": 64},
+            400,
+            "dimensions",
+            "minilm-l6 does not support dimensions 64: its vectors have 384 and cannot be shortened",
+        ),
+        ({"model": EMB, "input": []}, 400, "input", "input must not be empty"),
+        ({"model": EMB, "input": ["a", ""]}, 400, "input", "input must not hold an empty string"),
+        (
+            {"model": EMB, "input": [[101, 40000, 102]]},
+            400,
+            "input",
+            "input 0: token id 40000 is outside the vocabulary (0..30521)",
+        ),
+        ({"model": EMB, "input": "x", "encoding_format": "int8"}, 400, "encoding_format", None),
+        ({"model": EMB, "input": "x", "pooling": "max"}, 400, "pooling", None),
+        ({"model": EMB, "input": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", None),
+    ],
+)
+def test_what_it_refuses_and_how(served, body, status, param, message) -> None:
+    r = httpx.post(served.url + "/v1/embeddings", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    if message is not None:
+        assert error["message"] == message
+
+
+def test_a_generation_request_naming_the_embedder_is_refused(client) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=EMB, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert refused.value.body["message"] == "minilm-l6 is an embedding model: it serves /v1/embeddings only"
+    assert refused.value.body["param"] == "model"
+
+
+def test_the_model_list_holds_both(client) -> None:
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"astrai", EMB}
+    card = client.models.retrieve(EMB).model_dump()
+    assert (card["task"], card["dimensions"], card["max_model_len"]) == ("embed", 384, 256)
+
+
+def test_langchain_and_litellm_embed_through_it(served, oracle, monkeypatch) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of litellm's price list
+    import litellm
+    from langchain_openai import OpenAIEmbeddings
+
+    want = oracle.encode(TEXTS, convert_to_tensor=True)
+    # a server that is not OpenAI's: LangChain's own switch to send texts, not tiktoken ids
+    lc = OpenAIEmbeddings(
+        model=EMB, base_url=served.url + "/v1", api_key="none", check_embedding_ctx_length=False
+    )
+    _close(lc.embed_documents(TEXTS), want)
+    _close([lc.embed_query(TEXTS[0])], want[:1])
+    r = litellm.embedding(model=f"openai/{EMB}", input=TEXTS, api_base=served.url + "/v1", api_key="none")
+    _close([d["embedding"] for d in r.data], want)
+
+
+def test_chat_streams_keep_their_text_while_embeddings_run(client) -> None:
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+    def chat() -> str:
+        stream = client.chat.completions.create(
+            model="astrai", messages=messages, max_tokens=48, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    alone = chat()
+    texts: list[str] = []
+    stop = threading.Event()
+
+    def embed() -> None:
+        while not stop.is_set():
+            client.embeddings.create(model=EMB, input=TEXTS * 8)
+
+    workers = [threading.Thread(target=embed) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        chats = [threading.Thread(target=lambda: texts.append(chat())) for _ in range(3)]
+        for c in chats:
+            c.start()
+        for c in chats:
+            c.join()
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert texts == [alone] * 3
+
+
+def test_the_route_asks_for_the_key_and_answers_503_while_the_models_load(fakes) -> None:
+    """On an app whose engine has not loaded yet (no model needed): the API key first, then 503."""
+    from astrai_server.app import create_app
+    from astrai_server.config import ServerSettings
+
+    app = create_app(ServerSettings(api_key=["k"], embedding_model=EMB), None)
+    body = {"model": EMB, "input": "x"}
+    with fakes.serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        r = c.post("/v1/embeddings", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = c.post("/v1/embeddings", json=body, headers={"authorization": "Bearer k"})
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the models are still loading"
