@@ -141,3 +141,23 @@ def test_a_stopped_engine_fails_what_waits_and_refuses_more() -> None:
         engine.submit(ids[:1])
     assert not engine.is_healthy()
     assert isinstance(engine, EmbeddingEngine)
+
+
+def test_a_cross_encoders_scores_are_transformers(tmp_path) -> None:
+    """MiniLM under a random one-label head (``pooling_models``): each pair read as one input with its
+    token types; the score is the sigmoid of the head's logit, as transformers computes it."""
+    from pooling_models import transformers_scores, write_cross_encoder
+
+    folder = write_cross_encoder(tmp_path / "ce")
+    engine = load_embedder(str(folder))
+    try:
+        assert (engine.task, engine.activation) == ("score", "Sigmoid")
+        queries = ["what is a cat?"] * 3 + ["capital of France"]
+        docs = ["A cat is a small furry animal.", "Paris is in France.", "cats purr", SENTENCES[2]]
+        ids, types = engine.encode_pairs(queries, docs)
+        assert types[0][: ids[0].index(102) + 1] == [0] * (ids[0].index(102) + 1) and types[0][-1] == 1
+        got = engine.embed(ids, types)
+        want = torch.tensor(transformers_scores(folder, queries, docs))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    finally:
+        engine.shutdown()

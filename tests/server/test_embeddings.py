@@ -98,7 +98,7 @@ def test_truncate_prompt_tokens_cuts_a_long_input_as_sentence_transformers_does(
             {"model": "astrai", "input": "x"},
             400,
             "model",
-            "astrai is a generation model; /v1/embeddings needs an embedding model: minilm-l6",
+            "astrai is a generation model; /v1/embeddings needs one of: minilm-l6",
         ),
         (
             {"model": "nope", "input": "x"},
@@ -138,7 +138,10 @@ def test_what_it_refuses_and_how(served, body, status, param, message) -> None:
 def test_a_generation_request_naming_the_embedder_is_refused(client) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=EMB, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-    assert refused.value.body["message"] == "minilm-l6 is an embedding model: it serves /v1/embeddings only"
+    assert (
+        refused.value.body["message"]
+        == "minilm-l6 is a pooling model: it serves /v1/embeddings, /v1/rerank and /v1/score"
+    )
     assert refused.value.body["param"] == "model"
 
 
@@ -210,3 +213,86 @@ def test_the_route_asks_for_the_key_and_answers_503_while_the_models_load(fakes)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = c.post("/v1/embeddings", json=body, headers={"authorization": "Bearer k"})
         assert r.status_code == 503 and r.json()["error"]["message"] == "the models are still loading"
+
+
+QUERY = "How do cats behave?"
+DOCS = [
+    "Cats purr when they are content.",
+    "Paris is the capital of France.",
+    "Kittens sleep most of the day.",
+]
+
+
+def _post(served, path: str, body: dict) -> httpx.Response:
+    return httpx.post(served.url + path, json=body, timeout=60)
+
+
+def test_rerank_with_an_embedder_sorts_by_the_cosine_of_the_vectors(served, oracle) -> None:
+    q = oracle.encode([QUERY], convert_to_tensor=True)
+    d = oracle.encode(DOCS, convert_to_tensor=True)
+    want = F.cosine_similarity(q, d).tolist()
+    r = _post(served, "/v1/rerank", {"model": EMB, "query": QUERY, "documents": DOCS})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -want[i])
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+        assert x["document"] == {"text": DOCS[x["index"]]}
+    top = _post(
+        served,
+        "/rerank",
+        {"model": EMB, "query": QUERY, "documents": DOCS, "top_n": 1, "return_documents": False},
+    )
+    assert top.json()["results"] == [
+        {"index": results[0]["index"], "relevance_score": results[0]["relevance_score"]}
+    ]
+    objects = [{"text": t, "id": i} for i, t in enumerate(DOCS)]
+    v2 = _post(served, "/v2/rerank", {"model": EMB, "query": QUERY, "documents": objects})
+    assert [x["document"]["id"] for x in v2.json()["results"]] == [x["index"] for x in results]
+
+
+def test_score_one_against_many_and_pairwise(served, oracle) -> None:
+    vectors = oracle.encode([QUERY, *DOCS], convert_to_tensor=True)
+    one = _post(served, "/v1/score", {"model": EMB, "text_1": QUERY, "text_2": DOCS}).json()
+    assert [x["index"] for x in one["data"]] == [0, 1, 2] and one["object"] == "list"
+    want = F.cosine_similarity(vectors[:1], vectors[1:]).tolist()
+    assert [x["score"] for x in one["data"]] == pytest.approx(want, abs=1e-5)
+    pairs = _post(served, "/score", {"model": EMB, "text_1": DOCS[:2], "text_2": DOCS[1:]}).json()
+    want = F.cosine_similarity(vectors[1:3], vectors[2:4]).tolist()
+    assert [x["score"] for x in pairs["data"]] == pytest.approx(want, abs=1e-5)
+    bad = _post(served, "/v1/score", {"model": EMB, "text_1": DOCS[:2], "text_2": DOCS})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    assert (
+        bad.json()["error"]["message"]
+        == "text_1 has 2 texts and text_2 3: give one text_1, or as many as text_2"
+    )
+
+
+@pytest.fixture(scope="module")
+def reranker(start_server, tmp_path_factory):
+    from pooling_models import write_cross_encoder
+
+    folder = write_cross_encoder(tmp_path_factory.mktemp("cross-encoder"))
+    return start_server("--embedding-model", str(folder), "--served-embedding-model-name", "rerank"), folder
+
+
+def test_a_cross_encoder_reranks_with_transformers_scores(reranker) -> None:
+    from pooling_models import transformers_scores
+
+    served, folder = reranker
+    want = transformers_scores(folder, [QUERY] * 3, DOCS)
+    r = _post(served, "/v1/rerank", {"model": "rerank", "query": QUERY, "documents": DOCS})
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -want[i])
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+    score = _post(served, "/v1/score", {"model": "rerank", "text_1": QUERY, "text_2": DOCS}).json()
+    assert [x["score"] for x in score["data"]] == pytest.approx(want, abs=1e-5)
+    card = httpx.get(served.url + "/v1/models/rerank", timeout=10).json()
+    assert card["task"] == "score" and "dimensions" not in card
+    refused = _post(served, "/v1/embeddings", {"model": "rerank", "input": "x"})
+    assert refused.status_code == 400
+    assert (
+        refused.json()["error"]["message"]
+        == "rerank serves /v1/rerank and /v1/score; /v1/embeddings needs one of: none (see --embedding-model)"
+    )

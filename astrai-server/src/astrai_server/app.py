@@ -49,7 +49,7 @@ from astrai_server.body import (
 )
 from astrai_server.config import ServerSettings
 from astrai_server.edge import install as install_edge
-from astrai_server.embeddings import embeddings_endpoint, refuse_embedder
+from astrai_server.embeddings import refuse_embedder
 from astrai_server.errors import RETRY_AFTER_SECONDS, HTTPProblem, public_message, status_for
 from astrai_server.fit import TextBound, refuse_oversized, text_bound
 from astrai_server.handler import ProtocolHandler, count_choices, refuse_unknown
@@ -57,6 +57,7 @@ from astrai_server.keys import authorized as _authorized
 from astrai_server.keys import caller as _caller
 from astrai_server.metrics import ServerMetrics
 from astrai_server.parsers import Parsers
+from astrai_server.rerank import pooling_routes
 
 if TYPE_CHECKING:
     from astrai.engine import InferenceEngine
@@ -111,7 +112,8 @@ def create_app(
                 path, _json_endpoint(builder, model, body), methods=["POST"], name=f"{builder.name}:{path}"
             )
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
-    app.add_api_route("/v1/embeddings", embeddings_endpoint(_check_key), methods=["POST"], name="embeddings")
+    for path, endpoint in pooling_routes(_check_key).items():  # embeddings, rerank, score (rerank.py)
+        app.add_api_route(path, endpoint, methods=["POST"], name=path)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/stats", _stats, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # (the protocols import model_cards from here: no web stack a
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
 
-__all__ = ["EmbeddingRequest", "embeddings_endpoint", "model_cards", "refuse_embedder"]
+__all__ = ["EmbeddingRequest", "embeddings_endpoint", "model_cards", "pooling_endpoint", "refuse_embedder"]
 
 
 class EmbeddingRequest(Strict):
@@ -126,11 +126,25 @@ def _error(exc: BaseException) -> JSONResponse:
 def refuse_embedder(model: str | None, embedders: dict[str, Any]) -> None:
     """RequestRejected (400) for a generation request that names an embedding model."""
     if model is not None and model in embedders:
-        raise RequestRejected(f"{model} is an embedding model: it serves /v1/embeddings only", param="model")
+        raise RequestRejected(
+            f"{model} is a pooling model: it serves {SERVES[embedders[model].task]}", param="model"
+        )
 
 
-def embeddings_endpoint(check_key: Callable[[Request], None]) -> Callable[[Request], Any]:
-    """The route's endpoint; ``check_key`` raises HTTPProblem 401 for a caller without a valid key."""
+#: what each task's models serve, for the message that refuses a model of the other kind
+SERVES = {"embed": "/v1/embeddings, /v1/rerank and /v1/score", "score": "/v1/rerank and /v1/score"}
+
+
+def pooling_endpoint(
+    check_key: Callable[[Request], None],
+    route: str,
+    request_model: type[Strict],
+    answer: Callable[[Any, Any, str], dict[str, Any]],
+    tasks: tuple[str, ...],
+) -> Callable[[Request], Any]:
+    """A POST route of the pooling models (embedders, cross-encoders): the key (``check_key`` raises
+    HTTPProblem 401), the body as ``request_model``, the model its ``model`` names among those of
+    ``tasks``, then ``answer(request, engine, name)`` on a worker thread; errors in OpenAI's shape."""
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
 
@@ -142,23 +156,11 @@ def embeddings_endpoint(check_key: Callable[[Request], None]) -> Callable[[Reque
             if request.app.state.draining:
                 raise EngineNotReady("the server is shutting down: retry on another instance")
             raw = await read_body(request, request.app.state.settings.max_request_bytes)
-            req = EmbeddingRequest.model_validate_json(bytes(raw))
-            if request.app.state.engine is None:  # still loading (the embedders come with the engine)
+            req = request_model.model_validate_json(bytes(raw))
+            if request.app.state.engine is None:  # still loading (the pooling models come with the engine)
                 raise EngineNotReady("the models are still loading")
-            embedders = request.app.state.embedders
-            engine = embedders.get(req.model)
-            if engine is None:
-                chat = request.app.state.settings.served_model_name
-                if req.model == chat:
-                    served = ", ".join(embedders) or "none (start the server with --embedding-model)"
-                    raise RequestRejected(
-                        f"{req.model} is a generation model; /v1/embeddings needs an embedding model: {served}",
-                        param="model",
-                    )
-                raise ModelNotFound(
-                    f"The model `{req.model}` does not exist or you do not have access to it."
-                )
-            body = await asyncio.get_running_loop().run_in_executor(None, _answer, req, engine, req.model)
+            engine = _pick(req.model, request.app.state.embedders, request.app.state.settings, route, tasks)
+            body = await asyncio.get_running_loop().run_in_executor(None, answer, req, engine, req.model)
             return JSONResponse(body)
         except ClientGone:
             return Response(status_code=499)  # never sent: the client left
@@ -173,6 +175,27 @@ def embeddings_endpoint(check_key: Callable[[Request], None]) -> Callable[[Reque
     return endpoint
 
 
+def _pick(model: str, embedders: dict[str, Any], settings: Any, route: str, tasks: tuple[str, ...]) -> Any:
+    engine = embedders.get(model)
+    if engine is not None and engine.task in tasks:
+        return engine
+    fitting = ", ".join(n for n, e in embedders.items() if e.task in tasks) or "none (see --embedding-model)"
+    if engine is not None:
+        raise RequestRejected(
+            f"{model} serves {SERVES[engine.task]}; {route} needs one of: {fitting}", param="model"
+        )
+    if model == settings.served_model_name:
+        raise RequestRejected(
+            f"{model} is a generation model; {route} needs one of: {fitting}", param="model"
+        )
+    raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it.")
+
+
+def embeddings_endpoint(check_key: Callable[[Request], None]) -> Callable[[Request], Any]:
+    """``POST /v1/embeddings``."""
+    return pooling_endpoint(check_key, "/v1/embeddings", EmbeddingRequest, _answer, ("embed",))
+
+
 def model_cards(embedders: dict[str, Any], created: int) -> list[dict[str, Any]]:
     """``/v1/models`` entries of the embedding models."""
     return [
@@ -183,8 +206,8 @@ def model_cards(embedders: dict[str, Any], created: int) -> list[dict[str, Any]]
             "owned_by": "astrai",
             "context_length": engine.context_limit,
             "max_model_len": engine.context_limit,
-            "task": "embed",
-            "dimensions": engine.dimensions,
+            "task": engine.task,
+            **({"dimensions": engine.dimensions} if engine.task == "embed" else {}),
         }
         for name, engine in embedders.items()
     ]

@@ -1,11 +1,15 @@
-"""``EmbeddingEngine``: an encoder model that turns inputs into vectors, batching whatever requests
-are waiting into one forward pass.
+"""``EmbeddingEngine``: an encoder model that turns inputs into vectors (an embedder) or into
+relevance scores (a cross-encoder: ``task`` "score"), batching whatever requests are waiting into one
+forward pass.
 
 Requests are token-id lists (``encode`` makes them from text as the checkpoint's tokenizer does,
 with its special tokens). A worker thread takes the waiting inputs in arrival order, up to
 ``max_batch_tokens`` tokens (and ``max_batch_size`` inputs) a pass (an input longer than that runs
 alone), runs the encoder once over them (``BertModel``: packed, padding only inside attention),
-pools each input (``Pooling``) and resolves its future. Nothing is kept between passes: an encoder
+pools each input (``Pooling``), or scores it with the cross-encoder's head, and resolves its future.
+A cross-encoder's input is a pair, ``encode_pairs``' ids and token types; its score is the head's one
+logit through the activation its config names (sentence-transformers' ``activation_fn``: Sigmoid,
+the default for one label as in sentence-transformers and vLLM, or Identity for the raw logit). Nothing is kept between passes: an encoder
 has no cache. A future cancelled before its pass is left out of it.
 
 ``load_embedder(name_or_path)`` loads a checkpoint folder (or the known name ``minilm-l6``, a Hub
@@ -37,7 +41,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Input:
     ids: list[int]
+    types: list[int] | None
     future: Future
+
+
+#: sentence-transformers' activation names -> the function on a cross-encoder's logit
+ACTIVATIONS = {"Sigmoid": torch.sigmoid, "Identity": lambda x: x}
 
 
 class EmbeddingEngine:
@@ -51,8 +60,12 @@ class EmbeddingEngine:
         name: str = "embedder",
         max_batch_tokens: int = 8192,
         max_batch_size: int = 256,
+        activation: str = "Sigmoid",
     ) -> None:
         self.model, self.tokenizer, self.pooling, self.name = model, tokenizer, pooling, name
+        #: "embed" (vectors) or "score" (a cross-encoder's relevance of each pair)
+        self.task = "score" if model.config.num_labels else "embed"
+        self.activation = activation
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         positions = model.config.max_position_embeddings
         #: the longest input served: the checkpoint's max_seq_length where it says, else its positions
@@ -70,6 +83,15 @@ class EmbeddingEngine:
         """Each text's token ids with the tokenizer's special tokens (``[CLS] ... [SEP]``)."""
         return [list(ids) for ids in self.tokenizer.hf(texts, add_special_tokens=True)["input_ids"]]
 
+    def encode_pairs(self, first: list[str], second: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """A cross-encoder's inputs: each ``(first[i], second[i])`` as one sequence (``[CLS] a [SEP] b
+        [SEP]``), its ids and token types; cut to ``context_limit`` from the longer text where too long,
+        as sentence-transformers' ``CrossEncoder`` does."""
+        coded = self.tokenizer.hf(
+            first, second, add_special_tokens=True, truncation="longest_first", max_length=self.context_limit
+        )
+        return [list(i) for i in coded["input_ids"]], [list(t) for t in coded["token_type_ids"]]
+
     def check(self, inputs: list[list[int]]) -> None:
         """RequestRejected for an empty input, an id outside the vocabulary, or an input longer
         than ``context_limit`` (the message says which and by how much)."""
@@ -85,23 +107,27 @@ class EmbeddingEngine:
             if bad is not None:
                 raise RequestRejected(f"input {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
-    def submit(self, inputs: list[list[int]]) -> list[Future]:
-        """One future per input, each resolving to its vector ([dimensions] float32); checked first
-        (``check``). Raises EngineNotReady after ``shutdown``."""
+    def submit(self, inputs: list[list[int]], types: list[list[int]] | None = None) -> list[Future]:
+        """One future per input, each resolving to its vector ([dimensions] float32) or, for a
+        cross-encoder, its score (a float32 scalar); ``types``: each input's token types (None:
+        all 0). Checked first (``check``). Raises EngineNotReady after ``shutdown``."""
         if self._stopped:
             raise EngineNotReady("the embedding engine has been shut down")
         self.check(inputs)
         self.counters["requests"] += 1
         futures = []
-        for ids in inputs:
+        for i, ids in enumerate(inputs):
             future: Future = Future()
-            self._queue.put(_Input(list(ids), future))
+            self._queue.put(_Input(list(ids), None if types is None else list(types[i]), future))
             futures.append(future)
         return futures
 
-    def embed(self, inputs: list[list[int]], timeout: float | None = None) -> torch.Tensor:
-        """[len(inputs), dimensions] float32: ``submit``, then wait for every vector."""
-        return torch.stack([f.result(timeout) for f in self.submit(inputs)])
+    def embed(
+        self, inputs: list[list[int]], types: list[list[int]] | None = None, timeout: float | None = None
+    ) -> torch.Tensor:
+        """[len(inputs), dimensions] float32 vectors, or [len(inputs)] scores of a cross-encoder:
+        ``submit``, then wait for every one."""
+        return torch.stack([f.result(timeout) for f in self.submit(inputs, types)])
 
     def shutdown(self) -> None:
         """Stop the worker; inputs still waiting fail with EngineNotReady. Idempotent."""
@@ -163,8 +189,15 @@ class EmbeddingEngine:
         try:
             lengths = torch.tensor([len(i.ids) for i in batch])
             ids = torch.tensor([t for i in batch for t in i.ids])
+            types = None
+            if any(i.types is not None for i in batch):
+                types = torch.tensor([t for i in batch for t in (i.types or [0] * len(i.ids))])
             start = time.perf_counter()
-            vectors = pool(self.model(ids, lengths), lengths, self.pooling)
+            hidden = self.model(ids, lengths, types)
+            if self.task == "score":
+                vectors = ACTIVATIONS[self.activation](self.model.logits(hidden, lengths).float()[:, 0])
+            else:
+                vectors = pool(hidden, lengths, self.pooling)
             logger.debug(
                 "embedded %d inputs (%d tokens) in %.3f s", len(batch), len(ids), time.perf_counter() - start
             )
@@ -198,7 +231,12 @@ def load_embedder(name_or_path: str, dtype: torch.dtype = torch.float32, **engin
             f"{name_or_path}: model_type {cfg.get('model_type')!r} is not an embedding model astrai serves (bert)"
         )
     config = BertConfig.from_dict(cfg, str(folder))
-    pooling = Pooling.from_folder(folder)
+    if config.num_labels > 1:
+        raise ModelFormatError(
+            f"{folder}: a classifier of {config.num_labels} labels; a cross-encoder gives one score per pair"
+        )
+    activation = _activation(cfg, str(folder))
+    pooling = Pooling.from_folder(folder) if not config.num_labels else Pooling()
     model = BertModel(config)
     model.load_weights(read_safetensors_folder(folder), str(folder))
     model = model.to(dtype).eval()
@@ -206,4 +244,17 @@ def load_embedder(name_or_path: str, dtype: torch.dtype = torch.float32, **engin
     if tokenizer.hf.cls_token_id is None and pooling.mode == "cls":
         raise ModelFormatError(f"{folder}: CLS pooling, but the tokenizer has no CLS token")
     name = Path(str(name_or_path)).name if Path(str(name_or_path)).exists() else str(name_or_path)
-    return EmbeddingEngine(model, tokenizer, pooling, name=name, **engine)  # type: ignore[arg-type]
+    return EmbeddingEngine(model, tokenizer, pooling, name=name, activation=activation, **engine)  # type: ignore[arg-type]
+
+
+def _activation(cfg: dict, where: str) -> str:
+    """The cross-encoder's activation, as sentence-transformers saved it in ``config.json``
+    (``sentence_transformers.activation_fn``, or the older ``sbert_ce_default_activation_function``):
+    a dotted class path whose last part names it; Sigmoid where none is saved."""
+    saved = (cfg.get("sentence_transformers") or {}).get("activation_fn") or cfg.get(
+        "sbert_ce_default_activation_function"
+    )
+    name = str(saved).rpartition(".")[2] if saved else "Sigmoid"
+    if name not in ACTIVATIONS:
+        raise ModelFormatError(f"{where}: activation {saved!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return name

@@ -3,8 +3,9 @@ absolute positions and token types added to the word embeddings and normalised, 
 bidirectional attention and a GELU MLP, each followed by its residual add and LayerNorm (post-norm).
 
 Parameter names are transformers' ``BertModel``'s (``embeddings.*``, ``encoder.layer.{i}.*``), so
-that a checkpoint loads as it is; its ``pooler`` (the classification pre-head) is not used by
-sentence embeddings and is left out.
+that a checkpoint loads as it is. Sentence embeddings pool the token states themselves and leave the
+``pooler`` out; a cross-encoder (``BertForSequenceClassification``: ``num_labels`` > 0) keeps it, the
+first token's state through ``tanh(dense(.))``, and its ``classifier`` gives each input's logits.
 
 A batch is a list of sequences of different lengths, packed: every linear runs on the packed tokens
 only; attention alone sees them padded to the longest sequence (one ``scaled_dot_product_attention``
@@ -38,6 +39,7 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     hidden_act: str = "gelu"
+    num_labels: int = 0  # a classification head's outputs (a cross-encoder's); 0: none
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], where: str = "") -> BertConfig:
@@ -48,6 +50,8 @@ class BertConfig:
                 f"{where}: position_embedding_type {cfg['position_embedding_type']!r} is not supported"
             )
         act = cfg.get("hidden_act", "gelu")
+        heads = [a for a in cfg.get("architectures") or [] if a.endswith("ForSequenceClassification")]
+        labels = (len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))) if heads else 0
         if act not in _ACTIVATIONS:
             raise ModelFormatError(
                 f"{where}: hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)})"
@@ -63,6 +67,7 @@ class BertConfig:
                 type_vocab_size=int(cfg.get("type_vocab_size", 2)),
                 layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
                 hidden_act=act,
+                num_labels=labels,
             )
         except KeyError as exc:
             raise ModelFormatError(f"{where}: config.json has no {exc.args[0]}") from None
@@ -153,17 +158,34 @@ class _Encoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
 
-class BertModel(nn.Module):
-    """The encoder: token ids of a batch of sequences -> each token's last hidden state."""
+class _Pooler(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
 
-    #: checkpoint tensors that are not the encoder's (the pooler, a buffer of position ids)
-    UNUSED = ("pooler.", "embeddings.position_ids")
+
+class BertModel(nn.Module):
+    """The encoder: token ids of a batch of sequences -> each token's last hidden state; with a
+    classification head (``config.num_labels``), ``logits`` of each sequence."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.config = config
         self.embeddings = _Embeddings(config)
         self.encoder = _Encoder(config)
+        if config.num_labels:
+            self.pooler = _Pooler(config.hidden_size)
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        # checkpoint tensors it does not use (the pooler of an embedder, a buffer of position ids)
+        self.unused = (
+            ("embeddings.position_ids",) if config.num_labels else ("pooler.", "embeddings.position_ids")
+        )
+
+    def logits(self, hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, num_labels] of ``forward``'s states: the classifier on each sequence's first token,
+        pooled as transformers' ``BertPooler`` (dense, tanh)."""
+        first = hidden.index_select(0, torch.cumsum(lengths, 0) - lengths)
+        return self.classifier(torch.tanh(self.pooler.dense(first)))
 
     @torch.inference_mode()
     def forward(
@@ -198,7 +220,7 @@ class BertModel(nn.Module):
         unused ones left out; raises ModelFormatError naming what is missing, unexpected or of
         another shape."""
         state = {k.removeprefix("bert."): v for k, v in state.items()}
-        state = {k: v for k, v in state.items() if not k.startswith(self.UNUSED)}
+        state = {k: v for k, v in state.items() if not k.startswith(self.unused)}
         own = dict(self.named_parameters())
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
