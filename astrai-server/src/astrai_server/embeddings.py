@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationError
@@ -131,6 +132,11 @@ def refuse_embedder(model: str | None, embedders: dict[str, Any]) -> None:
         )
 
 
+#: the threads that tokenize a pooling request and wait for its vectors: more than the event loop's
+#: default pool (cores + 4), so that every request in flight joins the encoder's next pass (with 6,
+#: eight single-sentence clients got passes of six at most)
+_WAITERS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="astrai-pooling")
+
 #: what each task's models serve, for the message that refuses a model of the other kind
 SERVES = {"embed": "/v1/embeddings, /v1/rerank and /v1/score", "score": "/v1/rerank and /v1/score"}
 
@@ -160,7 +166,7 @@ def pooling_endpoint(
             if request.app.state.engine is None:  # still loading (the pooling models come with the engine)
                 raise EngineNotReady("the models are still loading")
             engine = _pick(req.model, request.app.state.embedders, request.app.state.settings, route, tasks)
-            body = await asyncio.get_running_loop().run_in_executor(None, answer, req, engine, req.model)
+            body = await asyncio.get_running_loop().run_in_executor(_WAITERS, answer, req, engine, req.model)
             return JSONResponse(body)
         except ClientGone:
             return Response(status_code=499)  # never sent: the client left
