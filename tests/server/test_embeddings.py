@@ -296,3 +296,26 @@ def test_a_cross_encoder_reranks_with_transformers_scores(reranker) -> None:
         refused.json()["error"]["message"]
         == "rerank serves /v1/rerank and /v1/score; /v1/embeddings needs one of: none (see --embedding-model)"
     )
+
+
+def test_stats_and_metrics_count_the_pooling_requests_apart(served, client) -> None:
+    before = httpx.get(served.url + "/stats", timeout=10).json()
+    client.embeddings.create(model=EMB, input=TEXTS)
+    _post(served, "/v1/rerank", {"model": EMB, "query": QUERY, "documents": DOCS})
+    after = httpx.get(served.url + "/stats", timeout=10).json()
+    pooled, was = after["pooling"][EMB], before["pooling"][EMB]
+    assert pooled["requests"] - was["requests"] == 2
+    assert pooled["inputs"] - was["inputs"] == len(TEXTS) + 1 + len(DOCS)
+    assert pooled["passes"] > was["passes"] and pooled["tokens"] > was["tokens"]
+    assert after["total_tasks"] == before["total_tasks"]  # the chat model's counters: untouched
+    text = httpx.get(served.url + "/metrics", timeout=10).text
+    for name, key in [
+        ("requests", "requests"),
+        ("inputs", "inputs"),
+        ("prompt_tokens", "tokens"),
+        ("passes", "passes"),
+    ]:
+        line = f'astrai:pooling_{name}_total{{model_name="{EMB}"}}'
+        assert any(
+            row.startswith(line) and float(row.split()[-1]) == pooled[key] for row in text.splitlines()
+        ), name

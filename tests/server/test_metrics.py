@@ -19,7 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from astrai.hooks import PluginManager
 from astrai.request import FinishedRequest
-from astrai_server.metrics import COUNTERS, GAUGES, HISTOGRAMS, PREEMPTIONS, SPEC_COUNTERS, ServerMetrics
+from astrai_server.metrics import (
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    POOLING_COUNTERS,
+    PREEMPTIONS,
+    SPEC_COUNTERS,
+    ServerMetrics,
+)
 
 KEY = "metrics-key-1"
 MODEL = "metrics-model"
@@ -153,7 +161,7 @@ def test_every_metric_is_documented_with_its_type() -> None:
     names = {name + "_total": "counter" for name, _ in COUNTERS.values()}
     names |= {name: "histogram" for name in HIST.values()} | {name: "gauge" for name in GAUGES}
     names |= {PREEMPTIONS[0] + "_total": "counter", "astrai:request_success_total": "counter"}
-    names |= {name + "_total": "counter" for name in SPEC_COUNTERS}
+    names |= {name + "_total": "counter" for name in (*SPEC_COUNTERS, *POOLING_COUNTERS)}
     names["astrai:requests_total"] = "counter"
     assert documented == names
 

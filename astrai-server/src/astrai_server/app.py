@@ -98,7 +98,9 @@ def create_app(
             builder.embedders = app.state.embedders
     install_edge(app, settings)  # request ids, access log, in-flight count, CORS, API keys (edge.py)
     # a hook plugin: an engine made with ``plugins`` from now on reports its requests to it (metrics.py)
-    app.state.metrics = ServerMetrics(settings.served_model_name, lambda: app.state.engine)
+    app.state.metrics = ServerMetrics(
+        settings.served_model_name, lambda: app.state.engine, lambda: app.state.embedders
+    )
     plugins.register_checked(app.state.metrics, None, "astrai_server.metrics.ServerMetrics")
     app.state.draining = False  # set on SIGTERM (astrai_server.drain): new requests get 503
     for builder in builders:
@@ -374,7 +376,9 @@ async def _stats(request: Request) -> JSONResponse:
     """The engine's counters (``InferenceEngine.get_stats``): an operator's route (``_check_operator``)."""
     try:
         _check_operator(request)
-        return JSONResponse(_ready_engine(request).get_stats())
+        stats = _ready_engine(request).get_stats()
+        pooling = {name: e.get_stats() for name, e in request.app.state.embedders.items()}
+        return JSONResponse({**stats, "pooling": pooling} if pooling else stats)
     except Exception as exc:
         return _plain_error(exc)
 

@@ -13,6 +13,9 @@ Two sources, neither on the scheduler's hot path:
   waiting requests, KV pool usage, preemptions, speculative decoding's drafts. Absent until the
   engine exists.
 
+The pooling models (``--embedding-model``) have counters of their own, read from their engines at
+scrape time (``POOLING_COUNTERS``), labelled with their served names.
+
 ``astrai:requests_total`` by protocol is counted by the app when a generation request arrives.
 Every series carries ``model_name`` (the served model name). Names follow vLLM's (``vllm:`` ->
 ``astrai:``) where one exists, so dashboards map; docs/http-api.md lists each with its vLLM
@@ -125,16 +128,38 @@ SPEC_COUNTERS = {
 }
 
 
+#: The pooling models' counters (embeddings, rerank, score), from each one's ``get_stats()``:
+#: name -> (help, its key).
+POOLING_COUNTERS = {
+    "astrai:pooling_requests": ("Requests to a pooling model (embeddings, rerank, score).", "requests"),
+    "astrai:pooling_inputs": (
+        "Inputs a pooling model encoded (texts, or pairs for a cross-encoder).",
+        "inputs",
+    ),
+    "astrai:pooling_prompt_tokens": ("Tokens a pooling model encoded.", "tokens"),
+    "astrai:pooling_passes": (
+        "Forward passes of a pooling model (inputs waiting together share one).",
+        "passes",
+    ),
+}
+
+
 class ServerMetrics:
     """The metrics of one app: a hook plugin (``astrai_request_finished``) and a scrape collector.
 
-    ``engine`` returns the engine to read the gauges from at scrape time (None: not loaded yet).
+    ``engine`` returns the engine to read the gauges from at scrape time (None: not loaded yet);
+    ``pooling`` the pooling models by served name.
     Thread-safe: the hook thread records, the event loop scrapes and counts arrivals.
     """
 
-    def __init__(self, model_name: str, engine: Callable[[], Any] = lambda: None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        engine: Callable[[], Any] = lambda: None,
+        pooling: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
         self.model_name = model_name
-        self.engine = engine
+        self.engine, self.pooling = engine, pooling
         self.registry = r = CollectorRegistry(auto_describe=True)
         label = ["model_name"]
         self.hist = {
@@ -227,3 +252,9 @@ class _EngineCollector(Collector):
                 counter = CounterMetricFamily(name, doc, labels=["model_name"])
                 counter.add_metric(labels, stats[key])
                 yield counter
+        pooling = {served: e.get_stats() for served, e in self.metrics.pooling().items()}
+        for name, (doc, key) in POOLING_COUNTERS.items() if pooling else ():
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            for served, figures in pooling.items():
+                counter.add_metric([served], figures[key])
+            yield counter

@@ -75,6 +75,7 @@ class EmbeddingEngine:
         self._queue: queue.SimpleQueue[_Input | None] = queue.SimpleQueue()
         self._stopped = False
         self.counters = {"requests": 0, "inputs": 0, "tokens": 0, "passes": 0}
+        self._counting = threading.Lock()  # (submitters and the worker both count)
         self._thread = threading.Thread(target=self._loop, name=f"astrai-embed-{name}", daemon=True)
         self._thread.start()
 
@@ -115,7 +116,8 @@ class EmbeddingEngine:
         if self._stopped:
             raise EngineNotReady("the embedding engine has been shut down")
         self.check(inputs)
-        self.counters["requests"] += 1
+        with self._counting:
+            self.counters["requests"] += 1
         futures = []
         for i, ids in enumerate(inputs):
             future: Future = Future()
@@ -141,7 +143,9 @@ class EmbeddingEngine:
         return not self._stopped and self._thread.is_alive()
 
     def get_stats(self) -> dict:
-        return dict(self.counters)
+        """requests (submitted), inputs and tokens (encoded), passes (forward passes) so far."""
+        with self._counting:
+            return dict(self.counters)
 
     # ------------------------------------------------------------------ the worker
 
@@ -207,9 +211,10 @@ class EmbeddingEngine:
             for item in batch:
                 item.future.set_exception(exc)
             return
-        self.counters["passes"] += 1
-        self.counters["inputs"] += len(batch)
-        self.counters["tokens"] += int(lengths.sum())
+        with self._counting:
+            self.counters["passes"] += 1
+            self.counters["inputs"] += len(batch)
+            self.counters["tokens"] += int(lengths.sum())
         for item, vector in zip(batch, vectors, strict=True):
             item.future.set_result(vector)
 
