@@ -61,7 +61,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def served(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Iterator[Served]:
-    """``astrai serve`` on the default model (float32) with every installed plugin.
+    """``astrai serve`` on the default model (float32) with every installed plugin, and the embedding
+    model ``minilm-l6`` beside it (Ollama's ``/api/embed``).
 
     Configured as a user would: ``serve.yaml`` sets the request-log plugin's
     ``request_log`` key; the flag ``--sampling typical_p=1e-9`` leaves every sampled
@@ -74,7 +75,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -
     config.write_text(f"server:\n  dtype: float32\n  max_seq_len: 1024\n  request_log: {log}\n")
     port = _free_port()
     cmd = [sys.executable, "-m", "astrai.cli", "serve", "--config", str(config), "--port", str(port)]
-    cmd += ["--sampling", "typical_p=1e-9", "--log-level", "warning"]
+    cmd += ["--sampling", "typical_p=1e-9", "--log-level", "warning", "--embedding-model", "minilm-l6"]
     with output.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

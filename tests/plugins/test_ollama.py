@@ -72,8 +72,9 @@ def test_stream_is_the_default_and_is_ndjson(
 
 
 def test_list_models(client: ollama.Client) -> None:
-    (model,) = client.list().models
-    assert model.model == "astrai"
+    model, embedder = client.list().models  # the chat model, then the --embedding-model
+    assert (model.model, embedder.model) == ("astrai", "minilm-l6")
+    assert embedder.details.family == "bert" and embedder.details.parameter_size == "23M"
     assert model.details.family == "llama" and model.details.parameter_size == "135M"
     # the weights' bytes in memory: at least half a byte a parameter (GGUF's 4-bit blocks kept), at most
     # four (dense float32)
@@ -252,3 +253,36 @@ def test_chat_refuses_what_it_cannot_honour(client: ollama.Client, kw: dict[str,
     with pytest.raises(ollama.ResponseError) as refused:
         client.chat(**args)
     assert refused.value.status_code == 400 and field in refused.value.error
+
+
+def test_embed_gives_sentence_transformers_vectors(client: ollama.Client) -> None:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from astrai.model.resolve import resolve_model
+
+    texts = ["Why is the sky blue?", "Rayleigh scattering makes the sky look blue."]
+    r = client.embed(model="minilm-l6", input=texts)
+    oracle = SentenceTransformer(str(resolve_model("minilm-l6")[1]), device="cpu")
+    want = oracle.encode(texts, convert_to_tensor=True)
+    got = torch.tensor(r.embeddings)
+    assert got.shape == (2, 384) and r.model == "minilm-l6"
+    assert torch.nn.functional.cosine_similarity(got, want).min() >= 0.9999
+    assert r.prompt_eval_count == sum(map(len, oracle.tokenizer(texts)["input_ids"]))  # [CLS] ... [SEP] each
+    one = client.embed(model="minilm-l6", input=texts[0])
+    assert torch.tensor(one.embeddings).shape == (1, 384)
+
+
+def test_embed_cuts_a_long_input_unless_truncate_is_false(client: ollama.Client, served: Any) -> None:
+    long = "a long input for a small model " * 80
+    r = client.embed(model="minilm-l6", input=long)
+    assert r.prompt_eval_count == 256
+    refused = httpx.post(
+        served.url + "/api/embed", json={"model": "minilm-l6", "input": long, "truncate": False}, timeout=30
+    )
+    assert refused.status_code == 400 and refused.json() == {
+        "error": "an input is longer than the model's 256 tokens"
+    }
+    chat = httpx.post(served.url + "/api/embed", json={"model": "astrai", "input": "x"}, timeout=30)
+    assert chat.status_code == 400
+    assert chat.json() == {"error": "model 'astrai' does not embed; embedding models: minilm-l6"}

@@ -1,6 +1,8 @@
 """The Ollama chat and generate APIs on astrai: two ``ResponseBuilder``s in ``astrai.protocols``.
 
-``ollama`` serves ``POST /api/chat`` and ``GET /api/tags`` (the served model);
+``ollama`` serves ``POST /api/chat``, ``GET /api/tags`` (the served models) and ``POST /api/embed``
+(on the server's pooling model, ``--embedding-model``: ``embeddings``, one vector per input; an input
+too long for the model is cut to fit unless ``"truncate": false``, as Ollama does);
 ``ollama_generate`` serves ``POST /api/generate``, a prompt rather than messages. Both
 answer in Ollama's shape: with ``"stream": true`` (Ollama's default) one JSON object per
 line (``application/x-ndjson``), each carrying a piece of the text (``message`` for
@@ -231,6 +233,18 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+class EmbedRequest(Strict):
+    """The body of ``POST /api/embed``. ``options`` and ``keep_alive`` change nothing here (the model
+    stays loaded); ``dimensions`` only where it is the model's own size."""
+
+    model: str
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | None = None
+
+
 class _OllamaBuilder(ResponseBuilder):
     """What both routes share: the prepared request, NDJSON lines, the last object, errors."""
 
@@ -307,6 +321,7 @@ class OllamaResponseBuilder(_OllamaBuilder):
     def __init__(self, model_name: str = "astrai") -> None:
         super().__init__(model_name)
         self.modified_at = _now()
+        self.embedders: dict[str, Any] = {}  # the server's pooling models by name (astrai serve sets it)
 
     def prepare(self, request: ChatRequest, engine: Any) -> Prepared:
         request.check()
@@ -318,6 +333,41 @@ class OllamaResponseBuilder(_OllamaBuilder):
 
     def get_routes(self) -> dict[str, Callable[[Any], dict[str, Any]]]:
         return {"/api/tags": self._tags}
+
+    def post_routes(self) -> dict[str, tuple[type[BaseModel], Callable[[Any, Any], dict[str, Any]]]]:
+        return {"/api/embed": (EmbedRequest, self._embed)}
+
+    def _embed(self, request: EmbedRequest, engine: Any) -> dict[str, Any]:
+        start = time.monotonic_ns()
+        embedder = self.embedders.get(request.model)
+        if embedder is None or embedder.task != "embed":
+            names = ", ".join(n for n, e in self.embedders.items() if e.task == "embed") or "none"
+            raise RequestRejected(
+                f"model {request.model!r} does not embed; embedding models: {names}", param="model"
+            )
+        if request.dimensions is not None and request.dimensions != embedder.dimensions:
+            raise RequestRejected(
+                f"dimensions must be {embedder.dimensions} for {request.model}", param="dimensions"
+            )
+        texts = [request.input] if isinstance(request.input, str) else request.input
+        if not texts or not all(texts):
+            raise RequestRejected("input must hold at least one text and no empty one", param="input")
+        limit = embedder.context_limit
+        coded = embedder.tokenizer.hf(texts, add_special_tokens=True)["input_ids"]
+        if any(len(ids) > limit for ids in coded):
+            if not request.truncate:
+                raise RequestRejected(f"an input is longer than the model's {limit} tokens", param="input")
+            coded = embedder.tokenizer.hf(texts, add_special_tokens=True, truncation=True, max_length=limit)[
+                "input_ids"
+            ]
+        vectors = embedder.embed([list(ids) for ids in coded])
+        return {
+            "model": request.model,
+            "embeddings": vectors.tolist(),
+            "total_duration": time.monotonic_ns() - start,
+            "load_duration": 0,
+            "prompt_eval_count": sum(map(len, coded)),
+        }
 
     def _tags(self, engine: Any) -> dict[str, Any]:
         count, size = _weights(engine.model)
@@ -338,7 +388,22 @@ class OllamaResponseBuilder(_OllamaBuilder):
             "digest": "",
             "details": details,
         }
-        return {"models": [model]}
+        pooling = [
+            {
+                **model,
+                "name": name,
+                "model": name,
+                "size": _weights(e.model)[1],
+                "details": {
+                    **details,
+                    "family": "bert",
+                    "families": ["bert"],
+                    "parameter_size": f"{_weights(e.model)[0] / 1e6:.0f}M",
+                },
+            }
+            for name, e in self.embedders.items()
+        ]
+        return {"models": [model, *pooling]}
 
 
 def _weights(model: Any) -> tuple[int, int]:
