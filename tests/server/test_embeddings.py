@@ -319,3 +319,25 @@ def test_stats_and_metrics_count_the_pooling_requests_apart(served, client) -> N
         assert any(
             row.startswith(line) and float(row.split()[-1]) == pooled[key] for row in text.splitlines()
         ), name
+
+
+def test_a_pooling_model_alone_serves_its_routes_and_refuses_generation(start_server, oracle) -> None:
+    served = start_server("--model", EMB, "--served-model-name", "minilm")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["minilm"]
+    r = client.embeddings.create(model="minilm", input=TEXTS, encoding_format="float")
+    _close([d.embedding for d in r.data], oracle.encode(TEXTS, convert_to_tensor=True))
+    message = "minilm is a pooling model: this server answers /v1/embeddings, /v1/rerank and /v1/score"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}])
+    assert (
+        refused.value.body["message"]
+        == "minilm is a pooling model: it serves /v1/embeddings, /v1/rerank and /v1/score"
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="other", prompt="hi")
+    assert refused.value.body["message"] == message
+    tokenize = httpx.post(served.url + "/tokenize", json={"prompt": "hi"}, timeout=10)
+    assert tokenize.status_code == 400 and tokenize.json()["error"]["message"] == message
+    stats = httpx.get(served.url + "/stats", timeout=10).json()
+    assert set(stats) == {"pooling"} and stats["pooling"]["minilm"]["inputs"] == len(TEXTS)

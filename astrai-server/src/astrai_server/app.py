@@ -36,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.convertors import FloatConvertor, IntegerConvertor
 from starlette.routing import compile_path
 
-from astrai.errors import EngineNotReady, Overloaded
+from astrai.errors import EngineNotReady, Overloaded, RequestRejected
 from astrai.hooks import PluginManager
 from astrai.malloc import trim_heap
 from astrai.protocol import ResponseBuilder
@@ -145,10 +145,18 @@ def _check_operator(request: Request) -> None:
         raise HTTPProblem(403, OPERATORS_ONLY)
 
 
-def _ready_engine(request: Request) -> Any:
+def _ready_engine(request: Request, generation: bool = True) -> Any:
+    """The loaded engine; for a ``generation`` route, RequestRejected when the server serves a pooling
+    model only (``astrai serve --model minilm-l6``)."""
     engine = request.app.state.engine
     if engine is None or not engine.is_healthy():
         raise EngineNotReady()
+    if generation and getattr(engine, "task", None) is not None:
+        raise RequestRejected(
+            f"{request.app.state.settings.served_model_name} is a pooling model: this server answers "
+            "/v1/embeddings, /v1/rerank and /v1/score",
+            param="model",
+        )
     return engine
 
 
@@ -360,9 +368,9 @@ async def _health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "model_loaded": True})
 
 
-def _guarded(request: Request) -> Any:
+def _guarded(request: Request, generation: bool = True) -> Any:
     _check_key(request)
-    return _ready_engine(request)
+    return _ready_engine(request, generation)
 
 
 async def _openapi(request: Request) -> JSONResponse:
@@ -376,8 +384,11 @@ async def _stats(request: Request) -> JSONResponse:
     """The engine's counters (``InferenceEngine.get_stats``): an operator's route (``_check_operator``)."""
     try:
         _check_operator(request)
-        stats = _ready_engine(request).get_stats()
+        engine = _ready_engine(request, generation=False)
         pooling = {name: e.get_stats() for name, e in request.app.state.embedders.items()}
+        if getattr(engine, "task", None) is not None:  # a pooling model alone
+            return JSONResponse({"pooling": pooling})
+        stats = engine.get_stats()
         return JSONResponse({**stats, "pooling": pooling} if pooling else stats)
     except Exception as exc:
         return _plain_error(exc)
@@ -398,7 +409,7 @@ def _get_endpoint(body: Callable[..., dict[str, Any]], builder: ResponseBuilder)
 
     async def endpoint(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(body(_guarded(request), **request.path_params))
+            return JSONResponse(body(_guarded(request, generation=False), **request.path_params))
         except Exception as exc:
             return _error(builder, exc)
 

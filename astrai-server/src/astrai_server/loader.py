@@ -99,12 +99,16 @@ class EngineLoader:
     def _run(self) -> None:
         import torch
 
+        from astrai.embedding import is_pooling_model
         from astrai.engine import InferenceEngine
         from astrai.model.resolve import local_model
 
         s = self.settings
         try:
             model = local_model(s.model, s.revision)  # a Hub id: its files, from the cache or downloaded
+            if is_pooling_model(model):  # an embedder or a cross-encoder alone: no generation
+                self._serve_pooling_only(model)
+                return
             config = s.engine_config()
             config.generation_defaults = _generation_defaults(s, model)
             engine = InferenceEngine.from_model(
@@ -130,6 +134,34 @@ class EngineLoader:
                 embedder.shutdown()
             return
         logger.info("engine ready: %s", s.model or "the default model")
+
+    def _serve_pooling_only(self, model: str | None) -> None:
+        """``--model`` is a pooling model: it is the engine (``/health``, ``/stats``) and the one
+        pooling model, under ``--served-model-name`` (``--embedding-model`` adds another); the
+        generation routes refuse every request (``app._ready_engine``)."""
+        from astrai.embedding import load_embedder
+
+        s = self.settings
+        if s.embedding_model is not None:
+            embedders = self._embedders()
+        else:
+            embedders = {}
+        embedder = load_embedder(model or "")
+        embedders = {s.served_model_name: embedder, **embedders}
+        with self._lock:
+            if not self._stopped:
+                self.app.state.embedders.update(embedders)
+                self.app.state.engine, embedder = embedder, None
+        if embedder is not None:
+            for e in embedders.values():
+                e.shutdown()
+            return
+        logger.info(
+            "serving the pooling model %s as %r alone (%s)",
+            s.model,
+            s.served_model_name,
+            embedders[s.served_model_name].task,
+        )
 
     def _embedders(self) -> dict[str, Any]:
         """The embedding model of ``--embedding-model`` by its served name (none: empty)."""

@@ -34,7 +34,7 @@ from astrai.embedding.pooling import Pooling, pool
 from astrai.errors import EngineNotReady, ModelFormatError, ModelNotFound, RequestRejected
 from astrai.model.bert import BertConfig, BertModel
 
-__all__ = ["EmbeddingEngine", "load_embedder"]
+__all__ = ["EmbeddingEngine", "is_pooling_model", "load_embedder"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +217,27 @@ class EmbeddingEngine:
             self.counters["tokens"] += int(lengths.sum())
         for item, vector in zip(batch, vectors, strict=True):
             item.future.set_result(vector)
+
+
+#: the ``model_type``s of the pooling models served (their checkpoints are folders)
+POOLING_TYPES = ("bert",)
+
+
+def is_pooling_model(name_or_path: str | None) -> bool:
+    """Whether ``name_or_path`` (a known name, a path; a Hub id once downloaded) is a pooling model
+    (``load_embedder``'s) rather than a generation one; False for anything that does not resolve."""
+    from astrai.model.resolve import resolve_model
+
+    try:
+        kind, folder = resolve_model(name_or_path)
+    except Exception:  # the generation loader reports what is wrong with it
+        return False
+    if kind != "hf":
+        return False
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") in POOLING_TYPES
+    except (OSError, ValueError):
+        return False
 
 
 def load_embedder(name_or_path: str, dtype: torch.dtype = torch.float32, **engine: object) -> EmbeddingEngine:

@@ -457,12 +457,13 @@ class OpenAIResponseBuilder(ResponseBuilder):
         }
 
     def _models(self, engine: Any) -> dict[str, Any]:
-        return {"object": "list", "data": [self._card(engine), *model_cards(self.embedders, self.created)]}
+        chat = [] if getattr(engine, "task", None) else [self._card(engine)]  # (a pooling model alone)
+        return {"object": "list", "data": [*chat, *model_cards(self.embedders, self.created)]}
 
     def _model(self, engine: Any, model: str) -> dict[str, Any]:
         if model in self.embedders:
             return model_cards({model: self.embedders[model]}, self.created)[0]
-        if model != self.model_name:  # OpenAI's words
+        if model != self.model_name or getattr(engine, "task", None):  # OpenAI's words
             raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it.")
         return self._card(engine)
 
