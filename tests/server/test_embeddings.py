@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -341,3 +342,19 @@ def test_a_pooling_model_alone_serves_its_routes_and_refuses_generation(start_se
     assert tokenize.status_code == 400 and tokenize.json()["error"]["message"] == message
     stats = httpx.get(served.url + "/stats", timeout=10).json()
     assert set(stats) == {"pooling"} and stats["pooling"]["minilm"]["inputs"] == len(TEXTS)
+
+
+def test_a_client_that_leaves_withdraws_the_inputs_not_yet_encoded(served) -> None:
+    """Thousands of long inputs take many passes; the client gives up after a fraction of a second:
+    the passes stop short of them (the server logs the request as 499, abandoned)."""
+    stats = lambda: httpx.get(served.url + "/stats", timeout=10).json()["pooling"][EMB]  # noqa: E731
+    before = stats()
+    texts = [f"sentence {i} " + "about many different things " * 40 for i in range(3000)]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/embeddings", json={"model": EMB, "input": texts}, timeout=1.0)
+    time.sleep(3)  # passes already running finish
+    after = stats()
+    assert after["requests"] == before["requests"] + 1
+    assert after["inputs"] - before["inputs"] < len(texts) // 2
+    time.sleep(1)
+    assert stats()["inputs"] == after["inputs"]  # nothing more is encoded for it

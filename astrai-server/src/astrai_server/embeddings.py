@@ -79,7 +79,7 @@ def _vector(values: Any, encoding: str) -> Any:
     return values.tolist()
 
 
-def _answer(req: EmbeddingRequest, engine: Any, name: str) -> dict[str, Any]:
+def _answer(req: EmbeddingRequest, engine: Any, name: str, futures: list) -> dict[str, Any]:
     if req.dimensions is not None and req.dimensions != engine.dimensions:
         raise RequestRejected(
             f"{name} does not support dimensions {req.dimensions}: its vectors have {engine.dimensions} "
@@ -98,7 +98,7 @@ def _answer(req: EmbeddingRequest, engine: Any, name: str) -> dict[str, Any]:
         engine.check(inputs)
     except RequestRejected as exc:
         raise RequestRejected(str(exc), param="input") from None
-    vectors = engine.embed(inputs)
+    vectors = engine.embed(inputs, futures=futures)
     tokens = sum(map(len, inputs))
     return {
         "object": "list",
@@ -145,12 +145,14 @@ def pooling_endpoint(
     check_key: Callable[[Request], None],
     route: str,
     request_model: type[Strict],
-    answer: Callable[[Any, Any, str], dict[str, Any]],
+    answer: Callable[[Any, Any, str, list], dict[str, Any]],
     tasks: tuple[str, ...],
 ) -> Callable[[Request], Any]:
     """A POST route of the pooling models (embedders, cross-encoders): the key (``check_key`` raises
     HTTPProblem 401), the body as ``request_model``, the model its ``model`` names among those of
-    ``tasks``, then ``answer(request, engine, name)`` on a worker thread; errors in OpenAI's shape."""
+    ``tasks``, then ``answer(request, engine, name, futures)`` on a worker thread; errors in OpenAI's
+    shape. A client that leaves first withdraws its inputs not yet encoded (``futures``: what the
+    answer submitted, cancelled) and is logged as 499."""
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
 
@@ -166,8 +168,18 @@ def pooling_endpoint(
             if request.app.state.engine is None:  # still loading (the pooling models come with the engine)
                 raise EngineNotReady("the models are still loading")
             engine = _pick(req.model, request.app.state.embedders, request.app.state.settings, route, tasks)
-            body = await asyncio.get_running_loop().run_in_executor(_WAITERS, answer, req, engine, req.model)
-            return JSONResponse(body)
+            futures: list = []
+            loop = asyncio.get_running_loop()
+            work = loop.run_in_executor(_WAITERS, answer, req, engine, req.model, futures)
+            gone = asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left: its inputs not yet in a pass are withdrawn
+                for future in futures:
+                    future.cancel()
+                work.add_done_callback(lambda w: w.exception())  # (its CancelledError, retrieved)
+                return Response(status_code=499)  # never sent
+            gone.cancel()
+            return JSONResponse(work.result())
         except ClientGone:
             return Response(status_code=499)  # never sent: the client left
         except HTTPProblem as problem:
@@ -179,6 +191,12 @@ def pooling_endpoint(
     # FastAPI reads the annotations; this module's globals lack the web types they name
     endpoint.__annotations__.update({"request": Request, "return": Response})
     return endpoint
+
+
+async def _disconnected(request: Any) -> None:
+    """Return once the client has closed the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _pick(model: str, embedders: dict[str, Any], settings: Any, route: str, tasks: tuple[str, ...]) -> Any:

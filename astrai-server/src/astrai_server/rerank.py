@@ -53,17 +53,17 @@ class ScoreRequest(Strict):
     text_2: str | list[str]
 
 
-def _scores(engine: Any, first: list[str], second: list[str]) -> tuple[list[float], int]:
+def _scores(engine: Any, first: list[str], second: list[str], futures: list) -> tuple[list[float], int]:
     """The score of each pair (first[i], second[i]) and the tokens read."""
     if engine.task == "score":
         ids, types = engine.encode_pairs(first, second)
-        return engine.embed(ids, types).tolist(), sum(map(len, ids))
+        return engine.embed(ids, types, futures=futures).tolist(), sum(map(len, ids))
     texts = list(dict.fromkeys(first + second))  # each distinct text once
     coded = engine.tokenizer.hf(
         texts, add_special_tokens=True, truncation=True, max_length=engine.context_limit
     )
     ids = [list(i) for i in coded["input_ids"]]
-    vectors = dict(zip(texts, engine.embed(ids), strict=True))
+    vectors = dict(zip(texts, engine.embed(ids, futures=futures), strict=True))
     a = torch.stack([vectors[t] for t in first])
     b = torch.stack([vectors[t] for t in second])
     return F.cosine_similarity(a, b).tolist(), sum(map(len, ids))
@@ -76,13 +76,13 @@ def _texts(value: str | list[str], param: str) -> list[str]:
     return texts
 
 
-def rerank_answer(req: RerankRequest, engine: Any, name: str) -> dict[str, Any]:
+def rerank_answer(req: RerankRequest, engine: Any, name: str, futures: list) -> dict[str, Any]:
     texts = [d if isinstance(d, str) else d.text for d in req.documents]
     if not req.query or any(not t for t in texts):
         raise RequestRejected(
             "query and documents must not be empty", param="documents" if req.query else "query"
         )
-    scores, tokens = _scores(engine, [req.query] * len(texts), texts)
+    scores, tokens = _scores(engine, [req.query] * len(texts), texts, futures)
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[: req.top_n or None]
     results = []
     for i in order:
@@ -99,7 +99,7 @@ def rerank_answer(req: RerankRequest, engine: Any, name: str) -> dict[str, Any]:
     }
 
 
-def score_answer(req: ScoreRequest, engine: Any, name: str) -> dict[str, Any]:
+def score_answer(req: ScoreRequest, engine: Any, name: str, futures: list) -> dict[str, Any]:
     first, second = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
     if len(first) == 1:
         first = first * len(second)
@@ -108,7 +108,7 @@ def score_answer(req: ScoreRequest, engine: Any, name: str) -> dict[str, Any]:
             f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as text_2",
             param="text_2",
         )
-    scores, tokens = _scores(engine, first, second)
+    scores, tokens = _scores(engine, first, second, futures)
     return {
         "id": f"score-{uuid.uuid4().hex}",
         "object": "list",

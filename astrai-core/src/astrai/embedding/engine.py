@@ -126,11 +126,20 @@ class EmbeddingEngine:
         return futures
 
     def embed(
-        self, inputs: list[list[int]], types: list[list[int]] | None = None, timeout: float | None = None
+        self,
+        inputs: list[list[int]],
+        types: list[list[int]] | None = None,
+        timeout: float | None = None,
+        futures: list[Future] | None = None,
     ) -> torch.Tensor:
         """[len(inputs), dimensions] float32 vectors, or [len(inputs)] scores of a cross-encoder:
-        ``submit``, then wait for every one."""
-        return torch.stack([f.result(timeout) for f in self.submit(inputs, types)])
+        ``submit``, then wait for every one. ``futures``: a list the submitted futures are added to,
+        so that another thread can cancel them (inputs not yet in a pass are then left out; this
+        call raises ``CancelledError``)."""
+        submitted = self.submit(inputs, types)
+        if futures is not None:
+            futures.extend(submitted)
+        return torch.stack([f.result(timeout) for f in submitted])
 
     def shutdown(self) -> None:
         """Stop the worker; inputs still waiting fail with EngineNotReady. Idempotent."""
