@@ -207,7 +207,7 @@ def test_the_route_asks_for_the_key_and_answers_503_while_the_models_load(fakes)
     from astrai_server.app import create_app
     from astrai_server.config import ServerSettings
 
-    app = create_app(ServerSettings(api_key=["k"], embedding_model=EMB), None)
+    app = create_app(ServerSettings(api_key=["k"], embedding_model=[EMB]), None)
     body = {"model": EMB, "input": "x"}
     with fakes.serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as c:
         r = c.post("/v1/embeddings", json=body)
@@ -271,10 +271,13 @@ def test_score_one_against_many_and_pairwise(served, oracle) -> None:
 
 @pytest.fixture(scope="module")
 def reranker(start_server, tmp_path_factory):
+    """A server with two pooling models beside the chat model: MiniLM as ``embed`` and the
+    cross-encoder as ``rerank``."""
     from pooling_models import write_cross_encoder
 
     folder = write_cross_encoder(tmp_path_factory.mktemp("cross-encoder"))
-    return start_server("--embedding-model", str(folder), "--served-embedding-model-name", "rerank"), folder
+    flags = ["--embedding-model", f"{EMB},{folder}", "--served-embedding-model-name", "embed,rerank"]
+    return start_server(*flags), folder
 
 
 def test_a_cross_encoder_reranks_with_transformers_scores(reranker) -> None:
@@ -295,8 +298,15 @@ def test_a_cross_encoder_reranks_with_transformers_scores(reranker) -> None:
     assert refused.status_code == 400
     assert (
         refused.json()["error"]["message"]
-        == "rerank serves /v1/rerank and /v1/score; /v1/embeddings needs one of: none (see --embedding-model)"
+        == "rerank serves /v1/rerank and /v1/score; /v1/embeddings needs one of: embed"
     )
+    assert [m["id"] for m in httpx.get(served.url + "/v1/models", timeout=10).json()["data"]] == [
+        "astrai",
+        "embed",
+        "rerank",
+    ]
+    embedded = _post(served, "/v1/embeddings", {"model": "embed", "input": DOCS})
+    assert embedded.status_code == 200 and len(embedded.json()["data"]) == 3
 
 
 def test_stats_and_metrics_count_the_pooling_requests_apart(served, client) -> None:
@@ -358,3 +368,22 @@ def test_a_client_that_leaves_withdraws_the_inputs_not_yet_encoded(served) -> No
     assert after["inputs"] - before["inputs"] < len(texts) // 2
     time.sleep(1)
     assert stats()["inputs"] == after["inputs"]  # nothing more is encoded for it
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--served-embedding-model-name", "a"],
+            "--served-embedding-model-name gives 1 names for 0 --embedding-model",
+        ),
+        (["--embedding-model", "minilm-l6", "--served-embedding-model-name", "a,b"], "gives 2 names for 1"),
+        (["--embedding-model", "minilm-l6", "--served-embedding-model-name", "astrai"], "a name of its own"),
+        (["--embedding-model", "minilm-l6,minilm-l6"], "a name of its own"),
+    ],
+)
+def test_pooling_model_names_that_do_not_fit_stop_serve_with_status_2(flags, message, capsys) -> None:
+    from astrai_server.cli import serve_main
+
+    assert serve_main(flags) == 2
+    assert message in capsys.readouterr().err

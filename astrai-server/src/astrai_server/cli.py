@@ -344,6 +344,10 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
     from astrai_server.loader import EngineLoader
 
     raise_descriptor_limit()  # a connection holds a descriptor; replicas, workers, the gateway inherit it
+    try:  # the pooling models' names: a count that does not match, or a name taken twice, stops the start
+        settings.pooling_names()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if settings.chat_template is not None:  # a missing file or a syntax error stops the start (exit 2)
         from astrai.model.chat_template import load_chat_template
 

@@ -71,12 +71,11 @@ class ServerSettings(BaseModel):
     model: str | None = None  # name, .gguf file, HF folder or Hub id; None: the default model
     revision: str | None = None  # branch, tag or commit of a Hub id; None: main
     served_model_name: str = "astrai"  # the name /v1/models lists
-    # an embedding model served beside the chat model (/v1/embeddings): a known name (minilm-l6), a
-    # folder or a Hub id; None: none
-    embedding_model: str | None = None
-    served_embedding_model_name: str | None = (
-        None  # its name in requests and /v1/models; None: --embedding-model
-    )
+    # pooling models served beside the chat model (/v1/embeddings, /v1/rerank, /v1/score): known names
+    # (minilm-l6), folders or Hub ids, an embedder and a reranker say; None: none
+    embedding_model: list[str] | None = None
+    # their names in requests and /v1/models, in the same order; None: what --embedding-model says
+    served_embedding_model_name: list[str] | None = None
     chat_template: str | None = None  # a Jinja file or inline template over the checkpoint's; None: its own
     reasoning_parser: str | None = (
         None  # an astrai.reasoning_parsers name; None: chosen from the chat template
@@ -213,6 +212,31 @@ class ServerSettings(BaseModel):
                 "tensor parallelism shards dense weights: --weights gguf needs --tensor-parallel-size 1"
             )
         return value
+
+    @field_validator("embedding_model", "served_embedding_model_name", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+
+    @field_validator("served_embedding_model_name")
+    @classmethod
+    def _unique(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("the names must differ")
+        return value
+
+    def pooling_names(self) -> dict[str, str]:
+        """Served name -> ``embedding_model`` entry. Raises ValueError for a count of names that does
+        not match the models, or a name taken twice (the chat model's included)."""
+        models = self.embedding_model or []
+        names = self.served_embedding_model_name or models
+        if len(names) != len(models):
+            raise ValueError(
+                f"--served-embedding-model-name gives {len(names)} names for {len(models)} --embedding-model"
+            )
+        if len(set(names)) != len(names) or self.served_model_name in names:
+            raise ValueError("every served model needs a name of its own (--served-embedding-model-name)")
+        return dict(zip(names, models, strict=True))
 
     @field_validator("api_key", "admin_api_key", mode="before")
     @classmethod

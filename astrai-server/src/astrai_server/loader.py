@@ -164,25 +164,30 @@ class EngineLoader:
         )
 
     def _embedders(self) -> dict[str, Any]:
-        """The embedding model of ``--embedding-model`` by its served name (none: empty)."""
-        s = self.settings
-        if s.embedding_model is None:
-            return {}
+        """The pooling models of ``--embedding-model`` by their served names (none: empty)."""
         from astrai.embedding import load_embedder
         from astrai.model.resolve import local_model
 
-        embedder = load_embedder(local_model(s.embedding_model, None) or s.embedding_model)
-        name = s.served_embedding_model_name or s.embedding_model
-        logger.info(
-            "embedding model ready: %s as %r (%d dimensions, inputs of up to %d tokens, %s pooling%s)",
-            s.embedding_model,
-            name,
-            embedder.dimensions,
-            embedder.context_limit,
-            embedder.pooling.mode,
-            ", normalized" if embedder.pooling.normalize else "",
-        )
-        return {name: embedder}
+        loaded: dict[str, Any] = {}
+        try:
+            for name, model in self.settings.pooling_names().items():
+                embedder = loaded[name] = load_embedder(local_model(model, None) or model)
+                logger.info(
+                    "pooling model ready: %s as %r (%s; inputs of up to %d tokens%s)",
+                    model,
+                    name,
+                    embedder.task,
+                    embedder.context_limit,
+                    f", {embedder.dimensions} dimensions, {embedder.pooling.mode} pooling"
+                    + (", normalized" if embedder.pooling.normalize else "")
+                    if embedder.task == "embed"
+                    else "",
+                )
+        except BaseException:
+            for embedder in loaded.values():
+                embedder.shutdown()
+            raise
+        return loaded
 
     def _failed(self, exc: Exception) -> None:
         logger.debug("loading the model failed", exc_info=exc)
