@@ -6,6 +6,7 @@ how (OpenAI's error shape); both models in ``/v1/models``; chat streams unchange
 from __future__ import annotations
 
 import base64
+import json
 import threading
 import time
 from typing import Any
@@ -16,6 +17,8 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from astrai.model.resolve import resolve_model
 
@@ -387,3 +390,70 @@ def test_pooling_model_names_that_do_not_fit_stop_serve_with_status_2(flags, mes
 
     assert serve_main(flags) == 2
     assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- hostile bodies
+
+_junk = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_inputs = st.one_of(
+    st.text(max_size=40),
+    st.lists(st.text(max_size=20), max_size=5),
+    st.lists(st.integers(-5, 40000), max_size=8),
+    st.lists(st.lists(st.integers(-5, 40000), max_size=6), max_size=4),
+    _junk,
+)
+_POOLING_BODIES = {
+    "/v1/embeddings": (
+        {"model": EMB, "input": "hello"},
+        {
+            "input": _inputs,
+            "encoding_format": st.sampled_from(["float", "base64", "int8", ""]) | _junk,
+            "dimensions": st.integers(-3, 2**40) | _junk,
+            "truncate_prompt_tokens": st.integers(-3, 2**40) | _junk,
+            "user": _junk,
+            "model": st.sampled_from([EMB, "astrai", ""]) | _junk,
+        },
+    ),
+    "/v1/rerank": (
+        {"model": EMB, "query": "q", "documents": ["a", "b"]},
+        {
+            "query": st.text(max_size=20) | _junk,
+            "documents": st.lists(
+                st.text(max_size=20) | st.fixed_dictionaries({"text": st.text(max_size=9)}), max_size=4
+            )
+            | _junk,
+            "top_n": st.integers(-3, 2**40) | _junk,
+            "return_documents": _junk,
+        },
+    ),
+    "/v1/score": (
+        {"model": EMB, "text_1": "a", "text_2": ["b"]},
+        {"text_1": _inputs, "text_2": _inputs},
+    ),
+}
+
+
+@pytest.mark.parametrize("route", list(_POOLING_BODIES))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_no_body_gets_a_server_error(served, route, data) -> None:
+    """Bodies around each pooling route's valid one, some fields replaced by values near their type
+    or by junk: a success or a 4xx in OpenAI's error shape, never a 5xx."""
+    base, fields = _POOLING_BODIES[route]
+    body = dict(base)
+    for name in data.draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True)):
+        body[name] = data.draw(fields[name], label=name)
+    raw = json.dumps(body, allow_nan=True)
+    r = httpx.post(served.url + route, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert isinstance(error["message"], str) and error["type"] == "invalid_request_error", r.text
