@@ -161,3 +161,16 @@ def test_a_cross_encoders_scores_are_transformers(tmp_path) -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     finally:
         engine.shutdown()
+
+
+def test_inputs_withdrawn_before_they_are_submitted_never_run(embedder) -> None:
+    from concurrent.futures import CancelledError
+
+    from astrai.embedding import Withdrawable
+
+    futures = Withdrawable()
+    futures.withdraw()  # (a client that left while its texts were tokenized)
+    before = embedder.get_stats()
+    with pytest.raises(CancelledError):
+        embedder.embed(embedder.encode(["never encoded"]), futures=futures)
+    assert embedder.get_stats() == before and list(futures) == []

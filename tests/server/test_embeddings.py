@@ -358,16 +358,17 @@ def test_a_pooling_model_alone_serves_its_routes_and_refuses_generation(start_se
 
 
 def test_a_client_that_leaves_withdraws_the_inputs_not_yet_encoded(served) -> None:
-    """Thousands of long inputs take many passes; the client gives up after a fraction of a second:
+    """Hundreds of long inputs take many passes; the client gives up after a second (perhaps while
+    they are still being tokenized):
     the passes stop short of them (the server logs the request as 499, abandoned)."""
     stats = lambda: httpx.get(served.url + "/stats", timeout=10).json()["pooling"][EMB]  # noqa: E731
     before = stats()
-    texts = [f"sentence {i} " + "about many different things " * 40 for i in range(3000)]
+    texts = [f"sentence {i} " + "about many different things " * 40 for i in range(800)]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.url + "/v1/embeddings", json={"model": EMB, "input": texts}, timeout=1.0)
     time.sleep(3)  # passes already running finish
     after = stats()
-    assert after["requests"] == before["requests"] + 1
+    assert after["requests"] - before["requests"] in (0, 1)  # (0: it left before its inputs went in)
     assert after["inputs"] - before["inputs"] < len(texts) // 2
     time.sleep(1)
     assert stats()["inputs"] == after["inputs"]  # nothing more is encoded for it
@@ -442,7 +443,7 @@ _POOLING_BODIES = {
 
 
 @pytest.mark.parametrize("route", list(_POOLING_BODIES))
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_no_body_gets_a_server_error(served, route, data) -> None:
     """Bodies around each pooling route's valid one, some fields replaced by values near their type

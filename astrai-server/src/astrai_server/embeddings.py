@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationError
 
+from astrai.embedding import Withdrawable
 from astrai.errors import EngineNotReady, ModelNotFound, RequestRejected
 from astrai_server.errors import HTTPProblem, public_message, status_for
 from astrai_server.openai_shapes import openai_error
@@ -168,14 +169,13 @@ def pooling_endpoint(
             if request.app.state.engine is None:  # still loading (the pooling models come with the engine)
                 raise EngineNotReady("the models are still loading")
             engine = _pick(req.model, request.app.state.embedders, request.app.state.settings, route, tasks)
-            futures: list = []
+            futures = Withdrawable()
             loop = asyncio.get_running_loop()
             work = loop.run_in_executor(_WAITERS, answer, req, engine, req.model, futures)
             gone = asyncio.ensure_future(_disconnected(request))
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client left: its inputs not yet in a pass are withdrawn
-                for future in futures:
-                    future.cancel()
+                futures.withdraw()
                 work.add_done_callback(lambda w: w.exception())  # (its CancelledError, retrieved)
                 return Response(status_code=499)  # never sent
             gone.cancel()

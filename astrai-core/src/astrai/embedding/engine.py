@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from astrai.embedding.pooling import Pooling, pool
 from astrai.errors import EngineNotReady, ModelFormatError, ModelNotFound, RequestRejected
 from astrai.model.bert import BertConfig, BertModel
 
-__all__ = ["EmbeddingEngine", "is_pooling_model", "load_embedder"]
+__all__ = ["EmbeddingEngine", "Withdrawable", "is_pooling_model", "load_embedder"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,30 @@ class _Input:
     ids: list[int]
     types: list[int] | None
     future: Future
+
+
+class Withdrawable(list):
+    """The futures a request submitted (``EmbeddingEngine.embed(futures=...)``), which another thread
+    may ``withdraw``: those not yet in a pass are cancelled, and so is any added afterwards (a
+    client that left while its texts were still being tokenized)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self.withdrawn = False
+
+    def add(self, futures: list[Future]) -> None:
+        with self._lock:
+            self.extend(futures)
+            if self.withdrawn:
+                for future in futures:
+                    future.cancel()
+
+    def withdraw(self) -> None:
+        with self._lock:
+            self.withdrawn = True
+            for future in self:
+                future.cancel()
 
 
 #: sentence-transformers' activation names -> the function on a cross-encoder's logit
@@ -130,15 +154,17 @@ class EmbeddingEngine:
         inputs: list[list[int]],
         types: list[list[int]] | None = None,
         timeout: float | None = None,
-        futures: list[Future] | None = None,
+        futures: Withdrawable | None = None,
     ) -> torch.Tensor:
         """[len(inputs), dimensions] float32 vectors, or [len(inputs)] scores of a cross-encoder:
-        ``submit``, then wait for every one. ``futures``: a list the submitted futures are added to,
-        so that another thread can cancel them (inputs not yet in a pass are then left out; this
-        call raises ``CancelledError``)."""
+        ``submit``, then wait for every one. ``futures``: where the submitted futures go, so that
+        another thread can withdraw them (inputs not yet in a pass are then left out; this call
+        raises ``CancelledError``)."""
+        if futures is not None and futures.withdrawn:
+            raise CancelledError("withdrawn before it was submitted")
         submitted = self.submit(inputs, types)
         if futures is not None:
-            futures.extend(submitted)
+            futures.add(submitted)
         return torch.stack([f.result(timeout) for f in submitted])
 
     def shutdown(self) -> None:
