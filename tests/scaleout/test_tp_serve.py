@@ -151,7 +151,7 @@ def test_under_torchrun_every_process_is_a_rank_and_rank_0_serves(tmp_path) -> N
         assert f"pid={ranks[0]}," in listening  # rank 0 serves HTTP; the others only their shard
         assert not any(f"pid={ranks[r]}," in listening for r in (1, 2))
         os.kill(ranks[0], signal.SIGTERM)  # rank 0 drains and stops the others: torchrun ends cleanly
-        assert proc.wait(120) == 0
+        assert proc.wait(120) == 0, (tmp_path / "torchrun.log").read_text()[-6000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -374,8 +374,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         check_tp_size(
             read_config(settings.model), settings.tensor_parallel_size
         )  # at start, naming the valid sizes
-        if _tp_worker(settings):
-            return  # a torchrun rank > 0: it ran its shard until rank 0 stopped
+        _tp_worker(settings)  # a torchrun rank > 0 runs its shard until rank 0 stops, and ends here
     if settings.data_parallel_size > 1:  # replicas behind the SGLang Model Gateway, supervised
         from astrai_server.replicas import serve_replicas
 
@@ -402,22 +401,24 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
             _exit_now(0 if sys.exc_info()[0] is None else 1)
     if loader.failure is not None and settings.on_load_failure == "exit":
         raise ModelLoadFailed(loader.failure)
+    if settings.tensor_parallel_size > 1:  # its process group's threads: as on the other ranks
+        _exit_now(0, "tensor-parallel rank 0 stopped")
 
 
-def _exit_now(status: int) -> NoReturn:
-    """End the process without finalizing the interpreter: the loader's thread still runs inside
-    torch (C++ and OpenMP teams, which abort the process when Python is torn down under them), and
-    nothing of the load is worth waiting for. Logs and stdio are flushed first."""
-    logger.info("stopped during the start: the model load is abandoned")
+def _exit_now(status: int, why: str = "stopped during the start: the model load is abandoned") -> NoReturn:
+    """End the process without finalizing the interpreter: torch's native threads (a loader still
+    inside torch, gloo's) abort the process when Python is torn down under them, and nothing left
+    is worth waiting for. ``why`` is logged; logs and stdio are flushed first."""
+    logger.info("%s", why)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
 
 
-def _tp_worker(settings: ServerSettings) -> bool:
+def _tp_worker(settings: ServerSettings) -> None:
     """Under torchrun, ranks > 0 of a tensor-parallel ``astrai serve`` serve no HTTP: they run their
-    shard (``astrai.distributed.launch.worker_main``) and return True; anywhere else, False."""
+    shard (``astrai.distributed.launch.worker_main``) and end the process; anywhere else, nothing."""
     import torch
 
     from astrai.distributed.launch import torchrun_rank, worker_main
@@ -425,7 +426,7 @@ def _tp_worker(settings: ServerSettings) -> bool:
 
     rank = torchrun_rank()
     if not rank:
-        return False
+        return
     if int(os.environ["WORLD_SIZE"]) != settings.tensor_parallel_size:
         raise ConfigError(
             f"torchrun started {os.environ['WORLD_SIZE']} processes "
@@ -444,10 +445,11 @@ def _tp_worker(settings: ServerSettings) -> bool:
         "device": str(device),
         "timeout": settings.tp_timeout,
     }
+    # Like ``python -m astrai.distributed.worker``, the rank leaves without finalizing the
+    # interpreter: a native thread of torch's still joinable at teardown aborts it (SIGABRT after a
+    # clean STOP, which torchrun reports as a failed run).
     code = worker_main(spec)
-    if code:
-        raise SystemExit(code)
-    return True
+    _exit_now(code, f"tensor-parallel rank {rank} stops (status {code})")
 
 
 def configure_logging(settings: ServerSettings) -> None:
