@@ -39,3 +39,81 @@ def transformers_scores(folder: Path, first: list[str], second: list[str]) -> li
     batch = tokenizer(first, second, padding=True, truncation=True, max_length=512, return_tensors="pt")
     with torch.no_grad():
         return torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+
+
+#: the words of the tiny decoder poolers' tokenizer (ids after the four special tokens)
+WORDS = (
+    "the a of to and in is it that for on with as was by at be this are from or an which but not what "
+    "all were when we there can more one their has if will each about how up out them then she many "
+    "some so these would other into his her him time like could two see way been call who its now "
+    "find long down day did get come made may part cat dog sat mat sun rain query passage document"
+).split()
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer (``<pad>`` 0, ``<unk>`` 1, ``<s>`` 2, ``</s>`` 3) that ends every text
+    with ``</s>``, and a pair as ``a </s> b </s>``: the end-of-text token that decoder embedders
+    (Qwen3-Embedding) pool at."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<s>", "</s>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 3)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(folder)
+
+
+def write_decoder_pooler(folder: Path, task: str, seed: int = 0) -> Path:
+    """A tiny random Qwen3 pooling checkpoint: "embed" saves the bare ``Qwen3Model`` (no ``model.``
+    prefix, as Qwen3-Embedding is saved) with sentence-transformers' last-token pooling and
+    normalisation; "score" a one-label ``Qwen3ForSequenceClassification``. Returns ``folder``."""
+    import json
+
+    import torch
+    import transformers as tf
+
+    config = tf.Qwen3Config(
+        vocab_size=4 + len(WORDS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        num_labels=1,
+    )
+    torch.manual_seed(seed)
+    cls = tf.Qwen3Model if task == "embed" else tf.Qwen3ForSequenceClassification
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape))
+            else:
+                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    if task == "embed":
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        ]
+        (folder / "modules.json").write_text(json.dumps(modules))
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(
+            json.dumps({"word_embedding_dimension": 64, "pooling_mode_lasttoken": True})
+        )
+        (folder / "2_Normalize").mkdir()
+        (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256}))
+    return folder

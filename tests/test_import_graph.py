@@ -274,7 +274,18 @@ FLOORS: list[tuple[str, set[str]]] = [
             "astrai.groups",
         },
     ),
-    ("top", {"astrai", "astrai.engine", "astrai.cli"}),
+    (
+        "top",
+        {
+            "astrai",
+            "astrai.engine",
+            "astrai.cli",
+            # pooling models: a decoder's runs on an InferenceEngine (astrai.embedding.decoder)
+            "astrai.embedding",
+            "astrai.embedding.loader",
+            "astrai.embedding.decoder",
+        },
+    ),
 ]
 
 

@@ -274,20 +274,27 @@ def test_score_one_against_many_and_pairwise(served, oracle) -> None:
 
 @pytest.fixture(scope="module")
 def reranker(start_server, tmp_path_factory):
-    """A server with two pooling models beside the chat model: MiniLM as ``embed`` and the
-    cross-encoder as ``rerank``."""
-    from pooling_models import write_cross_encoder
+    """A server with four pooling models beside the chat model: MiniLM as ``embed``, the
+    cross-encoder as ``rerank``, and the tiny decoder embedder and reranker (``pooling_models``) as
+    ``qembed`` and ``qrank``. Returns the server and the folders by served name."""
+    from pooling_models import write_cross_encoder, write_decoder_pooler
 
-    folder = write_cross_encoder(tmp_path_factory.mktemp("cross-encoder"))
-    flags = ["--embedding-model", f"{EMB},{folder}", "--served-embedding-model-name", "embed,rerank"]
-    return start_server(*flags), folder
+    base = tmp_path_factory.mktemp("pooling")
+    folders = {
+        "rerank": write_cross_encoder(base / "cross-encoder"),
+        "qembed": write_decoder_pooler(base / "qembed", "embed"),
+        "qrank": write_decoder_pooler(base / "qrank", "score"),
+    }
+    models = ",".join([EMB, *map(str, folders.values())])
+    flags = ["--embedding-model", models, "--served-embedding-model-name", "embed,rerank,qembed,qrank"]
+    return start_server(*flags), folders
 
 
 def test_a_cross_encoder_reranks_with_transformers_scores(reranker) -> None:
     from pooling_models import transformers_scores
 
-    served, folder = reranker
-    want = transformers_scores(folder, [QUERY] * 3, DOCS)
+    served, folders = reranker
+    want = transformers_scores(folders["rerank"], [QUERY] * 3, DOCS)
     r = _post(served, "/v1/rerank", {"model": "rerank", "query": QUERY, "documents": DOCS})
     results = r.json()["results"]
     assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -want[i])
@@ -301,15 +308,50 @@ def test_a_cross_encoder_reranks_with_transformers_scores(reranker) -> None:
     assert refused.status_code == 400
     assert (
         refused.json()["error"]["message"]
-        == "rerank serves /v1/rerank and /v1/score; /v1/embeddings needs one of: embed"
+        == "rerank serves /v1/rerank and /v1/score; /v1/embeddings needs one of: embed, qembed"
     )
     assert [m["id"] for m in httpx.get(served.url + "/v1/models", timeout=10).json()["data"]] == [
         "astrai",
         "embed",
         "rerank",
+        "qembed",
+        "qrank",
     ]
     embedded = _post(served, "/v1/embeddings", {"model": "embed", "input": DOCS})
     assert embedded.status_code == 200 and len(embedded.json()["data"]) == 3
+
+
+def test_decoders_embed_and_rerank_as_sentence_transformers_and_transformers(reranker) -> None:
+    import transformers as tf
+    from sentence_transformers import SentenceTransformer
+
+    served, folders = reranker
+    texts = ["the cat sat on the mat", "a dog", "what is the way to find the sun when it rain"]
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+    got = client.embeddings.create(model="qembed", input=texts, encoding_format="float")
+    want = SentenceTransformer(str(folders["qembed"]), device="cpu").encode(texts, convert_to_tensor=True)
+    _close([d.embedding for d in got.data], want)
+    assert got.usage.prompt_tokens == sum(len(t.split()) + 1 for t in texts)  # each ends with </s>
+    card = httpx.get(served.url + "/v1/models/qembed", timeout=10).json()
+    assert (card["task"], card["dimensions"]) == ("embed", 64)
+    query, docs = "the sun", ["the sun is up when the day is long", "a dog sat on the mat", "rain"]
+    tokenizer = tf.AutoTokenizer.from_pretrained(folders["qrank"])
+    model = tf.AutoModelForSequenceClassification.from_pretrained(folders["qrank"]).eval()
+    with torch.no_grad():
+        batch = tokenizer([query] * 3, docs, padding=True, return_tensors="pt")
+        scores = torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+    r = _post(served, "/v1/rerank", {"model": "qrank", "query": query, "documents": docs, "top_n": 2})
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -scores[i])[:2]
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(scores[x["index"]], abs=1e-5)
+    refused = _post(served, "/v1/embeddings", {"model": "qrank", "input": "x"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    too_long = _post(served, "/v1/embeddings", {"model": "qembed", "input": [[5] * 300]})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["message"].startswith("input 0 has 300 tokens; qembed takes at most 256")
+    stats = httpx.get(served.url + "/stats", timeout=10).json()["pooling"]
+    assert stats["qembed"]["inputs"] >= 3 and stats["qrank"]["inputs"] >= 3
 
 
 def test_stats_and_metrics_count_the_pooling_requests_apart(served, client) -> None:
@@ -355,6 +397,28 @@ def test_a_pooling_model_alone_serves_its_routes_and_refuses_generation(start_se
     assert tokenize.status_code == 400 and tokenize.json()["error"]["message"] == message
     stats = httpx.get(served.url + "/stats", timeout=10).json()
     assert set(stats) == {"pooling"} and stats["pooling"]["minilm"]["inputs"] == len(TEXTS)
+
+
+def test_task_embed_serves_a_causal_lm_as_an_embedder_alone(start_server, tmp_path) -> None:
+    import shutil
+
+    from pooling_models import write_decoder_pooler
+    from sentence_transformers import SentenceTransformer
+
+    folder = write_decoder_pooler(tmp_path / "qembed", "embed")
+    plain = shutil.copytree(folder, tmp_path / "plain")  # the same weights, no pooling files
+    for name in ("modules.json", "sentence_bert_config.json"):
+        (plain / name).unlink()
+    served = start_server("--model", str(plain), "--task", "embed", "--served-model-name", "q")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+    texts = ["the cat sat on the mat", "a dog"]
+    got = client.embeddings.create(model="q", input=texts, encoding_format="float")
+    want = SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
+    _close([d.embedding for d in got.data], want)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="q", prompt="the")
+    stats = httpx.get(served.url + "/stats", timeout=10).json()
+    assert set(stats) == {"pooling"} and stats["pooling"]["q"]["inputs"] == 2
 
 
 def test_a_client_that_leaves_withdraws_the_inputs_not_yet_encoded(served) -> None:

@@ -182,7 +182,8 @@ class BatchPolicy:
         accepts its token; a row with drafts gives its tokens as a sequence (the confirmed drafts,
         then the model's own token): they are accepted in order until one ends the request, and
         the slots past the last accepted one go back to the pool (``_accept_run``). A request whose
-        decoder or stream callback raises fails alone.
+        decoder or stream callback raises fails alone. A pooling model's row takes its vector
+        instead of a token and ends (``StepResult.pooled``).
         """
         reqs = self._planned
         if len(reqs) != len(plan.request_ids):
@@ -207,7 +208,10 @@ class BatchPolicy:
                 q - d > 1
             ):  # a prefill chunk: its complete pages are reusable from now on (see _sharer_computing)
                 self.pool.record(req.req_idx, req.tokens[: req.num_computed])
-            if plan.sample[i]:
+            if plan.sample[i] and i in result.pooled:  # a pooling model's row: its vector ends it
+                req.pooled = result.pooled[i]
+                req.finish(FinishReason.STOP)
+            elif plan.sample[i]:
                 sampled.append((req, d))
         self.counters["total_tokens"] += len(sampled)
         logprobs = result.logprobs or [None] * len(sampled)

@@ -94,6 +94,9 @@ class Request:
         None  # speculative decoding: the proposer's lookup table (made at its first draft)
     )
     thinking: ThinkingState | None = None  # a thinking budget: where the output is in its thinking
+    # a pooling model's request (an embedder's, a classifier's): its prompt's vector, once computed
+    # (the engine's model gives vectors, not logits: astrai.embedding.decoder); it samples nothing
+    pooled: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -50,6 +50,7 @@ class GenerateResult:
         self.stop_sequence: str | None = None
         self.error: BaseException | None = None
         self.cached_tokens = 0
+        self.pooled: list[float] | None = None  # a pooling model's vector of the prompt (Request.pooled)
         self._on_piece, self._on_done = on_piece, on_done
         self._pieces: list[str] = []
         self._done = False
@@ -90,6 +91,7 @@ class GenerateResult:
             self.finish_reason, self.stop_sequence = request.finish_reason, request.stop_sequence
             self.error = request.error
             self.cached_tokens = max(request.cached_tokens, 0)
+            self.pooled = request.pooled
             self._done = True
             self._cond.notify_all()
             self._event.set()

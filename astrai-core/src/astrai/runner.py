@@ -64,6 +64,8 @@ class ModelRunner:
         # what the model's layers ask of attention (sliding windows, soft-caps): only a backend that
         # implements it is picked (``AttentionBackend.features``)
         self._features = frozenset(getattr(model, "attention_features", ()))
+        # a pooling model (astrai.embedding.decoder) gives each sampled row's vector, not its logits
+        self.pooling = getattr(model, "pooling", None) is not None
 
     def run(self, plan: StepPlan) -> StepResult:
         """Every row of ``plan`` as one forward, with failures isolated (see ``StepResult``).
@@ -86,6 +88,9 @@ class ModelRunner:
         except Exception as exc:
             logits, scored, failed = self._forward_apart(plan, exc)
             sampled = [i for i in sampled if i not in failed]
+        if self.pooling:  # vectors: nothing to sample
+            vectors = logits.cpu().tolist() if logits is not None else []
+            return StepResult(pooled=dict(zip(sampled, vectors, strict=True)), failed=failed)
         rows = [plan.rows[i] for i in sampled]
         main, extra = (logits[: len(rows)], logits[len(rows) :]) if logits is not None else (None, None)
         try:

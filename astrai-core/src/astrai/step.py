@@ -86,10 +86,13 @@ class StepResult:
     (a row with drafts: the drafts the model confirmed, then its own token, as a list) and its
     log-probs (None where not asked). ``prompt_logprobs``: by row index, the prompt log-probs the
     row's chunk computed, in position order, to be appended to its request's. ``failed``: by row
-    index, the error of each row that failed on its own (the others are unaffected).
+    index, the error of each row that failed on its own (the others are unaffected). ``pooled``:
+    a pooling model's step (its rows sample nothing): by row index, the vector of each sampled row
+    that did not fail (``next_ids`` is then empty).
     """
 
     next_ids: list[int | list[int]] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     failed: dict[int, Exception] = field(default_factory=dict)
+    pooled: dict[int, list[float]] = field(default_factory=dict)

@@ -67,6 +67,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "served_embedding_model_name",
         "the embedding model's name in requests and /v1/models (default: --embedding-model)",
     )
+    _flag(
+        p,
+        "task",
+        "what --model serves: generate, or embed / score for a decoder used as a pooling model; "
+        "default: what the checkpoint is",
+        choices=["generate", "embed", "score"],
+    )
     _flag(p, "chat_template", "chat template over the checkpoint's: a Jinja file, or an inline Jinja string")
     _flag(
         p,

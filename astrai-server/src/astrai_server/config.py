@@ -76,6 +76,9 @@ class ServerSettings(BaseModel):
     embedding_model: list[str] | None = None
     # their names in requests and /v1/models, in the same order; None: what --embedding-model says
     served_embedding_model_name: list[str] | None = None
+    # what --model serves: "embed" or "score" make a decoder checkpoint a pooling model (last-token
+    # vectors, a classifier's scores), "generate" text; None: what its checkpoint is
+    task: Literal["generate", "embed", "score"] | None = None
     chat_template: str | None = None  # a Jinja file or inline template over the checkpoint's; None: its own
     reasoning_parser: str | None = (
         None  # an astrai.reasoning_parsers name; None: chosen from the chat template

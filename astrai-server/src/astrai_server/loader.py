@@ -106,7 +106,8 @@ class EngineLoader:
         s = self.settings
         try:
             model = local_model(s.model, s.revision)  # a Hub id: its files, from the cache or downloaded
-            if is_pooling_model(model):  # an embedder or a cross-encoder alone: no generation
+            pooling = s.task in ("embed", "score") or (s.task is None and is_pooling_model(model))
+            if pooling:  # an embedder or a reranker alone: no generation
                 self._serve_pooling_only(model)
                 return
             config = s.engine_config()
@@ -139,6 +140,8 @@ class EngineLoader:
         """``--model`` is a pooling model: it is the engine (``/health``, ``/stats``) and the one
         pooling model, under ``--served-model-name`` (``--embedding-model`` adds another); the
         generation routes refuse every request (``app._ready_engine``)."""
+        import torch
+
         from astrai.embedding import load_embedder
 
         s = self.settings
@@ -146,7 +149,9 @@ class EngineLoader:
             embedders = self._embedders()
         else:
             embedders = {}
-        embedder = load_embedder(model or "")
+        task = s.task if s.task != "generate" else None
+        dtype = getattr(torch, s.dtype) if s.dtype else torch.float32
+        embedder = load_embedder(model or "", dtype, task=task, engine_config=s.engine_config())
         embedders = {s.served_model_name: embedder, **embedders}
         with self._lock:
             if not self._stopped:

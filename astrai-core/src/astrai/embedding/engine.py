@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from astrai.embedding.pooling import Pooling, pool
-from astrai.errors import EngineNotReady, RequestRejected
+from astrai.errors import EngineNotReady, ModelFormatError, RequestRejected
 from astrai.model.bert import BertModel
 
-__all__ = ["ACTIVATIONS", "EmbeddingEngine", "Withdrawable"]
+__all__ = ["ACTIVATIONS", "EmbeddingEngine", "Withdrawable", "check_inputs", "saved_activation"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,19 @@ class Withdrawable(list):
 
 #: sentence-transformers' activation names -> the function on a cross-encoder's logit
 ACTIVATIONS = {"Sigmoid": torch.sigmoid, "Identity": lambda x: x}
+
+
+def saved_activation(cfg: dict, where: str) -> str:
+    """The cross-encoder's activation, as sentence-transformers saved it in ``config.json``
+    (``sentence_transformers.activation_fn``, or the older ``sbert_ce_default_activation_function``):
+    a dotted class path whose last part names it; Sigmoid where none is saved."""
+    saved = (cfg.get("sentence_transformers") or {}).get("activation_fn") or cfg.get(
+        "sbert_ce_default_activation_function"
+    )
+    name = str(saved).rpartition(".")[2] if saved else "Sigmoid"
+    if name not in ACTIVATIONS:
+        raise ModelFormatError(f"{where}: activation {saved!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return name
 
 
 class EmbeddingEngine:
@@ -119,17 +132,7 @@ class EmbeddingEngine:
     def check(self, inputs: list[list[int]]) -> None:
         """RequestRejected for an empty input, an id outside the vocabulary, or an input longer
         than ``context_limit`` (the message says which and by how much)."""
-        vocab = self.model.config.vocab_size
-        for i, ids in enumerate(inputs):
-            if not ids:
-                raise RequestRejected(f"input {i} is empty")
-            if len(ids) > self.context_limit:
-                raise RequestRejected(
-                    f"input {i} has {len(ids)} tokens; this model takes at most {self.context_limit}"
-                )
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestRejected(f"input {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        check_inputs(inputs, self.context_limit, self.model.config.vocab_size)
 
     def submit(self, inputs: list[list[int]], types: list[list[int]] | None = None) -> list[Future]:
         """One future per input, each resolving to its vector ([dimensions] float32) or, for a
@@ -250,3 +253,16 @@ class EmbeddingEngine:
             self.counters["tokens"] += int(lengths.sum())
         for item, vector in zip(batch, vectors, strict=True):
             item.future.set_result(vector)
+
+
+def check_inputs(inputs: list[list[int]], limit: int, vocab: int) -> None:
+    """RequestRejected for an empty input, one longer than ``limit`` tokens, or an id outside
+    ``0 .. vocab - 1`` (the message says which input and why)."""
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise RequestRejected(f"input {i} is empty")
+        if len(ids) > limit:
+            raise RequestRejected(f"input {i} has {len(ids)} tokens; this model takes at most {limit}")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"input {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")

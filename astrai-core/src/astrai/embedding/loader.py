@@ -1,5 +1,6 @@
 """Loading a pooling model: ``load_embedder`` (a BERT embedder or cross-encoder checkpoint folder with
-its tokenizer and pooling, as an ``EmbeddingEngine``) and ``is_pooling_model`` (whether a name or
+its tokenizer and pooling, as an ``EmbeddingEngine``; a decoder embedder or classifier as a
+``DecoderPooler``) and ``is_pooling_model`` (whether a name or
 path is one, rather than a generation model)."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from astrai.embedding.engine import ACTIVATIONS, EmbeddingEngine
+from astrai.embedding.decoder import DecoderPooler, decoder_task, load_decoder_pooler
+from astrai.embedding.engine import EmbeddingEngine, saved_activation
 from astrai.embedding.pooling import Pooling
 from astrai.errors import ModelFormatError, ModelNotFound
 from astrai.model.bert import BertConfig, BertModel
@@ -33,16 +35,27 @@ def is_pooling_model(name_or_path: str | None) -> bool:
     if kind != "hf":
         return False
     try:
-        return json.loads((folder / "config.json").read_text()).get("model_type") in POOLING_TYPES
+        cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    return cfg.get("model_type") in POOLING_TYPES or decoder_task(folder, cfg) is not None
 
 
-def load_embedder(name_or_path: str, dtype: torch.dtype = torch.float32, **engine: object) -> EmbeddingEngine:
-    """An ``EmbeddingEngine`` on a BERT checkpoint folder (``config.json``, safetensors weights, a
-    tokenizer, sentence-transformers' pooling files where it has them): a path, a known name
-    (``minilm-l6``) or a Hub id. ``engine``: ``EmbeddingEngine``'s batch budgets. Raises
-    ModelNotFound for nothing there or another kind of model, ModelFormatError for a malformed one."""
+def load_embedder(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    task: str | None = None,
+    engine_config: object = None,
+    **engine: object,
+) -> EmbeddingEngine | DecoderPooler:
+    """A pooling model on a checkpoint folder (``config.json``, safetensors weights, a tokenizer,
+    sentence-transformers' pooling files where it has them): a path, a known name (``minilm-l6``)
+    or a Hub id. A BERT encoder gives an ``EmbeddingEngine`` (``engine``: its batch budgets); a
+    decoder family astrai serves gives a ``DecoderPooler`` (``astrai.embedding.decoder``; ``task``:
+    "embed" or "score" where the checkpoint does not say, ``engine_config``: its ``EngineConfig``).
+    Raises ModelNotFound for nothing there or another kind of model, ModelFormatError for a
+    malformed one."""
+    from astrai.model.architecture import get_architecture
     from astrai.model.hf_loader import read_safetensors_folder
     from astrai.model.resolve import resolve_model
     from astrai.model.tokenizer import Tokenizer
@@ -51,16 +64,28 @@ def load_embedder(name_or_path: str, dtype: torch.dtype = torch.float32, **engin
     if kind != "hf":
         raise ModelNotFound(f"{name_or_path}: an embedding model is a checkpoint folder, not a GGUF file")
     cfg = json.loads((folder / "config.json").read_text())
+    name = Path(str(name_or_path)).name if Path(str(name_or_path)).exists() else str(name_or_path)
     if cfg.get("model_type") != "bert":
-        raise ModelNotFound(
-            f"{name_or_path}: model_type {cfg.get('model_type')!r} is not an embedding model astrai serves (bert)"
-        )
+        from astrai.model.hf_config import hf_config
+
+        try:  # a decoder family astrai serves (ModelNotFound names them otherwise)
+            get_architecture(hf_config(folder, cfg).architecture, str(folder / "config.json"))
+        except ModelNotFound as exc:
+            raise ModelNotFound(
+                f"{name_or_path}: model_type {cfg.get('model_type')!r} is not a pooling model astrai serves "
+                f"(bert, or a decoder family: {exc})"
+            ) from None
+        return load_decoder_pooler(folder, cfg, task, dtype, name, engine_config)
     config = BertConfig.from_dict(cfg, str(folder))
+    if task is not None and task != ("score" if config.num_labels else "embed"):
+        raise ModelFormatError(
+            f"{folder}: an encoder serves what its checkpoint is ({'a cross-encoder' if config.num_labels else 'an embedder'}), not --task {task}"
+        )
     if config.num_labels > 1:
         raise ModelFormatError(
             f"{folder}: a classifier of {config.num_labels} labels; a cross-encoder gives one score per pair"
         )
-    activation = _activation(cfg, str(folder))
+    activation = saved_activation(cfg, str(folder))
     pooling = Pooling.from_folder(folder) if not config.num_labels else Pooling()
     model = BertModel(config)
     model.load_weights(read_safetensors_folder(folder), str(folder))
@@ -69,18 +94,4 @@ def load_embedder(name_or_path: str, dtype: torch.dtype = torch.float32, **engin
     tokenizer = Tokenizer.from_pretrained(folder)
     if tokenizer.hf.cls_token_id is None and pooling.mode == "cls":
         raise ModelFormatError(f"{folder}: CLS pooling, but the tokenizer has no CLS token")
-    name = Path(str(name_or_path)).name if Path(str(name_or_path)).exists() else str(name_or_path)
     return EmbeddingEngine(model, tokenizer, pooling, name=name, activation=activation, **engine)  # type: ignore[arg-type]
-
-
-def _activation(cfg: dict, where: str) -> str:
-    """The cross-encoder's activation, as sentence-transformers saved it in ``config.json``
-    (``sentence_transformers.activation_fn``, or the older ``sbert_ce_default_activation_function``):
-    a dotted class path whose last part names it; Sigmoid where none is saved."""
-    saved = (cfg.get("sentence_transformers") or {}).get("activation_fn") or cfg.get(
-        "sbert_ce_default_activation_function"
-    )
-    name = str(saved).rpartition(".")[2] if saved else "Sigmoid"
-    if name not in ACTIVATIONS:
-        raise ModelFormatError(f"{where}: activation {saved!r} is not supported ({', '.join(ACTIVATIONS)})")
-    return name

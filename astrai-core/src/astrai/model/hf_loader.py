@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,14 +47,32 @@ _OTHER_TOWERS = (
 )
 
 
-def _text_name(name: str) -> str | None:
-    """A tensor's name in the text model it belongs to; None for another tower's tensor."""
-    if name.startswith(_OTHER_TOWERS):
-        return None
-    for prefix, text in _TEXT_PREFIXES:
-        if name.startswith(prefix):
-            return text + name[len(prefix) :]
-    return name
+#: a sequence classifier's head (``*ForSequenceClassification``: a reranker's score): read by
+#: ``astrai.embedding.decoder``, not part of the language model
+CLASSIFIER_HEAD = "score."
+#: the top-level names of a checkpoint saved from a bare decoder (``Qwen3Model``, as embedders
+#: such as Qwen3-Embedding are): the language model's ``model.*`` without the prefix
+_BARE = ("embed_tokens.", "layers.", "norm.")
+
+
+def _text_names(shards: dict[str, list[str]]) -> Callable[[str], str | None]:
+    """A checkpoint's tensor name -> its name in the text model (HF's ``model.*`` / ``lm_head.*``),
+    or None for a tensor of another tower or the classifier head. A checkpoint none of whose
+    names starts with ``model.`` and some with ``layers.`` is a bare decoder's."""
+    names = [n for file in shards.values() for n in file]
+    bare = not any(n.startswith("model.") for n in names) and any(n.startswith("layers.") for n in names)
+
+    def text_name(name: str) -> str | None:
+        if name.startswith((*_OTHER_TOWERS, CLASSIFIER_HEAD)):
+            return None
+        if bare and name.startswith(_BARE):
+            return "model." + name
+        for prefix, text in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                return text + name[len(prefix) :]
+        return name
+
+    return text_name
 
 
 def _shards(folder: Path) -> dict[str, list[str]]:
@@ -97,11 +116,13 @@ def hf_header(folder: Path) -> tuple[ModelConfig, dict[str, TensorInfo]]:
     rename = get_architecture(config.architecture).checkpoint_name
     tensors: dict[str, TensorInfo] = {}
     parts = fused_parts(config)
-    for file, names in _shards(folder).items():
+    shards = _shards(folder)
+    text_name = _text_names(shards)
+    for file, names in shards.items():
         with _open_shard(folder / file) as f:
             present = set(f.keys())
             for stored in names:
-                name = _text_name(stored)
+                name = text_name(stored)
                 if name is None or name.endswith("rotary_emb.inv_freq"):  # (a buffer older ones saved)
                     continue
                 name = rename(name)
@@ -128,6 +149,7 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
     from safetensors import safe_open
 
     shards = _shards(folder)
+    text_name = _text_names(shards)
     parts = fused_parts(config)
     rename = get_architecture(config.architecture).checkpoint_name
     state: dict[str, torch.Tensor] = {}
@@ -139,7 +161,7 @@ def hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
             with safe_open(folder / file, framework="pt") as f:
                 for stored in names:
                     bar.update()
-                    name = _text_name(stored)
+                    name = text_name(stored)
                     if name is None or name.endswith("rotary_emb.inv_freq"):  # (a buffer older ones saved)
                         continue
                     name = rename(name)
@@ -167,12 +189,16 @@ def load_hf(folder: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
     return config, hf_weights(folder, config, dtype)
 
 
-def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder's safetensors file(s), as stored (names and dtypes), for
-    a model outside the decoder families (an encoder). Raises ModelNotFound or ModelFormatError."""
+def read_safetensors_folder(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's safetensors file(s) whose name starts with ``prefix``,
+    as stored (names and dtypes): a model outside the decoder families (an encoder), a classifier's
+    head. Raises ModelNotFound or ModelFormatError."""
     state: dict[str, torch.Tensor] = {}
     for file, names in _shards(folder).items():
+        wanted = [n for n in names if n.startswith(prefix)]
+        if not wanted:
+            continue
         with _open_shard(folder / file) as f:
-            for name in names:
+            for name in wanted:
                 state[name] = f.get_tensor(name)
     return state

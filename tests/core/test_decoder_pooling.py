@@ -1,0 +1,175 @@
+"""Decoders as pooling models (``astrai.embedding.decoder``): a tiny random Qwen3 embedder saved as
+Qwen3-Embedding is (a bare ``Qwen3Model``, last-token pooling, normalised) against
+sentence-transformers, and a one-label ``Qwen3ForSequenceClassification`` reranker against
+transformers, through the generation scheduler: chunked, preempted, aborted, with the pool's
+invariants checked after each test."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from astrai.config import EngineConfig
+from astrai.embedding import load_embedder
+from astrai.errors import ModelFormatError, RequestRejected
+
+TEXTS = [
+    "the cat sat on the mat",
+    "a dog",
+    " ".join(["what is the way to find the sun when it rain and the day is long"] * 4),
+    "query",
+    "many of them come out when the sun is up and the day is long",
+    "it",
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from pooling_models import write_decoder_pooler
+
+    base = tmp_path_factory.mktemp("decoder-poolers")
+    return {task: write_decoder_pooler(base / task, task) for task in ("embed", "score")}
+
+
+@pytest.fixture(scope="module")
+def oracle(folders):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folders["embed"]), device="cpu").encode(TEXTS, convert_to_tensor=True)
+
+
+@pytest.fixture
+def pooler(pool_guard):
+    """``pooler(folder, **EngineConfig fields)``: shut down after the test, its pool checked."""
+    made = []
+
+    def make(folder, task=None, **config):
+        p = load_embedder(str(folder), task=task, engine_config=EngineConfig(**config) if config else None)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.shutdown()
+        pool_guard(p.engine.pool)
+
+
+def _cosines(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(got, want.float(), dim=1)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"max_prefill_tokens": 16, "page_size": 4},
+        {"n_tokens": 80, "page_size": 4, "max_prefill_tokens": 24},
+    ],
+    ids=["one-pass", "chunked", "tight-pool"],
+)
+def test_embeddings_of_a_mixed_batch_are_sentence_transformers(folders, oracle, pooler, config) -> None:
+    p = pooler(folders["embed"], **config)
+    assert (p.task, p.dimensions, p.pooling.mode, p.pooling.normalize) == ("embed", 64, "last", True)
+    ids = p.encode(TEXTS)
+    assert all(i[-1] == 3 for i in ids)  # the tokenizer's end-of-text token: the one pooled
+    vectors = p.embed(ids)
+    assert vectors.shape == (len(TEXTS), 64)
+    assert _cosines(vectors, oracle).min() >= 0.9999
+    assert torch.linalg.vector_norm(vectors, dim=1) == pytest.approx([1.0] * len(TEXTS), abs=1e-5)
+    stats = p.get_stats()
+    assert (stats["requests"], stats["inputs"], stats["tokens"]) == (1, len(TEXTS), sum(map(len, ids)))
+    engine = p.engine.get_stats()
+    assert engine["kv_tokens_in_use"] == 0 and engine["kv_tokens_cached"] == 0  # nothing kept
+    budget = config.get("max_prefill_tokens", 2048)  # the steps it took: chunks within the budget,
+    assert p.engine.scheduler.iterations >= -(-sum(map(len, ids)) // budget)
+    if "n_tokens" in config:  # and prompts that wait for the pages of others to come back
+        assert sum(map(len, ids)) > config["n_tokens"] and engine["kv_tokens_total"] == config["n_tokens"]
+
+
+def test_a_rerankers_scores_are_transformers(folders, pooler) -> None:
+    import transformers as tf
+
+    first = ["the cat", "what is the sun", "query", "the day"]
+    second = ["a dog sat on the mat", "the sun is up when the day is long", "passage", "rain"]
+    tokenizer = tf.AutoTokenizer.from_pretrained(folders["score"])
+    model = tf.AutoModelForSequenceClassification.from_pretrained(folders["score"]).eval()
+    with torch.no_grad():
+        batch = tokenizer(first, second, padding=True, return_tensors="pt")
+        want = torch.sigmoid(model(**batch).logits[:, 0])
+    p = pooler(folders["score"])
+    assert p.task == "score"
+    ids, types = p.encode_pairs(first, second)
+    assert types is None and ids == tokenizer(first, second)["input_ids"]  # the tokenizer's own pairs
+    scores = p.embed(ids)
+    assert scores.shape == (4,)
+    assert scores.tolist() == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_what_the_task_and_checkpoint_allow(folders, pooler, tmp_path) -> None:
+    import shutil
+
+    with pytest.raises(ModelFormatError, match="encoder serves what its checkpoint is"):
+        load_embedder("minilm-l6", task="score")
+    with pytest.raises(ModelFormatError, match="one-label classifier head"):
+        pooler(folders["embed"], task="score")
+    mean = shutil.copytree(folders["embed"], tmp_path / "mean")
+    (mean / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    with pytest.raises(
+        ModelFormatError, match="mean pooling of a decoder; decoders are pooled at their last"
+    ):
+        pooler(mean)
+    plain = shutil.copytree(folders["embed"], tmp_path / "plain")
+    for name in ("modules.json", "sentence_bert_config.json"):
+        (plain / name).unlink()
+    p = pooler(plain)  # a decoder named as an embedding model, no pooling files: last token, normalised
+    assert (p.task, p.pooling.mode, p.pooling.normalize) == ("embed", "last", True)
+    vector = p.embed(p.encode(TEXTS[:1]))
+    assert torch.linalg.vector_norm(vector) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_bad_inputs_are_refused_whole(folders, pooler) -> None:
+    p = pooler(folders["embed"], max_seq_len=64)
+    assert p.context_limit == 64
+    for inputs, message in [
+        ([[5, 6], []], "input 1 is empty"),
+        ([[5] * 65], "input 0 has 65 tokens; this model takes at most 64"),
+        ([[5, 10**6]], "input 0: token id 1000000 is outside the vocabulary"),
+    ]:
+        with pytest.raises(RequestRejected, match=message):
+            p.embed(inputs)
+    assert p.get_stats()["requests"] == 0
+
+
+def test_a_withdrawn_request_is_aborted_and_frees_its_pages(folders, pooler) -> None:
+    from astrai.embedding import Withdrawable
+
+    p = pooler(folders["embed"], max_prefill_tokens=8, page_size=4)
+    futures = Withdrawable()
+    failed: list[BaseException] = []
+    long = [[5 + (i % 80) for i in range(200)]] * 8
+
+    def run() -> None:
+        try:
+            p.embed(long, futures=futures)
+        except BaseException as exc:  # noqa: BLE001 (the test reads it)
+            failed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while len(futures) < 8 and not failed:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    futures.withdraw()
+    thread.join(30)
+    assert failed and type(failed[0]).__name__ == "CancelledError"
+    deadline = time.monotonic() + 10
+    while p.engine.get_stats()["active_tasks"] or p.engine.get_stats()["waiting_queue"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert p.engine.get_stats()["kv_tokens_in_use"] == 0
+    assert p.embed(p.encode(TEXTS[:2])).shape == (2, 64)  # and it serves on
