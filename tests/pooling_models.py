@@ -72,7 +72,7 @@ def write_tokenizer(folder: Path) -> None:
 def write_decoder_pooler(folder: Path, task: str, seed: int = 0) -> Path:
     """A tiny random Qwen3 pooling checkpoint: "embed" saves the bare ``Qwen3Model`` (no ``model.``
     prefix, as Qwen3-Embedding is saved) with sentence-transformers' last-token pooling and
-    normalisation; "score" a one-label ``Qwen3ForSequenceClassification``. Returns ``folder``."""
+    normalisation, Matryoshka sizes 16 and 32; "score" a one-label ``Qwen3ForSequenceClassification``. Returns ``folder``."""
     import json
 
     import torch
@@ -103,7 +103,9 @@ def write_decoder_pooler(folder: Path, task: str, seed: int = 0) -> Path:
                 p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
     model.save_pretrained(folder)
     write_tokenizer(folder)
-    if task == "embed":
+    if task == "embed":  # a Matryoshka model: its vectors may be cut to 16 or 32 dimensions
+        saved = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**saved, "matryoshka_dimensions": [16, 32]}))
         modules = [
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},

@@ -334,6 +334,15 @@ def test_decoders_embed_and_rerank_as_sentence_transformers_and_transformers(rer
     assert got.usage.prompt_tokens == sum(len(t.split()) + 1 for t in texts)  # each ends with </s>
     card = httpx.get(served.url + "/v1/models/qembed", timeout=10).json()
     assert (card["task"], card["dimensions"]) == ("embed", 64)
+    short = client.embeddings.create(model="qembed", input=texts, dimensions=32, encoding_format="float")
+    _close([d.embedding for d in short.data], F.normalize(want[:, :32], dim=1))
+    odd = _post(served, "/v1/embeddings", {"model": "qembed", "input": "a", "dimensions": 20})
+    assert odd.status_code == 400 and odd.json()["error"] == {
+        "message": "qembed does not support dimensions 20: its vectors can be cut to 16, 32, 64",
+        "type": "invalid_request_error",
+        "param": "dimensions",
+        "code": None,
+    }
     query, docs = "the sun", ["the sun is up when the day is long", "a dog sat on the mat", "rain"]
     tokenizer = tf.AutoTokenizer.from_pretrained(folders["qrank"])
     model = tf.AutoModelForSequenceClassification.from_pretrained(folders["qrank"]).eval()

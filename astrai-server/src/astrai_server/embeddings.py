@@ -5,8 +5,9 @@ name once loaded).
 The body is OpenAI's ``EmbeddingCreateParams``: ``input`` a string, a list of strings, a list of token
 ids or a list of such lists (each item one vector, in order); ``encoding_format`` ``float`` (lists of
 numbers) or ``base64`` (the float32 bytes, little-endian, as the ``openai`` SDK decodes them);
-``dimensions`` only where it is the model's own size (none of the encoders served truncates its
-vectors: a 400 says so); ``user`` has no effect. vLLM's ``truncate_prompt_tokens`` cuts each input to
+``dimensions`` the model's own size, or a smaller one for a Matryoshka model (its ``config.json``
+says ``is_matryoshka`` or ``matryoshka_dimensions``, vLLM's keys): its vectors' leading dimensions,
+normalised again where the model normalises; any other size is a 400; ``user`` has no effect. vLLM's ``truncate_prompt_tokens`` cuts each input to
 that many tokens (the tokenizer's own truncation, special tokens kept; -1: the model's limit) where an
 input would otherwise be too long, which is a 400. A ``model`` that is not an embedding model served
 here is a 400 (the chat model) or a 404, OpenAI's words.
@@ -81,12 +82,9 @@ def _vector(values: Any, encoding: str) -> Any:
 
 
 def _answer(req: EmbeddingRequest, engine: Any, name: str, futures: list) -> dict[str, Any]:
-    if req.dimensions is not None and req.dimensions != engine.dimensions:
-        raise RequestRejected(
-            f"{name} does not support dimensions {req.dimensions}: its vectors have {engine.dimensions} "
-            "and cannot be shortened",
-            param="dimensions",
-        )
+    cut = req.dimensions is not None and req.dimensions != engine.dimensions
+    if cut:
+        _check_dimensions(req.dimensions, engine, name)
     inputs = _inputs(req, engine)
     for i, ids in enumerate(inputs):
         if len(ids) > engine.context_limit:
@@ -100,6 +98,10 @@ def _answer(req: EmbeddingRequest, engine: Any, name: str, futures: list) -> dic
     except RequestRejected as exc:
         raise RequestRejected(str(exc), param="input") from None
     vectors = engine.embed(inputs, futures=futures)
+    if cut:  # a Matryoshka model's leading dimensions, unit length again where its vectors are
+        vectors = vectors[:, : req.dimensions]
+        if engine.pooling.normalize:
+            vectors = vectors / vectors.norm(dim=1, keepdim=True).clamp_min(1e-12)
     tokens = sum(map(len, inputs))
     return {
         "object": "list",
@@ -110,6 +112,23 @@ def _answer(req: EmbeddingRequest, engine: Any, name: str, futures: list) -> dic
         "model": name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+def _check_dimensions(dimensions: int, engine: Any, name: str) -> None:
+    """RequestRejected for ``dimensions`` that ``engine``'s vectors cannot be cut to."""
+    sizes = getattr(engine, "truncations", None)
+    if sizes is None:
+        raise RequestRejected(
+            f"{name} does not support dimensions {dimensions}: its vectors have {engine.dimensions} "
+            "and cannot be shortened",
+            param="dimensions",
+        )
+    if dimensions > engine.dimensions or (sizes and dimensions not in sizes):
+        allowed = ", ".join(map(str, (*sizes, engine.dimensions))) if sizes else f"1 to {engine.dimensions}"
+        raise RequestRejected(
+            f"{name} does not support dimensions {dimensions}: its vectors can be cut to {allowed}",
+            param="dimensions",
+        )
 
 
 def _error(exc: BaseException) -> JSONResponse:

@@ -88,6 +88,8 @@ class DecoderPooler:
         config = engine.model.config  # type: ignore[attr-defined]
         self.vocab_size = config.vocab_size
         self.dimensions = config.hidden_size
+        #: the sizes its vectors may be cut to (``loader.truncations``: () any; None: not cut)
+        self.truncations: tuple[int, ...] | None = None
         limit = engine.context_limit  # type: ignore[attr-defined]
         self.context_limit = min(pooling.max_seq_length or limit, limit)
         self._params = SamplingParams(max_tokens=0, temperature=0.0)

@@ -107,6 +107,8 @@ class EmbeddingEngine:
         #: the longest input served: the checkpoint's max_seq_length where it says, else its positions
         self.context_limit = min(pooling.max_seq_length or positions, positions)
         self.dimensions = model.config.hidden_size
+        #: the sizes its vectors may be cut to (``loader.truncations``: () any; None: not cut)
+        self.truncations: tuple[int, ...] | None = None
         self._queue: queue.SimpleQueue[_Input | None] = queue.SimpleQueue()
         self._stopped = False
         self.counters = {"requests": 0, "inputs": 0, "tokens": 0, "passes": 0}

@@ -16,7 +16,7 @@ from astrai.embedding.pooling import Pooling
 from astrai.errors import ModelFormatError, ModelNotFound
 from astrai.model.bert import BertConfig, BertModel
 
-__all__ = ["POOLING_TYPES", "is_pooling_model", "load_embedder"]
+__all__ = ["POOLING_TYPES", "is_pooling_model", "load_embedder", "truncations"]
 
 
 #: the ``model_type``s of the pooling models served (their checkpoints are folders)
@@ -75,7 +75,9 @@ def load_embedder(
                 f"{name_or_path}: model_type {cfg.get('model_type')!r} is not a pooling model astrai serves "
                 f"(bert, or a decoder family: {exc})"
             ) from None
-        return load_decoder_pooler(folder, cfg, task, dtype, name, engine_config)
+        pooler = load_decoder_pooler(folder, cfg, task, dtype, name, engine_config)
+        pooler.truncations = truncations(cfg, pooler.dimensions, str(folder / "config.json"))
+        return pooler
     config = BertConfig.from_dict(cfg, str(folder))
     if task is not None and task != ("score" if config.num_labels else "embed"):
         raise ModelFormatError(
@@ -94,4 +96,20 @@ def load_embedder(
     tokenizer = Tokenizer.from_pretrained(folder)
     if tokenizer.hf.cls_token_id is None and pooling.mode == "cls":
         raise ModelFormatError(f"{folder}: CLS pooling, but the tokenizer has no CLS token")
-    return EmbeddingEngine(model, tokenizer, pooling, name=name, activation=activation, **engine)  # type: ignore[arg-type]
+    embedder = EmbeddingEngine(model, tokenizer, pooling, name=name, activation=activation, **engine)  # type: ignore[arg-type]
+    embedder.truncations = truncations(cfg, embedder.dimensions, str(folder / "config.json"))
+    return embedder
+
+
+def truncations(cfg: dict, dimensions: int, where: str) -> tuple[int, ...] | None:
+    """The sizes a Matryoshka embedder's vectors may be cut to (``dimensions`` of a request), as its
+    ``config.json`` says in vLLM's keys: ``matryoshka_dimensions`` (those sizes) or ``is_matryoshka``
+    (any size up to its own: an empty tuple); None for a model whose vectors are not cut."""
+    sizes = cfg.get("matryoshka_dimensions")
+    if sizes is not None:
+        if not isinstance(sizes, list) or not all(isinstance(d, int) and 0 < d <= dimensions for d in sizes):
+            raise ModelFormatError(
+                f"{where}: matryoshka_dimensions {sizes!r} must be sizes up to {dimensions}"
+            )
+        return tuple(sorted(sizes))
+    return () if cfg.get("is_matryoshka") else None
