@@ -281,3 +281,43 @@ def test_resolve_unknown_lists_known_names(name):
     with pytest.raises(ModelNotFound) as err:
         resolve_model(name)
     assert "smollm2-135m" in str(err.value) and INSTALL in str(err.value)
+
+
+def test_a_gguf_tokenizer_is_converted_once_and_its_cached_copy_is_the_same(gguf_path, tmp_path, monkeypatch):
+    import transformers
+
+    from astrai.model.tokenizer_cache import cache_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    sources: list[str] = []
+    load = transformers.PreTrainedTokenizerFast.from_pretrained.__func__
+
+    def spy(cls, folder, *args, **kwargs):
+        sources.append("gguf" if "gguf_file" in kwargs else "cache")
+        return load(cls, folder, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", classmethod(spy))
+    converted = Tokenizer.from_gguf(gguf_path)
+    folder = cache_folder(gguf_path)
+    assert folder.parent == tmp_path / "astrai" / "tokenizers" and (folder / "tokenizer.json").is_file()
+    cached = Tokenizer.from_gguf(gguf_path)
+    assert sources == ["gguf", "cache"]
+    assert cached.hf.get_vocab() == converted.hf.get_vocab()
+    assert cached.hf.all_special_ids == converted.hf.all_special_ids
+    assert cached.chat_template == converted.chat_template and cached.eos_token_ids == converted.eos_token_ids
+    for text in TEXTS:
+        assert cached.encode(text) == converted.encode(text)
+        assert cached.encode_plain(text) == converted.encode_plain(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(messages) == converted.apply_chat_template(messages)
+    (folder / "tokenizer.json").write_text("{ not json")  # a damaged entry: converted again
+    again = Tokenizer.from_gguf(gguf_path)
+    assert sources == ["gguf", "cache", "cache", "gguf"] and again.encode(TEXTS[0]) == converted.encode(
+        TEXTS[0]
+    )
+    assert (
+        Tokenizer.from_gguf(gguf_path).encode(TEXTS[0]) == converted.encode(TEXTS[0])
+        and sources[-1] == "cache"
+    )
+    monkeypatch.setenv("ASTRAI_TOKENIZER_CACHE", "0")
+    assert cache_folder(gguf_path) is None

@@ -63,23 +63,12 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path, reader: Any = None) -> Tokenizer:
         """Build the tokenizer (and chat template) from a GGUF file's ``tokenizer.*`` metadata;
         ``reader``: the file's open ``GGUFReader`` where the caller has one (not parsed again)."""
-        from transformers import PreTrainedTokenizerFast
+        from astrai.model.tokenizer_cache import gguf_tokenizer
 
         path = Path(path)
         if not path.is_file():
             raise ModelNotFound(f"{path}: no such GGUF file")
-        # The generic fast class builds the same backend tokenizer as AutoTokenizer
-        # (transformers' GGUF converter) without parsing the whole file for a model
-        # config just to pick a class: about 1 s instead of 7 on the default model.
-        hf = PreTrainedTokenizerFast.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
-        if not hf.chat_template:
-            from astrai.model.gguf_reader import open_gguf
-
-            field = (reader or open_gguf(path)).fields.get("tokenizer.chat_template")
-            hf.chat_template = None if field is None else field.contents()
-        return cls(hf)
+        return cls(gguf_tokenizer(path, reader))  # converted once per file (astrai.model.tokenizer_cache)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> Tokenizer:
