@@ -46,7 +46,7 @@ WORDS = (
     "the a of to and in is it that for on with as was by at be this are from or an which but not what "
     "all were when we there can more one their has if will each about how up out them then she many "
     "some so these would other into his her him time like could two see way been call who its now "
-    "find long down day did get come made may part cat dog sat mat sun rain query passage document"
+    "find long down day did get come made may part cat dog sat mat sun rain query passage document yes no"
 ).split()
 
 
@@ -93,7 +93,9 @@ def write_decoder_pooler(folder: Path, task: str, seed: int = 0) -> Path:
         num_labels=1,
     )
     torch.manual_seed(seed)
-    cls = tf.Qwen3Model if task == "embed" else tf.Qwen3ForSequenceClassification
+    cls = {"embed": tf.Qwen3Model, "score": tf.Qwen3ForSequenceClassification, "yes-no": tf.Qwen3ForCausalLM}[
+        task
+    ]
     model = cls(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -103,6 +105,9 @@ def write_decoder_pooler(folder: Path, task: str, seed: int = 0) -> Path:
                 p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
     model.save_pretrained(folder)
     write_tokenizer(folder)
+    if task == "yes-no":  # Qwen3-Reranker's recipe, in vLLM's key: the logits of "no" and "yes"
+        saved = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**saved, "classifier_from_token": ["no", "yes"]}))
     if task == "embed":  # a Matryoshka model: its vectors may be cut to 16 or 32 dimensions
         saved = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**saved, "matryoshka_dimensions": [16, 32]}))

@@ -32,7 +32,7 @@ def folders(tmp_path_factory):
     from pooling_models import write_decoder_pooler
 
     base = tmp_path_factory.mktemp("decoder-poolers")
-    return {task: write_decoder_pooler(base / task, task) for task in ("embed", "score")}
+    return {task: write_decoder_pooler(base / task, task) for task in ("embed", "score", "yes-no")}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +109,25 @@ def test_a_rerankers_scores_are_transformers(folders, pooler) -> None:
     assert scores.tolist() == pytest.approx(want.tolist(), abs=1e-5)
 
 
+def test_a_causal_lm_scored_by_its_yes_and_no_logits_is_transformers(folders, pooler) -> None:
+    import transformers as tf
+
+    first = ["the cat", "what is the sun", "query"]
+    second = ["a dog sat on the mat", "the sun is up when the day is long", "passage"]
+    tokenizer = tf.AutoTokenizer.from_pretrained(folders["yes-no"])
+    model = tf.AutoModelForCausalLM.from_pretrained(folders["yes-no"]).eval()
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    want = []
+    with torch.no_grad():
+        for a, b in zip(first, second, strict=True):
+            logits = model(**tokenizer(a, b, return_tensors="pt")).logits[0, -1]
+            want.append(torch.softmax(logits[[no, yes]], dim=0)[1].item())
+    p = pooler(folders["yes-no"])
+    assert p.task == "score"
+    scores = p.embed(p.encode_pairs(first, second)[0])
+    assert scores.tolist() == pytest.approx(want, abs=1e-5)
+
+
 def test_what_the_task_and_checkpoint_allow(folders, pooler, tmp_path) -> None:
     import shutil
 
@@ -122,6 +141,11 @@ def test_what_the_task_and_checkpoint_allow(folders, pooler, tmp_path) -> None:
         ModelFormatError, match="mean pooling of a decoder; decoders are pooled at their last"
     ):
         pooler(mean)
+    odd = shutil.copytree(folders["yes-no"], tmp_path / "odd")
+    saved = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**saved, "classifier_from_token": ["no", "maybe"]}))
+    with pytest.raises(ModelFormatError, match=r"classifier_from_token: \['maybe'\] not tokens of the model"):
+        pooler(odd)
     plain = shutil.copytree(folders["embed"], tmp_path / "plain")
     for name in ("modules.json", "sentence_bert_config.json"):
         (plain / name).unlink()

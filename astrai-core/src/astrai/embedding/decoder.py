@@ -1,6 +1,8 @@
 """Decoders as pooling models: an embedder whose vector is the final-normed hidden state of an input's
 last token (the Qwen3-Embedding / e5-mistral / gte-Qwen2 recipe), or a sequence classifier (a
-reranker: ``*ForSequenceClassification``'s ``score`` head on the last token, one label).
+reranker: ``*ForSequenceClassification``'s ``score`` head on the last token, one label; or a causal
+LM whose ``config.json`` names the tokens it answers with, vLLM's ``classifier_from_token``: for
+Qwen3-Reranker ``["no", "yes"]``, scored as the probability of "yes" between the two).
 
 The model is a decoder family astrai serves (``astrai.models``), its LM head replaced by a
 ``PoolingHead``; an ``InferenceEngine`` runs it, so its requests are prefill-only work of the
@@ -34,6 +36,9 @@ from astrai.errors import EngineNotReady, ModelFormatError
 __all__ = ["DecoderPooler", "PoolingHead", "decoder_task", "load_decoder_pooler"]
 
 TASKS = ("embed", "score")
+#: a causal LM's config.json key (vLLM's) that makes it a reranker scored by these tokens' logits:
+#: ``["no", "yes"]`` for Qwen3-Reranker
+FROM_TOKENS = "classifier_from_token"
 #: a decoder pooler's KV pool: pages for the prompts being computed (each is freed when pooled)
 KV_MEMORY_BYTES = 256 << 20
 #: the longest input a decoder pooler takes by default (the pool may cap it lower)
@@ -53,9 +58,12 @@ class PoolingHead(nn.Module):
 
 
 def decoder_task(folder: Path, cfg: dict) -> str | None:
-    """The pooling task a decoder checkpoint declares: "score" for a sequence classifier, "embed"
-    for a sentence-transformers model (``modules.json``), None for a plain causal LM."""
+    """The pooling task a decoder checkpoint declares: "score" for a sequence classifier (or a
+    causal LM scored by its tokens' logits, ``FROM_TOKENS``), "embed" for a sentence-transformers
+    model (``modules.json``), None for a plain causal LM."""
     if any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
+        return "score"
+    if cfg.get(FROM_TOKENS):
         return "score"
     return "embed" if (folder / "modules.json").is_file() else None
 
@@ -209,13 +217,17 @@ def load_decoder_pooler(
             f"{folder}: {pooling.mode} pooling of a decoder; decoders are pooled at their last token"
         )
     head = None
-    if task == "score":
+    tokens = cfg.get(FROM_TOKENS) if task == "score" else None
+    if task == "score" and not tokens:
         head = _score_weight(folder)
         if head is None or head.shape[0] != 1:
             raise ModelFormatError(
-                f"{folder}: a reranker needs a one-label classifier head (score.weight [1, hidden])"
+                f"{folder}: a reranker needs a one-label classifier head (score.weight [1, hidden]) "
+                f"or {FROM_TOKENS} in config.json"
             )
     model, _tokenizer = load_model(str(folder), dtype=dtype, weights="dense")
+    if tokens:
+        head = _token_head(model, _tokenizer, tokens, str(folder / "config.json"))
     if head is not None and head.shape[1] != model.config.hidden_size:
         raise ModelFormatError(f"{folder}: score.weight {tuple(head.shape)} does not fit hidden size")
     model.lm_head = PoolingHead(None if head is None else head.to(dtype))
@@ -228,6 +240,25 @@ def load_decoder_pooler(
     engine = InferenceEngine(model, _tokenizer, engine_config, plugins=_no_plugins())
     activation = saved_activation(cfg, str(folder)) if task == "score" else "Sigmoid"
     return DecoderPooler(engine, pooling, task, name, activation)
+
+
+def _token_head(model: nn.Module, tokenizer: object, tokens: object, where: str) -> torch.Tensor:
+    """The one-label head of a causal LM scored by its tokens' logits (``FROM_TOKENS``): two tokens
+    ``[no, yes]`` give the LM head's row of ``yes`` less that of ``no`` (the sigmoid of their
+    logits' difference is ``yes``'s probability between the two, Qwen3-Reranker's score); one token
+    its own row."""
+    if (
+        not isinstance(tokens, list)
+        or len(tokens) not in (1, 2)
+        or not all(isinstance(t, str) for t in tokens)
+    ):
+        raise ModelFormatError(f"{where}: {FROM_TOKENS} must list one or two tokens, not {tokens!r}")
+    vocab = tokenizer.hf.get_vocab()  # type: ignore[attr-defined]
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ModelFormatError(f"{where}: {FROM_TOKENS}: {missing} not tokens of the model's vocabulary")
+    rows = model.lm_head.weight.detach()[[vocab[t] for t in tokens]].float()
+    return (rows[1] - rows[0] if len(tokens) == 2 else rows[0]).unsqueeze(0)
 
 
 def _score_weight(folder: Path) -> torch.Tensor | None:
