@@ -284,6 +284,7 @@ FLOORS: list[tuple[str, set[str]]] = [
             "astrai.embedding",
             "astrai.embedding.loader",
             "astrai.embedding.decoder",
+            "astrai.embedding.gguf",
         },
     ),
 ]

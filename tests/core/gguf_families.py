@@ -279,10 +279,14 @@ def _tokenizer(w: GGUFWriter, hp: dict[str, Any]) -> None:
 
 
 def write_gguf(
-    folder: str | Path, path: str | Path, qtype: GGMLQuantizationType | None = None
+    folder: str | Path,
+    path: str | Path,
+    qtype: GGMLQuantizationType | None = None,
+    metadata: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write the checkpoint in ``folder`` (config.json, model.safetensors) to ``path`` as llama.cpp's
-    converter would for its ``model_type``, every 2-D tensor quantized to ``qtype`` (None: all F32).
+    converter would for its ``model_type``, every 2-D tensor quantized to ``qtype`` (None: all F32);
+    ``metadata``: more keys, unsigned integers (an embedder's ``{arch}.pooling_type``).
 
     Returns what the file holds as the checkpoint's state dict (HF names and layout, float32): the
     dequantized values of quantized tensors, the checkpoint's values (norms through ``1 + w - 1``)
@@ -302,6 +306,8 @@ def write_gguf(
     if qtype is not None:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _tokenizer(writer, hp)
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(key, value)
     heads = {"q_proj": hp["num_attention_heads"], "k_proj": hp["num_key_value_heads"]}
     held: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}

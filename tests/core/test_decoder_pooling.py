@@ -197,3 +197,34 @@ def test_a_withdrawn_request_is_aborted_and_frees_its_pages(folders, pooler) -> 
         time.sleep(0.01)
     assert p.engine.get_stats()["kv_tokens_in_use"] == 0
     assert p.embed(p.encode(TEXTS[:2])).shape == (2, 64)  # and it serves on
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_gguf_embedder_pools_its_last_token_as_transformers(folders, pooler, tmp_path, qtype) -> None:
+    import transformers as tf
+    from families import hf_config
+    from gguf import GGMLQuantizationType
+    from gguf_families import write_gguf
+
+    causal = tmp_path / "causal"  # the family tests' tiny Qwen3 (its GGUF vocabulary has 300 tokens)
+    torch.manual_seed(3)
+    tf.Qwen3ForCausalLM(hf_config("qwen3")).save_pretrained(causal)
+    path = tmp_path / "embedder.gguf"
+    kind = None if qtype is None else GGMLQuantizationType[qtype]
+    held = write_gguf(causal, path, kind, metadata={"qwen3.pooling_type": 3})  # llama.cpp's LAST
+    hf = tf.AutoModelForCausalLM.from_pretrained(causal).eval()
+    loaded = hf.load_state_dict(held, strict=False)  # the file's values (dequantized)
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}
+    inputs = [[5, 17, 40, 3], [9, 3], [30 + (i % 40) for i in range(57)]]
+    with torch.no_grad():
+        want = torch.stack([hf.model(torch.tensor([ids])).last_hidden_state[0, -1] for ids in inputs])
+    p = pooler(path)
+    assert (p.task, p.pooling.mode, p.pooling.normalize) == ("embed", "last", True)
+    got = p.embed(inputs)
+    assert _cosines(got, torch.nn.functional.normalize(want, dim=1)).min() >= 0.9999
+    mean = tmp_path / "mean.gguf"
+    write_gguf(causal, mean, metadata={"qwen3.pooling_type": 1})
+    with pytest.raises(ModelFormatError, match="mean pooling of a decoder"):
+        pooler(mean)
+    with pytest.raises(ModelFormatError, match="a GGUF reranker is not served"):
+        pooler(path, task="score")

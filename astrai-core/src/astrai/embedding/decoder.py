@@ -33,7 +33,7 @@ from astrai.embedding.engine import ACTIVATIONS, EmbeddingEngine, Withdrawable, 
 from astrai.embedding.pooling import Pooling
 from astrai.errors import EngineNotReady, ModelFormatError
 
-__all__ = ["DecoderPooler", "PoolingHead", "decoder_task", "load_decoder_pooler"]
+__all__ = ["DecoderPooler", "PoolingHead", "decoder_task", "load_decoder_pooler", "start_pooler"]
 
 TASKS = ("embed", "score")
 #: a causal LM's config.json key (vLLM's) that makes it a reranker scored by these tokens' logits:
@@ -200,10 +200,6 @@ def load_decoder_pooler(
 ) -> DecoderPooler:
     """A ``DecoderPooler`` on a decoder checkpoint folder (see the module); ``config``: the engine's
     ``EngineConfig`` (its KV pool, batch and prefill budgets; prefix caching is turned off)."""
-    import dataclasses
-
-    from astrai.config import EngineConfig
-    from astrai.engine import InferenceEngine
     from astrai.model import load_model
 
     task = task or decoder_task(folder, cfg) or "embed"
@@ -230,15 +226,37 @@ def load_decoder_pooler(
         head = _token_head(model, _tokenizer, tokens, str(folder / "config.json"))
     if head is not None and head.shape[1] != model.config.hidden_size:
         raise ModelFormatError(f"{folder}: score.weight {tuple(head.shape)} does not fit hidden size")
-    model.lm_head = PoolingHead(None if head is None else head.to(dtype))
+    activation = saved_activation(cfg, str(folder)) if task == "score" else "Sigmoid"
+    return start_pooler(model, _tokenizer, head, task, pooling, name, config, activation)
+
+
+def start_pooler(
+    model: nn.Module,
+    tokenizer: object,
+    head: torch.Tensor | None,
+    task: str,
+    pooling: Pooling,
+    name: str,
+    config: object = None,
+    activation: str = "Sigmoid",
+) -> DecoderPooler:
+    """``model`` (a loaded decoder) with ``head`` (None: the hidden rows) instead of its LM head, on
+    an engine of its own (``config``: its ``EngineConfig``; None: ``KV_MEMORY_BYTES`` and inputs of
+    up to ``MAX_INPUT_TOKENS``), behind a ``DecoderPooler``."""
+    import dataclasses
+
+    from astrai.config import EngineConfig
+    from astrai.engine import InferenceEngine
+
+    param = next(model.parameters())
+    model.lm_head = PoolingHead(None if head is None else head.to(param.dtype))
     model.pooling = task
     model.config.final_logit_softcapping = None  # a language model's logits, not vectors
     if config is None:  # inputs of up to 8,192 tokens (fewer where the checkpoint says) in a small pool
         longest = min(pooling.max_seq_length or MAX_INPUT_TOKENS, MAX_INPUT_TOKENS)
         config = EngineConfig(kv_memory_bytes=KV_MEMORY_BYTES, max_seq_len=longest)
     engine_config = dataclasses.replace(config, prefix_caching=False, speculative=None)
-    engine = InferenceEngine(model, _tokenizer, engine_config, plugins=_no_plugins())
-    activation = saved_activation(cfg, str(folder)) if task == "score" else "Sigmoid"
+    engine = InferenceEngine(model, tokenizer, engine_config, plugins=_no_plugins())
     return DecoderPooler(engine, pooling, task, name, activation)
 
 

@@ -49,8 +49,8 @@ def load_embedder(
     **engine: object,
 ) -> EmbeddingEngine | DecoderPooler:
     """A pooling model on a checkpoint folder (``config.json``, safetensors weights, a tokenizer,
-    sentence-transformers' pooling files where it has them): a path, a known name (``minilm-l6``)
-    or a Hub id. A BERT encoder gives an ``EmbeddingEngine`` (``engine``: its batch budgets); a
+    sentence-transformers' pooling files where it has them) or a decoder embedder's GGUF file
+    (``astrai.embedding.gguf``): a path, a known name (``minilm-l6``) or a Hub id. A BERT encoder gives an ``EmbeddingEngine`` (``engine``: its batch budgets); a
     decoder family astrai serves gives a ``DecoderPooler`` (``astrai.embedding.decoder``; ``task``:
     "embed" or "score" where the checkpoint does not say, ``engine_config``: its ``EngineConfig``).
     Raises ModelNotFound for nothing there or another kind of model, ModelFormatError for a
@@ -61,10 +61,12 @@ def load_embedder(
     from astrai.model.tokenizer import Tokenizer
 
     kind, folder = resolve_model(name_or_path)
-    if kind != "hf":
-        raise ModelNotFound(f"{name_or_path}: an embedding model is a checkpoint folder, not a GGUF file")
-    cfg = json.loads((folder / "config.json").read_text())
     name = Path(str(name_or_path)).name if Path(str(name_or_path)).exists() else str(name_or_path)
+    if kind == "gguf":  # a decoder embedder's file (astrai.embedding.gguf)
+        from astrai.embedding.gguf import load_gguf_pooler
+
+        return load_gguf_pooler(folder, task, dtype, name, engine_config)
+    cfg = json.loads((folder / "config.json").read_text())
     if cfg.get("model_type") != "bert":
         from astrai.model.hf_config import hf_config
 
