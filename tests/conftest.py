@@ -73,3 +73,13 @@ def start_servers(_server_starter):
     """``start_servers(flags, ...) -> [Served, ...]``: one healthy private server per tuple of flags,
     started side by side, so that their start-ups overlap; stopped when the test module ends."""
     return _server_starter.start_many
+
+
+@pytest.fixture(scope="session")
+def lora_oracle(hf_oracle, tmp_path_factory):
+    """Three random PEFT adapters of the default model on disk, and peft as their oracle
+    (``tests/lora_adapters.py``), made once per session."""
+    pytest.importorskip("peft")
+    from lora_adapters import make_adapters
+
+    return make_adapters(hf_oracle, tmp_path_factory.mktemp("lora-adapters"))

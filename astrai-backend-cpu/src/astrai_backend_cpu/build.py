@@ -42,6 +42,7 @@ SOURCES = [
         "quant.cpp",
         "quant_avx2.cpp",
         "experts.cpp",
+        "lora.cpp",
     )
 ]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only

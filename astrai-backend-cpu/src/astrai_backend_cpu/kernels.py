@@ -1,5 +1,5 @@
 """The plugin's fused kernels: rotary, the norms, ``linear``, ``decoder_layers``, ``quant_linear``,
-``quant_experts``.
+``quant_experts``, ``lora``.
 
 ``fused_kernels(CpuBackend)`` makes them; ``CpuBackend.kernels("cpu")`` lends them to the model
 (the contract of each op is ``AttentionBackend.kernels``'s).
@@ -133,6 +133,15 @@ class QuantExpertsKernel:
         return torch.ops.astrai_cpu.quant_experts(x, offsets, packed, layout)
 
 
+class LoraKernel:
+    """The ``lora`` kernel on ``astrai_cpu::lora_apply`` (see ``csrc/lora.cpp``): float32 and bf16 rows."""
+
+    dtypes = (torch.float32, torch.bfloat16)
+
+    def __call__(self, y, x, rows, a, bt, spans) -> None:
+        torch.ops.astrai_cpu.lora_apply(y, x, rows, a, bt, spans)
+
+
 def fused_kernels(backend: type) -> dict[str, Kernel]:
     """``{op: kernel}`` of the fused CPU kernels (rotary: bf16 only, by its dispatch rule); new
     kernel objects on each call (the backend asks once per instance).
@@ -148,6 +157,7 @@ def fused_kernels(backend: type) -> dict[str, Kernel]:
             x.contiguous(), r.contiguous(), w.to(x.dtype), eps
         ),
     }
+    lent["lora"] = LoraKernel()
     quant = QuantLinearKernel() if ops.has_quant_linear() else None
     if quant is not None:
         lent["quant_linear"] = quant

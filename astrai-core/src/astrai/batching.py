@@ -167,6 +167,7 @@ class BatchPolicy:
                     len(r.prompt_logprobs),
                     r.matcher,
                     r.thinking.forced if r.thinking is not None else None,
+                    r.lora.slot if r.lora is not None else -1,
                 )
                 for r in reqs
             ),

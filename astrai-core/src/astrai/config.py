@@ -50,6 +50,8 @@ class EngineConfig:
     (``astrai.model.chat_template.load_chat_template``; None: the checkpoint's own).
     ``generation_defaults``: ``SamplingParams`` values that requests leaving them out get, e.g.
     ``{"temperature": 0.2}`` (``astrai.model.generation_config``: a checkpoint's).
+    ``enable_lora``: the model's projections take LoRA adapters (``astrai.lora``), at most
+    ``max_loras`` resident at once, each of rank ``max_lora_rank`` at most.
     """
 
     max_batch_size: int = 64
@@ -84,6 +86,9 @@ class EngineConfig:
     )  # stop strings, logit_bias: checked at submit
     chat_template: str | None = None  # a file or an inline Jinja string; None: the checkpoint's
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # sampling values left out
+    enable_lora: bool = False  # LoRA adapters (astrai.lora), loaded with InferenceEngine.loras
+    max_loras: int = 4  # adapters resident at once
+    max_lora_rank: int = 64  # the largest rank an adapter may have
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -110,6 +115,10 @@ class EngineConfig:
             raise ValueError(
                 "need 1 <= ngram_min <= ngram_max, "
                 f"got ngram_min {self.ngram_min}, ngram_max {self.ngram_max}"
+            )
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}"
             )
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")

@@ -23,6 +23,7 @@ import torch
 
 from astrai.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from astrai.cpu_tuning import run_off_thread
+from astrai.errors import RequestRejected
 from astrai.extension.backend.policy import load_backends
 from astrai.grammar import GrammarCache
 from astrai.hooks import HookThread, PluginManager
@@ -39,6 +40,7 @@ from astrai.stopping import StopChecker
 from astrai.thinking import ThinkingFormat, ThinkingState
 
 if TYPE_CHECKING:
+    from astrai.lora import LoraManager
     from astrai.model import Tokenizer
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "GenerateResult", "InferenceEngine"]
@@ -103,6 +105,7 @@ class InferenceEngine:
         # use (astrai-backend-cpu, once per machine) does so before the first request, and its
         # fused kernels (astrai.extension.fused) are installed for the first step.
         load_backends()
+        self.loras = self._loras() if self.config.enable_lora else None
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
         # compiled grammars of constrained requests, compiled on the submitting thread (never the scheduler's)
         self.grammars = GrammarCache(
@@ -187,6 +190,28 @@ class InferenceEngine:
         )
         return cls(model, tokenizer, config, plugins)
 
+    def _loras(self) -> LoraManager:
+        """The model's projections wrapped for LoRA adapters (``astrai.lora``) and their manager."""
+        from astrai.lora import LoraManager, install_lora
+
+        if getattr(self.model, "tensor_parallel_size", 1) > 1:
+            raise ValueError(
+                "LoRA adapters are not supported under tensor parallelism (--tensor-parallel-size 1 "
+                "serves them): the adapters' updates would have to be sharded with every rank's layers"
+            )
+        if getattr(self.model, "pooling", None) is not None:
+            raise ValueError("LoRA adapters apply to generation, not to a pooling model")
+        lora = install_lora(self.model, self.config.max_loras)
+        manager = LoraManager(lora, self.model.config, self.config.max_loras, self.config.max_lora_rank)
+        manager.on_gone = self._drop_adapter_pages
+        return manager
+
+    def _drop_adapter_pages(self, adapter: Any) -> None:
+        """An adapter is gone: its pages in the prefix cache go too (on the scheduler thread)."""
+        radix, tag = self.pool.radix, ("lora", adapter.uid)
+        if radix is not None:
+            self.scheduler.call_soon(lambda: radix.drop(lambda ns: isinstance(ns, tuple) and ns[:2] == tag))
+
     def _proposer(self) -> NgramProposer | None:
         """The speculative drafter ``config.speculative`` names (None: speculation is off)."""
         c = self.config
@@ -213,6 +238,7 @@ class InferenceEngine:
         cache_namespace: str | None = None,
         sibling: int = 0,
         grammar: Any = None,
+        lora: str | None = None,
     ) -> GenerateResult:
         """Queue one request of token ids; returns its handle at once (see GenerateResult).
 
@@ -224,10 +250,61 @@ class InferenceEngine:
         request before anyone's second. ``grammar``: ``params.grammar`` compiled already
         (``self.grammars.compile``; None: compiled here unless cached). ``params.thinking_budget`` (or
         ``params.thinking``): the request's thinking is followed and ended at the budget
-        (``astrai.thinking``; the ``<think>`` format when ``params.thinking`` is None). Raises Overloaded when
-        ``max_queued_requests`` requests wait already."""
+        (``astrai.thinking``; the ``<think>`` format when ``params.thinking`` is None). ``lora``: the
+        name of a loaded LoRA adapter the request runs on (``self.loras``; ModelNotFound for none
+        such). Raises Overloaded when ``max_queued_requests`` requests wait already."""
         self.config.limits.check(params)
         rid = uuid.uuid4().hex if request_id is None else request_id
+        adapter = None
+        if lora is not None:
+            if self.loras is None:
+                raise RequestRejected(
+                    "LoRA adapters are not enabled (EngineConfig.enable_lora)", param="model"
+                )
+            adapter = self.loras.acquire(lora)
+            on_done = self._releasing(adapter, on_done)
+            cache_namespace = adapter.namespace(cache_namespace)
+        try:
+            return self._submit(
+                rid,
+                prompt_ids,
+                params,
+                on_piece,
+                on_done,
+                priority,
+                cache_namespace,
+                sibling,
+                grammar,
+                adapter,
+            )
+        except BaseException:
+            if adapter is not None:
+                self.loras.release(adapter)
+            raise
+
+    def _releasing(
+        self, adapter: Any, on_done: Callable[[GenerateResult], None] | None
+    ) -> Callable[[GenerateResult], None]:
+        def done(result: GenerateResult) -> None:
+            self.loras.release(adapter, result.prompt_tokens, len(result.output_ids))
+            if on_done is not None:
+                on_done(result)
+
+        return done
+
+    def _submit(
+        self,
+        rid: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        on_piece: Callable[[str], None] | None,
+        on_done: Callable[[GenerateResult], None] | None,
+        priority: int,
+        cache_namespace: Any,
+        sibling: int,
+        grammar: Any,
+        adapter: Any,
+    ) -> GenerateResult:
         result = GenerateResult(rid, len(prompt_ids), on_piece, on_done)
         stopper = StopChecker(IncrementalDecoder(self.tokenizer), params.stop)
         # submitted on this thread: the scheduler keeps the attn_backend() choice in force here
@@ -240,6 +317,7 @@ class InferenceEngine:
             priority=priority,
             cache_namespace=cache_namespace,
             sibling=sibling,
+            lora=adapter,
         )
         if params.grammar is not None:  # compiled here unless given or cached (RequestRejected for a bad one)
             req.matcher = self.grammars.matcher(params.grammar, grammar)

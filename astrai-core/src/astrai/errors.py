@@ -47,6 +47,15 @@ class RequestRejected(AstraiError):
         self.param = param
 
 
+class AdapterError(AstraiError):
+    """A LoRA adapter cannot be loaded (no such path, not a LoRA, a rank over the limit, made for
+    another base model) or named (already in use); nothing of it is kept."""
+
+
+class AdapterBusy(AstraiError):
+    """No room for another LoRA adapter: every resident one has requests in flight."""
+
+
 class ModelNotFound(AstraiError):
     """A model name or path could not be resolved, or its weights are missing."""
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Container
+from collections.abc import Container, Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from astrai.errors import RequestRejected
 
@@ -66,7 +66,8 @@ class Request:
     sibling: int = 0
     # the prefix cache's namespace (a tenant, a cache_salt): pages are matched and recorded only
     # there (astrai.kvcache.radix); None: the shared namespace of requests that name none
-    cache_namespace: str | None = None
+    cache_namespace: Hashable = None
+    lora: Any = None  # its LoRA adapter (``astrai.lora.Adapter``: ``slot``), None: the base model
     tokens: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     req_idx: int = -1  # pool row, -1 while waiting

@@ -66,6 +66,8 @@ class ModelRunner:
         self._features = frozenset(getattr(model, "attention_features", ()))
         # a pooling model (astrai.embedding.decoder) gives each sampled row's vector, not its logits
         self.pooling = getattr(model, "pooling", None) is not None
+        # LoRA adapters (astrai.lora): each step tells the model's projections whose rows are whose
+        self.lora = getattr(model, "lora", None)
 
     def run(self, plan: StepPlan) -> StepResult:
         """Every row of ``plan`` as one forward, with failures isolated (see ``StepResult``).
@@ -196,7 +198,14 @@ class ModelRunner:
         kv = self.pool.bind_tasks(plan.req_indices, plan.q_lens, plan.seq_lens)
         kv.drafts_host = plan.drafts
         self.bind(kv, plan.backend)
-        logits = self.model(ids, positions, kv, logits_indices)
+        if self.lora is None:
+            logits = self.model(ids, positions, kv, logits_indices)
+        else:
+            self.lora.bind([r.lora for r in plan.rows] or [-1] * len(plan.q_lens), plan.q_lens)
+            try:
+                logits = self.model(ids, positions, kv, logits_indices)
+            finally:
+                self.lora.clear()
         scored: dict[int, list[TokenLogprob]] = {}
         if scoring is not None:
             _, targets, owners = scoring

@@ -189,6 +189,10 @@ class InferenceScheduler:
         """Ask the loop to end ``request_id`` (finish reason "abort"); unknown ids are ignored."""
         self._inbox.put(request_id)
 
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the scheduler thread between two steps (state only the loop may touch)."""
+        self._inbox.put(fn)
+
     def abort_all(self) -> int:
         """Ask the loop to end every request in flight (finish reason "abort"); returns how many."""
         with self._lock:
@@ -275,6 +279,11 @@ class InferenceScheduler:
             if isinstance(msg, Request):
                 self._by_id[msg.request_id] = msg
                 self.policy.add(msg)
+            elif callable(msg):  # call_soon's
+                try:
+                    msg()
+                except Exception:
+                    logger.exception("a call on the scheduler thread failed")
             else:
                 self._abort(msg)
 

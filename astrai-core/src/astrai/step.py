@@ -32,6 +32,7 @@ class RowInput:
     scored: int  # prompt tokens whose log-probs were computed already (``Request.prompt_logprobs``)
     matcher: Any = None  # the row's ``GrammarMatcher`` (it fills its row of a bitmask), or None
     forced: int | None = None  # the token the row must produce (a thinking's forced end), or None
+    lora: int = -1  # the slot of the row's LoRA adapter (``astrai.lora``); -1: the base model
 
 
 @dataclass(frozen=True)

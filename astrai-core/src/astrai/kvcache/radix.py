@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -348,6 +348,18 @@ class RadixCache:
         if freed:
             logger.debug("radix evicted %d page(s), %d evictable left", freed, self.evictable_pages)
         return freed
+
+    def drop(self, namespaces: Callable[[Hashable], bool]) -> int:
+        """Free every page no live request holds in the namespaces ``namespaces`` says yes to (a LoRA
+        adapter that is gone); returns pages freed. Locked pages stay (LRU eviction takes them later)."""
+        freed = 0
+        while True:
+            leaves = [n for n in self._evictable_leaves if namespaces(n.namespace)]
+            if not leaves:
+                return freed
+            for leaf in leaves:
+                self._evictable_leaves.discard(leaf)
+                freed += self._evict_node(leaf)
 
     def _evict_node(self, node: RadixNode) -> int:
         parent = node.parent

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 #: The ops a backend may lend a kernel for (``AttentionBackend.kernels`` gives each one's contract).
 OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
-OPS += ("quant_experts",)
+OPS += ("quant_experts", "lora")
 
 #: A fused kernel: a callable, or an object with the methods and attributes its op names.
 Kernel = Callable[..., Any]
@@ -117,6 +117,12 @@ class AttentionBackend(ABC):
           ``[experts + 1]``), ``packed`` one tile-layout weight per expert, all of ``layout``;
           each row's result ``quant_linear``'s on that row (no bias), ``[R, N]``; ``dtypes`` as
           ``quant_linear``'s.
+        - ``lora``: ``kernel(y, x, rows, a, bt, spans)``: adds the LoRA updates of a step's rows to
+          a linear's output ``y [T, N]`` in place (``astrai.lora``); ``x [T, K]`` its input, ``rows``
+          int32 ``[T]`` each row's adapter slot (-1: none), per slot ``a`` ``[parts * R, K]``,
+          ``bt`` ``[R, C]`` (float32) and ``spans`` int64 ``[parts, 3]`` ``(o0, o1, c0)``: part ``p``
+          adds ``(x @ a[p*R:(p+1)*R].T) @ bt[:, c0:c0 + o1 - o0]`` to ``y[:, o0:o1]`` (empty tensors
+          for a slot the module has no update for); ``dtypes`` the ``x`` dtypes it takes.
         - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
           hidden]``, the rotary rows ``freqs [1, T, head_dim/2, 2]`` and the step's ``KVCache``: runs
           all of ``model``'s decoder layers (writing the step's K/V as they would) and returns the

@@ -1,0 +1,188 @@
+"""LoRA in the model's step: ``LoraLinear`` wraps a projection, ``LoraSet`` holds the step's rows.
+
+``install_lora(model, slots)`` wraps each of a decoder's LoRA-capable projections (the fused
+``qkv_proj`` and ``gate_up_proj`` with their parts, ``o_proj``, ``down_proj``) once, at start. A
+step's rows may belong to several adapters and to none: the base product runs once for all of
+them, then the ``lora`` kernel (``astrai.extension``; ``lora_reference`` where no backend lends
+one) adds each row's own adapter's update in place, the segmented ("punica") scheme. A step
+without adapter rows (``LoraSet.rows`` None) runs the base product alone: one attribute test per
+projection.
+
+An adapter lives in a slot: per projection, ``a`` ``[parts * R, in]`` (each targeted part's A,
+zero-padded to the largest rank ``R``), ``bt`` ``[R, C]`` (each part's scaled B, transposed, side
+by side) and ``spans`` ``[parts, 3]`` int64 ``(o0, o1, c0)``: the output columns each part adds
+to and where its B starts. Slots are written by ``LoraSet.put`` only while no step runs rows of
+that slot (``astrai.lora.manager`` sees to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from astrai.extension.fused import kernel_for
+
+if TYPE_CHECKING:
+    from astrai.lora.adapter import LoraAdapter
+
+__all__ = ["LoraLinear", "LoraSet", "install_lora", "lora_reference"]
+
+_EMPTY = torch.empty(0)
+
+
+class LoraSet:
+    """The model's LoRA state: its wrapped projections, by HF module name, and the step's rows."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.rows: torch.Tensor | None = (
+            None  # int32 [T]: each token's slot (-1: none); None: no adapter rows
+        )
+        self.present: list[int] = []  # the slots the step's rows use
+        self._index: dict[int, torch.Tensor] = {}  # slot -> its rows, made when the reference asks
+        # HF module name (``model.layers.3.self_attn.q_proj``) -> (its LoraLinear, o0, o1)
+        self.targets: dict[str, tuple[LoraLinear, int, int]] = {}
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """HF module name -> ``(out, in)``: what an adapter may target (``read_adapter``)."""
+        return {name: (o1 - o0, mod.in_features) for name, (mod, o0, o1) in self.targets.items()}
+
+    def bind(self, slots: Sequence[int], q_lens: Sequence[int]) -> None:
+        """The step's rows: ``slots[i]`` for row ``i``'s ``q_lens[i]`` tokens (-1: the base model)."""
+        if all(s < 0 for s in slots):
+            self.clear()
+            return
+        rows = torch.repeat_interleave(
+            torch.tensor(slots, dtype=torch.int32), torch.tensor(q_lens, dtype=torch.int64)
+        )
+        self.rows = rows
+        self.present = sorted({s for s in slots if s >= 0})
+        self._index = {}
+
+    def index(self, slot: int) -> torch.Tensor:
+        """The step's rows of ``slot`` (int64), made once per step."""
+        if slot not in self._index:
+            self._index[slot] = (self.rows == slot).nonzero()[:, 0]
+        return self._index[slot]
+
+    def clear(self) -> None:
+        self.rows, self.present, self._index = None, [], {}
+
+    def put(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Write ``adapter``'s weights into ``slot`` of every projection (None: empty the slot)."""
+        by_module: dict[LoraLinear, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+        for name, (a, b) in (adapter.modules if adapter is not None else {}).items():
+            mod, o0, o1 = self.targets[name]
+            by_module.setdefault(mod, []).append((o0, o1, a, b))
+        for mod in {id(m): m for m, _, _ in self.targets.values()}.values():
+            mod.set_slot(slot, by_module.get(mod, []))
+
+
+class LoraLinear(nn.Module):
+    """A projection (``nn.Linear``, ``PackedLinear``, ``QuantizedLinear``) plus its rows' LoRA updates."""
+
+    def __init__(self, base: nn.Module, lora: LoraSet) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.lora = lora
+        self.a: list[torch.Tensor] = [_EMPTY] * lora.slots
+        self.bt: list[torch.Tensor] = [_EMPTY] * lora.slots
+        self.spans: list[torch.Tensor] = [_EMPTY.long()] * lora.slots
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def set_slot(self, slot: int, parts: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+        """``parts``: ``(o0, o1, A [r, in], B [o1 - o0, r])`` per targeted part (empty: no update)."""
+        if not parts:
+            self.a[slot], self.bt[slot], self.spans[slot] = _EMPTY, _EMPTY, _EMPTY.long()
+            return
+        rank = max(a.shape[0] for _, _, a, _ in parts)
+        a_cat = torch.zeros(len(parts) * rank, self.in_features)
+        bt = torch.zeros(rank, sum(o1 - o0 for o0, o1, _, _ in parts))
+        spans, c0 = [], 0
+        for p, (o0, o1, a, b) in enumerate(sorted(parts, key=lambda part: part[0])):
+            a_cat[p * rank : p * rank + a.shape[0]] = a
+            bt[: b.shape[1], c0 : c0 + o1 - o0] = b.t()
+            spans.append((o0, o1, c0))
+            c0 += o1 - o0
+        self.a[slot], self.bt[slot] = a_cat.contiguous(), bt.contiguous()
+        self.spans[slot] = torch.tensor(spans, dtype=torch.int64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.lora.rows is None:
+            return y
+        kernel = kernel_for("lora", x)
+        if kernel is not None and x.dtype in kernel.dtypes and x.dim() == 2:
+            kernel(y, x.contiguous(), self.lora.rows, self.a, self.bt, self.spans)
+            return y
+        return lora_reference(y, x, self)
+
+    def extra_repr(self) -> str:
+        used = sum(1 for a in self.a if a.numel())
+        return f"in_features={self.in_features}, out_features={self.out_features}, adapters={used}"
+
+
+def lora_reference(y: torch.Tensor, x: torch.Tensor, mod: LoraLinear) -> torch.Tensor:
+    """The ``lora`` kernel's contract in torch ops: per adapter in the step, its rows' updates."""
+    for slot in mod.lora.present:
+        a = mod.a[slot]
+        if not a.numel():
+            continue
+        idx = mod.lora.index(slot).to(x.device)
+        xs = x.index_select(0, idx).float()
+        rank = mod.bt[slot].shape[0]
+        s = xs @ a.t()
+        for p, (o0, o1, c0) in enumerate(mod.spans[slot].tolist()):
+            d = s[:, p * rank : (p + 1) * rank] @ mod.bt[slot][:, c0 : c0 + o1 - o0]
+            cols = y[:, o0:o1]
+            cols.index_copy_(0, idx, (cols.index_select(0, idx).float() + d).to(y.dtype))
+    return y
+
+
+def _wrap(owner: nn.Module, attr: str, lora: LoraSet) -> LoraLinear:
+    mod = LoraLinear(getattr(owner, attr), lora)
+    setattr(owner, attr, mod)
+    return mod
+
+
+def install_lora(model: nn.Module, slots: int) -> LoraSet:
+    """Wrap ``model``'s decoder projections for ``slots`` adapters; returns the model's ``LoraSet``
+    (also ``model.lora``). Fused projections (``fuse_projections``) take their parts' updates side by
+    side; a layer whose MLP is not the gated MLP (a mixture of experts) gets attention updates only."""
+    from astrai.model.layers import GatedMLP
+
+    lora = LoraSet(slots)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = [(attn, "self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj"), attn._split)]
+        groups.append((attn, "self_attn", "o_proj", ("o_proj",), None))
+        if type(mlp) is GatedMLP:  # (a mixture of experts: its experts take no adapter)
+            half = mlp.down_proj.in_features
+            groups.append((mlp, "mlp", "gate_up_proj", ("gate_proj", "up_proj"), [half, half]))
+            groups.append((mlp, "mlp", "down_proj", ("down_proj",), None))
+        for owner, path, fused, parts, sizes in groups:
+            pre = f"model.layers.{i}.{path}"
+            if len(parts) == 1 or hasattr(owner, fused):  # one projection, or the parts fused in one
+                mod = _wrap(owner, parts[0] if len(parts) == 1 else fused, lora)
+                o0 = 0
+                for part, size in zip(parts, sizes or [mod.out_features], strict=True):
+                    lora.targets[f"{pre}.{part}"] = (mod, o0, o0 + size)
+                    o0 += size
+            else:  # unfused: each part is a projection of its own
+                for part in parts:
+                    mod = _wrap(owner, part, lora)
+                    lora.targets[f"{pre}.{part}"] = (mod, 0, mod.out_features)
+    model.lora = lora
+    return lora

@@ -1,0 +1,83 @@
+"""``astrai_cpu::lora_apply`` (the CPU backend's ``lora`` kernel) against ``lora_reference`` and a
+row-by-row formula: rows of several adapters and of none in one call, runs long enough for its
+GEMM path and single rows, parts of different ranks, float32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+def _module(slots: int = 3):
+    from astrai.lora import LoraLinear, LoraSet
+
+    torch.manual_seed(0)
+    lora = LoraSet(slots)
+    mod = LoraLinear(nn.Linear(64, 96, bias=False), lora)
+    parts0 = [  # two parts, ranks 4 and 8 (zero-padded to 8), a gap of columns left alone
+        (0, 32, torch.randn(4, 64), torch.randn(32, 4)),
+        (48, 96, torch.randn(8, 64), torch.randn(48, 8)),
+    ]
+    parts1 = [(0, 96, torch.randn(16, 64), torch.randn(96, 16))]
+    mod.set_slot(0, parts0)
+    mod.set_slot(1, parts1)  # slot 2: no update in this module
+    return lora, mod, {0: parts0, 1: parts1, 2: []}
+
+
+def _by_rows(y: torch.Tensor, x: torch.Tensor, slots: list[int], parts: dict) -> torch.Tensor:
+    out = y.float().clone()
+    for t, s in enumerate(slots):
+        for o0, o1, a, b in parts.get(s, []) if s >= 0 else []:
+            out[t, o0:o1] += b @ (a @ x[t].float())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_apply_equals_the_reference_and_leaves_base_rows_alone(cpu_kernels, dtype):
+    from astrai.lora import lora_reference
+
+    lora, mod, parts = _module()
+    slots = [0] * 20 + [1, -1, 0, 2, 1, -1] + [1] * 17 + [-1] * 3
+    lora.bind(slots, [1] * len(slots))
+    x = torch.randn(len(slots), 64).to(dtype)
+    y = torch.randn(len(slots), 96).to(dtype)
+    kernel_out = y.clone()
+    torch.ops.astrai_cpu.lora_apply(kernel_out, x, lora.rows, mod.a, mod.bt, mod.spans)
+    reference = lora_reference(y.clone(), x, mod)
+    formula = _by_rows(y, x, slots, parts)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(kernel_out.float(), formula, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(reference.float(), formula, atol=tol * 10, rtol=tol)
+    untouched = [t for t, s in enumerate(slots) if s in (-1, 2)]
+    assert torch.equal(kernel_out[untouched], y[untouched])  # no adapter, or none in this module
+    zeros = [t for t, s in enumerate(slots) if s == 0]
+    assert torch.equal(kernel_out[zeros, 32:48], y[zeros, 32:48])  # the columns slot 0's parts leave
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(cpu_kernels):
+    """Single rows and the same rows in a run of their adapter: the same update to float32's
+    rounding (GEMM and row loops sum in different orders)."""
+    lora, mod, _ = _module()
+    x = torch.randn(24, 64)
+    y = torch.randn(24, 96)
+    alone = y.clone()
+    lora.bind([1] * 24, [1] * 24)
+    torch.ops.astrai_cpu.lora_apply(alone, x, lora.rows, mod.a, mod.bt, mod.spans)
+    mixed = y.clone()
+    lora.bind([1, -1] * 12, [1] * 24)
+    torch.ops.astrai_cpu.lora_apply(mixed, x, lora.rows, mod.a, mod.bt, mod.spans)
+    torch.testing.assert_close(mixed[::2], alone[::2], atol=1e-4, rtol=1e-5)
+
+
+def test_the_kernel_refuses_what_does_not_fit(cpu_kernels):
+    lora, mod, _ = _module()
+    lora.bind([0, 1], [1, 1])
+    with pytest.raises(RuntimeError, match="weights are not what the module's input takes"):
+        torch.ops.astrai_cpu.lora_apply(
+            torch.zeros(2, 96), torch.zeros(2, 32), lora.rows, mod.a, mod.bt, mod.spans
+        )
+    with pytest.raises(RuntimeError, match="rows int32"):
+        torch.ops.astrai_cpu.lora_apply(
+            torch.zeros(2, 96), torch.zeros(2, 64), lora.rows.long(), mod.a, mod.bt, mod.spans
+        )
