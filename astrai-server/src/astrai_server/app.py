@@ -55,6 +55,7 @@ from astrai_server.fit import TextBound, refuse_oversized, text_bound
 from astrai_server.handler import ProtocolHandler, count_choices, refuse_unknown
 from astrai_server.keys import authorized as _authorized
 from astrai_server.keys import caller as _caller
+from astrai_server.lora import lora_routes
 from astrai_server.metrics import ServerMetrics
 from astrai_server.parsers import Parsers
 from astrai_server.rerank import pooling_routes
@@ -116,6 +117,8 @@ def create_app(
         logger.info("protocol %s mounted at POST %s", builder.name, builder.route)
     for path, endpoint in pooling_routes(_check_key).items():  # embeddings, rerank, score (rerank.py)
         app.add_api_route(path, endpoint, methods=["POST"], name=path)
+    for path, endpoint in lora_routes(_check_adapter_key).items():  # LoRA adapters (lora.py)
+        app.add_api_route(path, endpoint, methods=["POST"], name=path)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/stats", _stats, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
@@ -142,6 +145,16 @@ def _check_operator(request: Request) -> None:
     if who is None:
         raise HTTPProblem(401, UNAUTHORIZED)
     if not who.admin:
+        raise HTTPProblem(403, OPERATORS_ONLY)
+
+
+def _check_adapter_key(request: Request) -> None:
+    """HTTPProblem 401 for a missing or unknown key, 403 for a tenant's key where operator keys are
+    set: loading a LoRA adapter reads the server's files and changes what every client is served."""
+    who = _caller(request)
+    if who is None:
+        raise HTTPProblem(401, UNAUTHORIZED)
+    if request.app.state.settings.admin_api_key and not who.admin:
         raise HTTPProblem(403, OPERATORS_ONLY)
 
 

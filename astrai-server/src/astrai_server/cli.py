@@ -160,6 +160,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "grammar_cache_memory", "memory the compiled grammars kept for reuse may hold, e.g. 256MiB")
     _flag(
         p,
+        "enable_lora",
+        "serve LoRA adapters (loaded with --lora or POST /v1/load_lora_adapter)",
+        action="store_true",
+    )
+    _flag(
+        p,
+        "lora",
+        "a LoRA adapter served under NAME: NAME=PATH (a PEFT folder, a GGUF LoRA file, a Hub id); repeatable",
+        action="append",
+    )
+    _flag(
+        p,
+        "max_loras",
+        "LoRA adapters resident at once (past it the least recently used idle one goes)",
+        type=int,
+    )
+    _flag(p, "max_lora_rank", "the largest rank a LoRA adapter may have", type=int)
+    _flag(
+        p,
         "speculative",
         "speculative decoding of greedy requests: ngram (prompt lookup); default: off",
         choices=["ngram"],

@@ -151,6 +151,13 @@ class ServerSettings(BaseModel):
         _ENGINE.ngram_min, ge=1
     )  # shortest suffix n-gram matched against the request's earlier tokens
     ngram_max: int = Field(_ENGINE.ngram_max, ge=1)  # longest (tried first); >= ngram_min
+    enable_lora: bool = False  # LoRA adapters: --lora at start, /v1/load_lora_adapter while serving
+    # adapters loaded at start, NAME=PATH each (a PEFT folder, a GGUF LoRA file or a Hub id); implies enable_lora
+    lora: list[str] | None = None
+    max_loras: int = Field(
+        _ENGINE.max_loras, ge=1
+    )  # adapters resident at once; past it the idle LRU one goes
+    max_lora_rank: int = Field(_ENGINE.max_lora_rank, ge=1)  # the largest rank an adapter may have
     shutdown_timeout: float = Field(
         20.0, ge=0
     )  # seconds requests in flight get after SIGTERM; then they are aborted
@@ -220,6 +227,26 @@ class ServerSettings(BaseModel):
     @classmethod
     def _names(cls, value: Any) -> Any:
         return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _loras(cls, value: Any) -> Any:
+        items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+        for item in items or ():
+            name, eq, path = str(item).partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ValueError(
+                    f"{item!r}: an adapter is NAME=PATH (a PEFT folder, a GGUF LoRA file, a Hub id)"
+                )
+        return items
+
+    def loras(self) -> dict[str, str]:
+        """``--lora``'s adapters, name -> path; ValueError for a name given twice or the model's own."""
+        pairs = [tuple(x.strip() for x in item.partition("=")[::2]) for item in self.lora or ()]
+        names = [n for n, _ in pairs]
+        if len(set(names)) != len(names) or self.served_model_name in names:
+            raise ValueError("every --lora adapter needs a name of its own, not the model's")
+        return dict(pairs)
 
     @field_validator("served_embedding_model_name")
     @classmethod
@@ -292,6 +319,9 @@ class ServerSettings(BaseModel):
             ngram_min=self.ngram_min,
             ngram_max=self.ngram_max,
             chat_template=self.chat_template,
+            enable_lora=self.enable_lora or bool(self.lora),
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
             limits=RequestLimits(self.max_stop_sequences, self.max_stop_length, self.max_logit_bias),
             grammar=GrammarConfig(
                 workers=self.grammar_workers,

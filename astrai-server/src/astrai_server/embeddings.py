@@ -131,7 +131,8 @@ def _check_dimensions(dimensions: int, engine: Any, name: str) -> None:
         )
 
 
-def _error(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException) -> JSONResponse:
+    """``exc`` as OpenAI's error body with its status (a validation error: a 400 naming the field)."""
     from fastapi.responses import JSONResponse
 
     if isinstance(exc, ValidationError):
@@ -205,7 +206,7 @@ def pooling_endpoint(
             body = openai_error(problem.status, problem.message, problem.param)
             return JSONResponse(body, status_code=problem.status)
         except Exception as exc:  # nothing a client sends may become a bare 500
-            return _error(exc)
+            return error_response(exc)
 
     # FastAPI reads the annotations; this module's globals lack the web types they name
     endpoint.__annotations__.update({"request": Request, "return": Response})

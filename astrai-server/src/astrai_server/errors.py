@@ -8,6 +8,8 @@ schema validation, authentication) to the same place.
 from __future__ import annotations
 
 from astrai.errors import (
+    AdapterBusy,
+    AdapterError,
     AstraiError,
     BackendUnavailable,
     CapacityExceeded,
@@ -22,6 +24,8 @@ from astrai.errors import (
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (RequestRejected, 400),  # can never be served: too long, bad parameters, template refuses it
     (ModelNotFound, 404),
+    (AdapterError, 400),  # a LoRA adapter that cannot be loaded or named so
+    (AdapterBusy, 409),  # every adapter slot has requests in flight
     (Overloaded, 429),  # shed under load, nothing kept: retry after Retry-After (Anthropic: 529)
     (EngineNotReady, 503),  # not loaded yet, shut down, or the scheduler died
     (CapacityExceeded, 503),  # no room now; the client may retry

@@ -115,6 +115,7 @@ class ProtocolHandler:
             getattr(request, "priority", None) or 0,
             cache_namespace(getattr(self.state, "cache_tenant", None), prepared.cache_salt),
         )
+        args += (self._adapter(prepared.model),)
         if count == 1:
             run.submit(*args)
             return run
@@ -127,6 +128,13 @@ class ProtocolHandler:
             submitted.add_done_callback(lambda _: run.abort())
             raise
         return run
+
+    def _adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model). With adapters enabled, a name that
+        is neither the served model's nor an adapter's is refused at submit (404, model_not_found)."""
+        if getattr(self.engine, "loras", None) is None or not model or model == self.builder.model_name:
+            return None
+        return model
 
     def _check_fan_out(self, request: BaseModel) -> int:
         """The engine requests ``request`` makes (the product of the builder's ``fan_out``); RequestRejected
@@ -346,11 +354,18 @@ class _Run:
         except RuntimeError:
             pass
 
-    def submit(self, request_id: str | None = None, priority: int = 0, namespace: str | None = None) -> None:
+    def submit(
+        self,
+        request_id: str | None = None,
+        priority: int = 0,
+        namespace: str | None = None,
+        lora: str | None = None,
+    ) -> None:
         """Submit every choice: named ``request_id`` (one choice) or ``request_id-i`` (None: the engine names
         them), in the prefix cache's ``namespace``, choice ``i`` as the ``i``-th sibling (admission serves
-        other requests' first choices before this one's second)."""
+        other requests' first choices before this one's second), on LoRA adapter ``lora`` (None: none)."""
         p, count = self.prepared, len(self._pieces)
+        adapter = {} if lora is None else {"lora": lora}
         try:
             for i in range(count):
                 k = i % p.n  # choice k of prompt i // n
@@ -371,6 +386,7 @@ class _Run:
                         cache_namespace=namespace,
                         sibling=i,
                         grammar=self.grammar,
+                        **adapter,
                     )
                 )
         except BaseException:

@@ -121,6 +121,8 @@ class EngineLoader:
                 weights=s.weights,
             )
             text_bound(engine)  # the tokenizer's longest token (fit.py), now rather than in the first request
+            if engine.loras is not None:
+                self._load_adapters(engine)
             embedders = self._embedders()
         except Exception as exc:  # every failure of the load ends in one line, whatever raised it
             self._failed(exc)
@@ -135,6 +137,22 @@ class EngineLoader:
                 embedder.shutdown()
             return
         logger.info("engine ready: %s", s.model or "the default model")
+
+    def _load_adapters(self, engine: Any) -> None:
+        """``--lora``'s adapters, before the server reports ready; a bad one fails the start."""
+        import time
+
+        from astrai_server.lora import resolve_adapter
+
+        s = self.settings
+        engine.loras.reserved = {s.served_model_name, *s.pooling_names()}
+        try:
+            for name, path in s.loras().items():
+                engine.loras.load(name, resolve_adapter(path, None), time.time())
+                logger.info("LoRA adapter %s loaded from %s", name, path)
+        except BaseException:
+            engine.shutdown()
+            raise
 
     def _serve_pooling_only(self, model: str | None) -> None:
         """``--model`` is a pooling model: it is the engine (``/health``, ``/stats``) and the one

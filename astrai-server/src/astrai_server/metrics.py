@@ -221,6 +221,15 @@ class ServerMetrics:
         return generate_latest(self.registry), TEXT
 
 
+#: per LoRA adapter, from ``engine.loras.stats()`` at scrape time: name -> (help, key)
+LORA_COUNTERS = {
+    "astrai:lora_requests": ("Requests ended on the LoRA adapter.", "requests"),
+    "astrai:lora_prompt_tokens": ("Prompt tokens of the requests on the LoRA adapter.", "prompt_tokens"),
+    "astrai:lora_generation_tokens": ("Tokens generated on the LoRA adapter.", "generation_tokens"),
+}
+LORA_RUNNING = ("astrai:lora_requests_in_flight", "Requests in flight on the LoRA adapter.")
+
+
 class _EngineCollector(Collector):
     """The gauges and the preemption counter, from the engine's stats snapshot at scrape time."""
 
@@ -252,6 +261,18 @@ class _EngineCollector(Collector):
                 counter = CounterMetricFamily(name, doc, labels=["model_name"])
                 counter.add_metric(labels, stats[key])
                 yield counter
+        loras = getattr(engine, "loras", None)
+        if loras is not None:  # per LoRA adapter (model_name: the adapter's name, as requests name it)
+            by_adapter = loras.stats()
+            for name, (doc, key) in LORA_COUNTERS.items():
+                counter = CounterMetricFamily(name, doc, labels=["model_name", "parent"])
+                for adapter, figures in by_adapter.items():
+                    counter.add_metric([adapter, labels[0]], figures[key])
+                yield counter
+            gauge = GaugeMetricFamily(*LORA_RUNNING, labels=["model_name", "parent"])
+            for adapter, figures in by_adapter.items():
+                gauge.add_metric([adapter, labels[0]], figures["in_flight"])
+            yield gauge
         pooling = {served: e.get_stats() for served, e in self.metrics.pooling().items()}
         for name, (doc, key) in POOLING_COUNTERS.items() if pooling else ():
             counter = CounterMetricFamily(name, doc, labels=["model_name"])

@@ -41,6 +41,7 @@ from astrai.protocol import (
 )
 from astrai.sampling import SamplingParams
 from astrai_server.embeddings import model_cards
+from astrai_server.lora import adapter_cards
 from astrai_server.openai_shapes import FINISH, StreamOptions, logprob_entries, openai_error, openai_usage
 from astrai_server.request_parts import (
     Strict,
@@ -446,6 +447,8 @@ class OpenAIResponseBuilder(ResponseBuilder):
             "object": "model",
             "created": self.created,
             "owned_by": "astrai",
+            "root": None,
+            "parent": None,
             "context_length": limit,
             "max_model_len": limit,
             # astrai's: which chat template renders chats (None: the model has none), and the
@@ -458,11 +461,15 @@ class OpenAIResponseBuilder(ResponseBuilder):
 
     def _models(self, engine: Any) -> dict[str, Any]:
         chat = [] if getattr(engine, "task", None) else [self._card(engine)]  # (a pooling model alone)
-        return {"object": "list", "data": [*chat, *model_cards(self.embedders, self.created)]}
+        adapters = adapter_cards(engine, self.model_name, self.created)  # LoRA adapters, with their parent
+        return {"object": "list", "data": [*chat, *adapters, *model_cards(self.embedders, self.created)]}
 
     def _model(self, engine: Any, model: str) -> dict[str, Any]:
         if model in self.embedders:
             return model_cards({model: self.embedders[model]}, self.created)[0]
+        for card in adapter_cards(engine, self.model_name, self.created):
+            if card["id"] == model:
+                return card
         if model != self.model_name or getattr(engine, "task", None):  # OpenAI's words
             raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it.")
         return self._card(engine)
