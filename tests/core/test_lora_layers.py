@@ -9,16 +9,14 @@ import copy
 import json
 
 import torch
-from conftest import tiny_config
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _write_peft(folder, rank: int = 4, alpha: float = 8.0, seed: int = 7) -> None:
+def _write_peft(folder, cfg, rank: int = 4, alpha: float = 8.0, seed: int = 7) -> None:
     """A PEFT folder for the tiny model, HF names and HF row order (the reader permutes q/k rows)."""
     from safetensors.torch import save_file
 
-    cfg = tiny_config()
     shapes = {
         "self_attn.q_proj": (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size),
         "self_attn.k_proj": (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size),
@@ -64,7 +62,7 @@ def test_adapter_rows_equal_the_merged_model_and_base_rows_the_base(
     kernel_registry()  # torch_native alone: the LoRA updates run on lora_reference
     model = copy.deepcopy(tiny_model)
     engine = make_engine(model, tiny_tokenizer, enable_lora=True, max_loras=2, page_size=4, n_tokens=512)
-    _write_peft(tmp_path / "t")
+    _write_peft(tmp_path / "t", tiny_model.config)
     engine.loras.load("t", tmp_path / "t")
     adapter = read_adapter("t", tmp_path / "t", tiny_model.config, model.lora.shapes, 64)
     merged = _merged(tiny_model, adapter)

@@ -4,16 +4,22 @@
 //
 // y [T, out] and x [T, in]: float32 or bf16, the same dtype, contiguous rows. rows int32 [T]: each
 // row's adapter slot, -1 for none. Per slot s (empty tensors where the module has no update for
-// it): a[s] [P*R, in] float32 (the A of each of its P parts, zero-padded to rank R), bt[s] [R, C]
-// float32 (each part's scaled B, transposed, side by side), spans[s] int64 [P, 3]: part p adds
-// s_p @ bt[:, c0 : c0 + o1 - o0] to y[:, o0:o1], with s_p = x @ a[p*R:(p+1)*R].T.
+// it): a[s] [P*R, in] (the A of each of its P parts, zero-padded to rank R), bt[s] [R, C] (each
+// part's scaled B, transposed, side by side), float32, and spans[s] int64 [P, 3]: part p adds
+// s_p @ bt[:, c0 : c0 + o1 - o0] to y[:, o0:o1], with s_p = x @ a[p*R:(p+1)*R].T. Sums are float32.
 //
 // A run of at least GEMM_ROWS consecutive rows of one slot (a prefill chunk) goes through ATen's
-// GEMMs; other rows (decode, speculative verification) are done row by row here, the rows spread
-// over threads, each row's update summed in float32 and added to y with one rounding.
+// GEMMs; other rows (decode, speculative verification) are done row by row here, each row's update
+// summed in float32 and added to y with one rounding. With at least as many rows as threads the
+// rows are spread over the threads; with fewer (a lone stream), each row's work is: A's rows, then
+// the output columns (its bytes are read at the bandwidth of every core, not one's).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -23,6 +29,10 @@ namespace astrai_cpu {
 namespace {
 
 constexpr int64_t GEMM_ROWS = 16;
+// weights (A and B values) of one module's update from which a lone row's update is split over
+// the threads (each its share of A's rows, then of the output columns): below it, the two
+// parallel regions cost more than they save
+constexpr int64_t SPLIT_WEIGHTS = 16384;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const at::BFloat16* p, int64_t i) {
@@ -34,6 +44,21 @@ inline float load(const at::BFloat16* p, int64_t i) {
 inline void add_to(float* y, int64_t i, float v) { y[i] += v; }
 inline void add_to(at::BFloat16* y, int64_t i, float v) { y[i] = static_cast<at::BFloat16>(load(y, i) + v); }
 
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+// 8 sums added to y[o .. o + 8)
+inline void add8(float* y, __m256 v) { _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), v)); }
+inline void add8(at::BFloat16* y, __m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  for (int i = 0; i < 8; ++i) add_to(y, i, t[i]);
+}
+#endif
+
 struct Slot {
   const float* a = nullptr;
   const float* bt = nullptr;
@@ -41,30 +66,97 @@ struct Slot {
   int64_t parts = 0, rank = 0, cols = 0;
 };
 
-template <typename T>
-void one_row(const T* x, T* y, const Slot& s, int64_t in, std::vector<float>& xf, std::vector<float>& sv,
-             std::vector<float>& acc) {
-  xf.resize(in);
-  for (int64_t k = 0; k < in; ++k) xf[k] = load(x, k);
-  const int64_t R = s.rank, PR = s.parts * R;
-  sv.resize(PR);
-  for (int64_t j = 0; j < PR; ++j) {
-    const float* aj = s.a + j * in;
+// sv[j] = A[j] . xf for j in [j0, j1): four rows of A against each load of x
+void shrink(const float* a, const float* xf, int64_t in, float* sv, int64_t j0, int64_t j1) {
+  int64_t j = j0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t kv = in & ~int64_t(7);
+  for (; j + 4 <= j1; j += 4) {
+    const float* r0 = a + j * in;
+    const float *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t k = 0; k < kv; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(xf + k);
+      c0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + k), xv, c0);
+      c1 = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + k), xv, c1);
+      c2 = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + k), xv, c2);
+      c3 = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + k), xv, c3);
+    }
+    float s0 = hsum(c0), s1 = hsum(c1), s2 = hsum(c2), s3 = hsum(c3);
+    for (int64_t k = kv; k < in; ++k) {
+      s0 += r0[k] * xf[k];
+      s1 += r1[k] * xf[k];
+      s2 += r2[k] * xf[k];
+      s3 += r3[k] * xf[k];
+    }
+    sv[j] = s0, sv[j + 1] = s1, sv[j + 2] = s2, sv[j + 3] = s3;
+  }
+#endif
+  for (; j < j1; ++j) {
+    const float* aj = a + j * in;
     float sum = 0.f;
     for (int64_t k = 0; k < in; ++k) sum += aj[k] * xf[k];
     sv[j] = sum;
   }
-  for (int64_t p = 0; p < s.parts; ++p) {
-    const int64_t o0 = s.spans[3 * p], o1 = s.spans[3 * p + 1], c0 = s.spans[3 * p + 2], n = o1 - o0;
-    acc.assign(n, 0.f);
-    float* out = acc.data();
+}
+
+// y[o] += sum_r sv[r] * b[r * cols + o] for o in [lo, hi): the sums of 32 columns in registers
+// over every r (b: part p's first column of bt; y: its first output column)
+template <typename T>
+void expand(const float* b, int64_t cols, int64_t R, const float* sv, int64_t lo, int64_t hi, T* y) {
+  int64_t o = lo;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; o + 32 <= hi; o += 32) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
     for (int64_t r = 0; r < R; ++r) {
-      const float coef = sv[p * R + r];
-      const float* b = s.bt + r * s.cols + c0;
-      for (int64_t o = 0; o < n; ++o) out[o] += coef * b[o];
+      const __m256 s = _mm256_set1_ps(sv[r]);
+      const float* br = b + r * cols + o;
+      c0 = _mm256_fmadd_ps(s, _mm256_loadu_ps(br), c0);
+      c1 = _mm256_fmadd_ps(s, _mm256_loadu_ps(br + 8), c1);
+      c2 = _mm256_fmadd_ps(s, _mm256_loadu_ps(br + 16), c2);
+      c3 = _mm256_fmadd_ps(s, _mm256_loadu_ps(br + 24), c3);
     }
-    for (int64_t o = 0; o < n; ++o) add_to(y, o0 + o, out[o]);
+    add8(y + o, c0), add8(y + o + 8, c1), add8(y + o + 16, c2), add8(y + o + 24, c3);
   }
+  for (; o + 8 <= hi; o += 8) {
+    __m256 c = _mm256_setzero_ps();
+    for (int64_t r = 0; r < R; ++r) c = _mm256_fmadd_ps(_mm256_set1_ps(sv[r]), _mm256_loadu_ps(b + r * cols + o), c);
+    add8(y + o, c);
+  }
+#endif
+  for (; o < hi; ++o) {
+    float sum = 0.f;
+    for (int64_t r = 0; r < R; ++r) sum += sv[r] * b[r * cols + o];
+    add_to(y, o, sum);
+  }
+}
+
+// one row's update: with ``split``, A's rows and then each part's columns spread over the threads
+template <typename T>
+void one_row(const T* x, T* y, const Slot& s, int64_t in, bool split) {
+  std::vector<float> xf(in), sv(s.parts * s.rank);
+  for (int64_t k = 0; k < in; ++k) xf[k] = load(x, k);
+  const int64_t PR = s.parts * s.rank;
+  if (split)
+    at::parallel_for(0, PR, 4, [&](int64_t j0, int64_t j1) { shrink(s.a, xf.data(), in, sv.data(), j0, j1); });
+  else
+    shrink(s.a, xf.data(), in, sv.data(), 0, PR);
+  for (int64_t p = 0; p < s.parts; ++p) {
+    const int64_t o0 = s.spans[3 * p], n = s.spans[3 * p + 1] - o0;
+    const float* b = s.bt + s.spans[3 * p + 2];
+    const float* svp = sv.data() + p * s.rank;
+    if (split)
+      at::parallel_for(0, n / 32, 4, [&](int64_t lo, int64_t hi) {
+        expand(b, s.cols, s.rank, svp, lo * 32, hi == n / 32 ? n : hi * 32, y + o0);
+      });
+    else
+      expand(b, s.cols, s.rank, svp, 0, n, y + o0);
+  }
+}
+
+template <typename T>
+void row(const at::Tensor& x, at::Tensor& y, int64_t r, const Slot& s, bool split) {
+  one_row(x.data_ptr<T>() + r * x.size(1), y.data_ptr<T>() + r * y.size(1), s, x.size(1), split);
 }
 
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
@@ -105,13 +197,14 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
     while (e < T && slot_of[e] == slot_of[t]) ++e;
     const int32_t s = slot_of[t];
     if (s >= 0 && s < S && slots[s].a != nullptr) {
-      if (e - t >= GEMM_ROWS) {
+      if (e - t >= GEMM_ROWS) {  // a prefill chunk: ATen's GEMMs, in float32
         const Slot& sl = slots[s];
         const at::Tensor xs = x.narrow(0, t, e - t).to(at::kFloat);
         const at::Tensor sv = at::mm(xs, a[s].t());
+        const at::Tensor& b = bt[s];
         for (int64_t p = 0; p < sl.parts; ++p) {
           const int64_t o0 = sl.spans[3 * p], o1 = sl.spans[3 * p + 1], c0 = sl.spans[3 * p + 2];
-          const at::Tensor d = at::mm(sv.narrow(1, p * sl.rank, sl.rank), bt[s].narrow(1, c0, o1 - o0));
+          const at::Tensor d = at::mm(sv.narrow(1, p * sl.rank, sl.rank), b.narrow(1, c0, o1 - o0));
           at::Tensor dst = y.narrow(0, t, e - t).narrow(1, o0, o1 - o0);
           dst.copy_(dst.to(at::kFloat).add_(d));
         }
@@ -121,19 +214,22 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
     }
     t = e;
   }
-  if (single.empty()) return;
   const int64_t n = static_cast<int64_t>(single.size());
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf, sv, acc;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = single[i];
-      const Slot& sl = slots[slot_of[r]];
-      if (x.scalar_type() == at::kFloat)
-        one_row(x.data_ptr<float>() + r * in, y.data_ptr<float>() + r * out, sl, in, xf, sv, acc);
-      else
-        one_row(x.data_ptr<at::BFloat16>() + r * in, y.data_ptr<at::BFloat16>() + r * out, sl, in, xf, sv, acc);
-    }
-  });
+  const bool f32 = x.scalar_type() == at::kFloat;
+  if (n >= at::get_num_threads()) {  // enough rows to keep every thread busy: a row each
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const Slot& sl = slots[slot_of[single[i]]];
+        f32 ? row<float>(x, y, single[i], sl, false) : row<at::BFloat16>(x, y, single[i], sl, false);
+      }
+    });
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {  // fewer rows than threads: each row's work split over them
+    const Slot& sl = slots[slot_of[single[i]]];
+    const bool split = sl.parts * sl.rank * in + sl.rank * sl.cols >= SPLIT_WEIGHTS;
+    f32 ? row<float>(x, y, single[i], sl, split) : row<at::BFloat16>(x, y, single[i], sl, split);
+  }
 }
 
 }  // namespace

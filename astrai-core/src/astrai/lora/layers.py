@@ -17,6 +17,7 @@ that slot (``astrai.lora.manager`` sees to it).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -56,11 +57,13 @@ class LoraSet:
         if all(s < 0 for s in slots):
             self.clear()
             return
-        rows = torch.repeat_interleave(
-            torch.tensor(slots, dtype=torch.int32), torch.tensor(q_lens, dtype=torch.int64)
-        )
-        self.rows = rows
         self.present = sorted({s for s in slots if s >= 0})
+        lens = torch.tensor(q_lens, dtype=torch.int64)
+        self.rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32), lens)
+        # the kernel gets the present slots' weights only: each token's index among them
+        where = {s: i for i, s in enumerate(self.present)}
+        compact = torch.tensor([where.get(s, -1) for s in slots], dtype=torch.int32)
+        self.compact = torch.repeat_interleave(compact, lens)
         self._index = {}
 
     def index(self, slot: int) -> torch.Tensor:
@@ -70,7 +73,7 @@ class LoraSet:
         return self._index[slot]
 
     def clear(self) -> None:
-        self.rows, self.present, self._index = None, [], {}
+        self.rows, self.compact, self.present, self._index = None, None, [], {}
 
     def put(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Write ``adapter``'s weights into ``slot`` of every projection (None: empty the slot)."""
@@ -90,6 +93,8 @@ class LoraLinear(nn.Module):
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
         self.lora = lora
+        held = next(itertools.chain(base.parameters(), base.buffers()), None)  # the adapters live beside it
+        self.device = held.device if held is not None else torch.device("cpu")
         self.a: list[torch.Tensor] = [_EMPTY] * lora.slots
         self.bt: list[torch.Tensor] = [_EMPTY] * lora.slots
         self.spans: list[torch.Tensor] = [_EMPTY.long()] * lora.slots
@@ -99,8 +104,8 @@ class LoraLinear(nn.Module):
         return self.base.bias
 
     @property
-    def weight(self) -> torch.Tensor:
-        return self.base.weight
+    def weight(self) -> torch.Tensor | None:
+        return getattr(self.base, "weight", None)  # (a GGUF projection kept quantized has none)
 
     def set_slot(self, slot: int, parts: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
         """``parts``: ``(o0, o1, A [r, in], B [o1 - o0, r])`` per targeted part (empty: no update)."""
@@ -108,8 +113,8 @@ class LoraLinear(nn.Module):
             self.a[slot], self.bt[slot], self.spans[slot] = _EMPTY, _EMPTY, _EMPTY.long()
             return
         rank = max(a.shape[0] for _, _, a, _ in parts)
-        a_cat = torch.zeros(len(parts) * rank, self.in_features)
-        bt = torch.zeros(rank, sum(o1 - o0 for o0, o1, _, _ in parts))
+        a_cat = torch.zeros(len(parts) * rank, self.in_features, device=self.device)
+        bt = torch.zeros(rank, sum(o1 - o0 for o0, o1, _, _ in parts), device=self.device)
         spans, c0 = [], 0
         for p, (o0, o1, a, b) in enumerate(sorted(parts, key=lambda part: part[0])):
             a_cat[p * rank : p * rank + a.shape[0]] = a
@@ -117,7 +122,7 @@ class LoraLinear(nn.Module):
             spans.append((o0, o1, c0))
             c0 += o1 - o0
         self.a[slot], self.bt[slot] = a_cat.contiguous(), bt.contiguous()
-        self.spans[slot] = torch.tensor(spans, dtype=torch.int64)
+        self.spans[slot] = torch.tensor(spans, dtype=torch.int64)  # (host values: the kernel reads them)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -125,7 +130,16 @@ class LoraLinear(nn.Module):
             return y
         kernel = kernel_for("lora", x)
         if kernel is not None and x.dtype in kernel.dtypes and x.dim() == 2:
-            kernel(y, x.contiguous(), self.lora.rows, self.a, self.bt, self.spans)
+            present = self.lora.present
+            a, bt, spans = self.a, self.bt, self.spans
+            kernel(
+                y,
+                x.contiguous(),
+                self.lora.compact,
+                [a[s] for s in present],
+                [bt[s] for s in present],
+                [spans[s] for s in present],
+            )
             return y
         return lora_reference(y, x, self)
 
