@@ -12,12 +12,19 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: the prompt the LoRA tests compare on, and the greedy tokens compared (the oracle's results are
+#: kept: the engine's tests and the server's ask the same)
+PROMPT = (
+    "The old lighthouse keeper climbed the stairs every evening and looked out over the grey sea, "
+    "counting the ships that passed"
+)
+N = 32
 
 #: name -> LoraConfig keywords (B scaled by ``boost`` after peft's random init, so that each adapter
 #: changes what the model says)
@@ -44,15 +51,18 @@ SPECS = {
 class Oracle:
     model: object  # a peft PeftModel holding every adapter
     folders: dict[str, Path]
+    done: dict = field(default_factory=dict)  # (name, ids, n) -> greedy's result
 
     @torch.no_grad()
     def greedy(self, name: str | None, ids: list[int], n: int) -> tuple[list[int], list[float], float]:
         """peft's greedy ``n`` tokens after ``ids`` on adapter ``name``, their log-probs, and the
         smallest top-1 margin (logits) along the way."""
-        model = self.model
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return self._greedy(model, name, ids, n)
+        key = (name, tuple(ids), n)
+        if key not in self.done:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                self.done[key] = self._greedy(self.model, name, ids, n)
+        return self.done[key]
 
     @staticmethod
     def _greedy(model, name: str | None, ids: list[int], n: int) -> tuple[list[int], list[float], float]:

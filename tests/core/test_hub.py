@@ -408,3 +408,21 @@ def test_the_guard_sees_a_download_and_its_failure_is_one_line(hub, monkeypatch)
     assert attempts, "the guard did not see huggingface_hub's request"
     assert "could not be reached" in str(err.value) and "\n" not in str(err.value)
     attempts.clear()
+
+
+def test_a_lora_adapter_named_by_hub_id_comes_from_the_cache(hub, tmp_path):
+    """``--lora sql=org/sql-lora`` and ``/v1/load_lora_adapter`` take Hub ids: the cached snapshot's
+    folder, with no request; an id neither cached nor reachable offline is the adapter's 400."""
+    from astrai.errors import AdapterError
+    from astrai.lora import resolve_adapter
+
+    cache, _ = hub
+    files = {}
+    for name, text in (("adapter_config.json", '{"peft_type": "LORA"}'), ("adapter_model.safetensors", "x")):
+        files[name] = tmp_path / name
+        files[name].write_text(text)
+    snapshot = add_snapshot(cache, "org/sql-lora", files)
+    assert resolve_adapter("org/sql-lora") == str(snapshot)
+    assert resolve_adapter(str(tmp_path)) == str(tmp_path)  # a path is taken as it is
+    with pytest.raises(AdapterError, match="no LoRA adapter at org/missing-lora: not a local path"):
+        resolve_adapter("org/missing-lora")

@@ -13,18 +13,11 @@ from concurrent import futures
 
 import pytest
 import torch
-from lora_adapters import SPECS, write_gguf_lora
+from lora_adapters import PROMPT, SPECS, N, write_gguf_lora
 
 pytest.importorskip("peft")
 
-N = 32  # tokens compared per request
 LOGPROB_TOL = 2e-3  # float32, quantized weights: summation order only
-
-PROMPTS = [
-    "The old lighthouse keeper climbed the stairs every evening and looked out over the grey sea, "
-    "counting the ships that passed",
-    "List three facts about the planet Mars:",
-]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +30,13 @@ def engine(default_model_path, oracle):
     from astrai.engine import EngineConfig, InferenceEngine
 
     config = EngineConfig(
-        enable_lora=True, max_loras=4, max_lora_rank=32, max_seq_len=256, n_tokens=320, max_batch_size=8
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=32,
+        max_seq_len=256,
+        n_tokens=192,  # less than four requests take: preemptions
+        max_batch_size=8,
+        speculative="ngram",  # (a request that asks log-probs never drafts: the others' tests)
     )
     eng = InferenceEngine.from_model(str(default_model_path), torch.float32, config=config, weights="gguf")
     for name, folder in oracle.folders.items():
@@ -70,18 +69,17 @@ def _check(pool) -> BaseException | None:
 
 @pytest.fixture(scope="module")
 def expected(engine, oracle):
-    """(adapter, prompt index) -> peft's greedy tokens and log-probs."""
+    """Adapter (None: the base) -> peft's greedy tokens after PROMPT and their log-probs."""
     out = {}
     for name in [*SPECS, None]:
-        for i, text in enumerate(PROMPTS):
-            tokens, logprobs, margin = oracle.greedy(name, engine.tokenizer.encode(text), N)
-            assert margin > 1e-3, f"{name} on prompt {i}: near-tied logits make a poor comparison"
-            out[name, i] = tokens, logprobs
+        tokens, logprobs, margin = oracle.greedy(name, engine.tokenizer.encode(PROMPT), N)
+        assert margin > 1e-3, f"{name}: near-tied logits make a poor comparison"
+        out[name] = tokens, logprobs
     return out
 
 
-def submit(engine, i: int, lora: str | None, n: int = N, **sampling):
-    ids = engine.tokenizer.encode(PROMPTS[i])
+def submit(engine, lora: str | None, n: int = N, **sampling):
+    ids = engine.tokenizer.encode(PROMPT)  # 25 tokens: the prefill's update on the GEMM path
     params = engine._params(
         {"max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 0, **sampling}
     )
@@ -98,22 +96,19 @@ def check(result, expected_tokens, expected_logprobs) -> None:
 
 def test_each_adapter_alone_equals_peft(engine, expected):
     for name in [*SPECS, None]:
-        for i in range(len(PROMPTS)):
-            check(submit(engine, i, name), *expected[name, i])
-    assert expected["a1", 0][0] != expected[None, 0][0]  # the adapters change what the model says
-    assert expected["a2", 0][0] != expected[None, 0][0]
-    assert expected["a3", 0][0] != expected[None, 0][0]
+        check(submit(engine, name), *expected[name])
+    for name in SPECS:
+        assert expected[name][0] != expected[None][0]  # each adapter changes what the model says
 
 
 def test_one_batch_mixing_three_adapters_and_the_base(engine, expected):
-    """All eight requests at once (rows of every adapter and the base in the same steps); the
-    same prompt under each adapter never shares another's cached pages."""
+    """Four requests at once, rows of every adapter and the base in the same steps, preempting each
+    other (the pool holds 192 tokens); the same prompt under each never shares another's pages."""
     before = engine.get_stats()
-    results = {(name, i): submit(engine, i, name) for i in range(len(PROMPTS)) for name in [*SPECS, None]}
-    for key, result in results.items():
-        check(result, *expected[key])
-    after = engine.get_stats()
-    assert after["preemptions"] > before["preemptions"]  # the pool (320 tokens) cannot hold all eight
+    results = {name: submit(engine, name) for name in [*SPECS, None]}
+    for name, result in results.items():
+        check(result, *expected[name])
+    assert engine.get_stats()["preemptions"] > before["preemptions"]
 
 
 def test_prefix_cache_is_per_adapter(engine, oracle, expected, tmp_path):
@@ -122,11 +117,11 @@ def test_prefix_cache_is_per_adapter(engine, oracle, expected, tmp_path):
     shutil.copytree(oracle.folders["a1"], tmp_path / "copy")
     fresh = engine.loras.load("fresh", tmp_path / "copy")
     try:
-        first = submit(engine, 0, "fresh")
-        check(first, *expected["a1", 0])
+        first = submit(engine, "fresh")
+        check(first, *expected["a1"])
         assert first.cached_tokens == 0
-        second = submit(engine, 0, "fresh")
-        check(second, *expected["a1", 0])
+        second = submit(engine, "fresh")
+        check(second, *expected["a1"])
         assert second.cached_tokens >= 16
     finally:
         engine.loras.unload("fresh")
@@ -137,20 +132,32 @@ def test_prefix_cache_is_per_adapter(engine, oracle, expected, tmp_path):
 
 
 def test_load_and_unload_under_load_leave_other_streams_unchanged(engine, oracle, expected, tmp_path):
-    shutil.copytree(oracle.folders["a2"], tmp_path / "a2copy")
-    running = [submit(engine, 0, "a1"), submit(engine, 1, None), submit(engine, 1, "a3")]
-    engine.loras.load("late", tmp_path / "a2copy")  # a slot no running row uses
-    late = submit(engine, 1, "late")
-    engine.loras.unload("late")  # refused to new requests now; the one in flight finishes on it
     from astrai.errors import ModelNotFound
 
+    shutil.copytree(oracle.folders["a2"], tmp_path / "a2copy")
+    running = {name: submit(engine, name) for name in ("a1", None, "a3")}
+    engine.loras.load("late", tmp_path / "a2copy")  # a slot no running row uses
+    late = submit(engine, "late")
+    engine.loras.unload("late")  # refused to new requests now; the one in flight finishes on it
     with pytest.raises(ModelNotFound, match="late"):
-        submit(engine, 0, "late")
-    check(running[0], *expected["a1", 0])
-    check(running[1], *expected[None, 1])
-    check(running[2], *expected["a3", 1])
-    check(late, *expected["a2", 1])
+        submit(engine, "late")
+    for name, result in running.items():
+        check(result, *expected[name])
+    check(late, *expected["a2"])
     assert [a.name for a in engine.loras.adapters] == list(SPECS)
+
+
+def test_speculation_per_adapter(engine, expected):
+    """n-gram drafts verified on each adapter's own weights: the tokens of peft's greedy decoding,
+    alone and in one batch (a request that asks log-probs never drafts: these ask none)."""
+    for name in ("a2", "a3"):
+        accepted = engine.get_stats()["spec_accepted_tokens"]
+        r = submit(engine, name, logprobs=None)
+        assert r.wait_completion(120) and r.output_ids == expected[name][0]
+        assert engine.get_stats()["spec_accepted_tokens"] > accepted  # drafts confirmed on the adapter
+    mixed = {name: submit(engine, name, logprobs=None) for name in ("a2", "a3", None)}
+    for name, r in mixed.items():
+        assert r.wait_completion(120) and r.output_ids == expected[name][0]
 
 
 def test_a_gguf_lora_equals_its_peft_twin(engine, oracle, expected, tmp_path):
@@ -160,8 +167,7 @@ def test_a_gguf_lora_equals_its_peft_twin(engine, oracle, expected, tmp_path):
     )
     engine.loras.load("a1-gguf", path)
     try:
-        for i in range(len(PROMPTS)):
-            check(submit(engine, i, "a1-gguf"), *expected["a1", i])
+        check(submit(engine, "a1-gguf"), *expected["a1"])
     finally:
         engine.loras.unload("a1-gguf")
 
@@ -217,12 +223,12 @@ def test_past_max_loras_the_idle_adapter_goes_and_busy_ones_refuse(engine, oracl
     for name in ("x1", "x2"):
         shutil.copytree(oracle.folders["a3"], tmp_path / name)
     engine.loras.load("x1", tmp_path / "x1")  # the fourth slot
-    check(submit(engine, 0, "a2"), *expected["a2", 0])  # a1 is now the least recently used
+    check(submit(engine, "a2"), *expected["a2"])  # a1 is now the least recently used
     engine.loras.load("x2", tmp_path / "x2")  # evicts a1 (idle)
     assert [a.name for a in engine.loras.adapters] == ["a2", "a3", "x1", "x2"]
     with pytest.raises(ModelNotFound):
-        submit(engine, 0, "a1")
-    busy = [submit(engine, 0, name, n=200) for name in ("a2", "a3", "x1", "x2")]
+        submit(engine, "a1")
+    busy = [submit(engine, name, n=150) for name in ("a2", "a3", "x1", "x2")]
     try:
         with pytest.raises(AdapterBusy, match="all 4 adapter slots"):
             engine.loras.load("a1", oracle.folders["a1"])
@@ -234,29 +240,7 @@ def test_past_max_loras_the_idle_adapter_goes_and_busy_ones_refuse(engine, oracl
     engine.loras.unload("x1")
     engine.loras.unload("x2")
     engine.loras.load("a1", oracle.folders["a1"])
-    check(submit(engine, 0, "a1"), *expected["a1", 0])
-
-
-def test_speculation_per_adapter(default_model_path, oracle, expected):
-    """n-gram drafts verified on each adapter's own weights: the tokens of peft's greedy decoding."""
-    from astrai.engine import EngineConfig, InferenceEngine
-
-    config = EngineConfig(enable_lora=True, max_loras=2, max_seq_len=256, speculative="ngram")
-    eng = InferenceEngine.from_model(str(default_model_path), torch.float32, config=config, weights="gguf")
-    try:
-        eng.loras.load("a2", oracle.folders["a2"])
-        eng.loras.load("a3", oracle.folders["a3"])
-        for key in [("a2", 0), ("a2", 1), ("a3", 0)]:
-            accepted = eng.get_stats()["spec_accepted_tokens"]
-            r = submit(eng, key[1], key[0], logprobs=None)  # (a request asking log-probs never drafts)
-            assert r.wait_completion(120) and r.output_ids == expected[key][0]
-            assert eng.get_stats()["spec_accepted_tokens"] > accepted  # drafts were confirmed on the adapter
-        keys = [("a2", 0), ("a3", 1), (None, 0), ("a2", 1)]
-        mixed = [submit(eng, i, name, logprobs=None) for name, i in keys]
-        for r, key in zip(mixed, keys, strict=True):
-            assert r.wait_completion(120) and r.output_ids == expected[key][0]
-    finally:
-        eng.shutdown()
+    check(submit(engine, "a1"), *expected["a1"])
 
 
 def test_lora_is_refused_where_not_enabled(real_model):

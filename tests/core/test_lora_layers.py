@@ -80,14 +80,18 @@ def test_adapter_rows_equal_the_merged_model_and_base_rows_the_base(
     assert results[2].output_ids != results[1].output_ids  # the adapter changes the text
 
 
-def test_without_adapter_rows_every_projection_is_the_base(tiny_model):
+def test_the_wrappers_stand_in_only_during_steps_with_adapter_rows(tiny_model):
     from astrai.lora import LoraLinear, install_lora
 
     model = copy.deepcopy(tiny_model)
+    own = {name: mod for name, mod in model.named_modules()}
     lora = install_lora(model, 2)
+    assert dict(model.named_modules()) == own  # the model as it was: a base step pays nothing
+    lora.bind([-1, -1], [2, 3])  # rows of the base model only
+    assert lora.rows is None and dict(model.named_modules()) == own
+    lora.bind([-1, 1], [2, 3])
     wrapped = [m for m in model.modules() if isinstance(m, LoraLinear)]
     assert len(wrapped) == 7 * tiny_model.config.num_hidden_layers  # unfused: each projection
-    x = torch.randn(5, wrapped[0].in_features)
-    lora.bind([-1, -1], [2, 3])  # rows of the base model only: no update at all
-    assert lora.rows is None
-    assert torch.equal(wrapped[0](x), wrapped[0].base(x))
+    assert lora.rows.tolist() == [-1, -1, 1, 1, 1] and lora.compact.tolist() == [-1, -1, 0, 0, 0]
+    lora.clear()
+    assert dict(model.named_modules()) == own

@@ -9,13 +9,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from lora_adapters import write_gguf_lora
+from lora_adapters import PROMPT, N, write_gguf_lora
 
 pytestmark = pytest.mark.slow  # the real default model, peft as the oracle
 
 USER, OPS = "user-key", "ops-key"
-PROMPT = "List three facts about the planet Mars:"
-N = 16
 
 
 @pytest.fixture(scope="module")

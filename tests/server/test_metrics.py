@@ -23,6 +23,8 @@ from astrai_server.metrics import (
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
+    LORA_COUNTERS,
+    LORA_RUNNING,
     POOLING_COUNTERS,
     PREEMPTIONS,
     SPEC_COUNTERS,
@@ -162,6 +164,7 @@ def test_every_metric_is_documented_with_its_type() -> None:
     names |= {name: "histogram" for name in HIST.values()} | {name: "gauge" for name in GAUGES}
     names |= {PREEMPTIONS[0] + "_total": "counter", "astrai:request_success_total": "counter"}
     names |= {name + "_total": "counter" for name in (*SPEC_COUNTERS, *POOLING_COUNTERS)}
+    names |= {name + "_total": "counter" for name in LORA_COUNTERS} | {LORA_RUNNING[0]: "gauge"}
     names["astrai:requests_total"] = "counter"
     assert documented == names
 

@@ -142,7 +142,7 @@ class EngineLoader:
         """``--lora``'s adapters, before the server reports ready; a bad one fails the start."""
         import time
 
-        from astrai_server.lora import resolve_adapter
+        from astrai.lora import resolve_adapter
 
         s = self.settings
         engine.loras.reserved = {s.served_model_name, *s.pooling_names()}

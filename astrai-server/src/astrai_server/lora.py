@@ -24,7 +24,7 @@ from astrai_server.request_parts import Strict
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["LoadLora", "UnloadLora", "adapter_cards", "lora_routes", "resolve_adapter"]
+__all__ = ["LoadLora", "UnloadLora", "adapter_cards", "lora_routes"]
 
 
 class LoadLora(Strict):
@@ -36,30 +36,6 @@ class LoadLora(Strict):
 class UnloadLora(Strict):
     lora_name: str
     lora_int_id: int | None = None  # vLLM's; the name decides
-
-
-def resolve_adapter(path: str, revision: str | None = None) -> str:
-    """A local path as it is; a Hub id (``org/name``) to its snapshot's folder (the cache first)."""
-    from pathlib import Path
-
-    from astrai.model.hub import parse_hub_id
-
-    if Path(path).expanduser().exists() or parse_hub_id(path) is None:
-        return path
-    from huggingface_hub import snapshot_download
-
-    from astrai.errors import AdapterError
-
-    repo = parse_hub_id(path)[0]
-    patterns = ["adapter_config.json", "adapter_model.safetensors", "*.gguf"]
-    try:
-        return snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=True)
-    except Exception:
-        pass
-    try:
-        return snapshot_download(repo, revision=revision, allow_patterns=patterns)
-    except Exception as exc:
-        raise AdapterError(f"no LoRA adapter at {path}: not a local path, and the Hub says {exc}") from exc
 
 
 def adapter_cards(engine: Any, parent: str, created: int) -> list[dict[str, Any]]:
@@ -118,6 +94,8 @@ def lora_routes(check_key: Callable[[Any], None]) -> dict[str, Any]:
         return endpoint
 
     def load(loras: Any, body: LoadLora) -> str:
+        from astrai.lora import resolve_adapter
+
         if body.load_inplace:
             raise RequestRejected(
                 "load_inplace is not supported: unload the adapter first", param="load_inplace"

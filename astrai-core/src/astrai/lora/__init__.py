@@ -4,7 +4,7 @@
 a step's rows to the model's projections, ``manager`` loads, evicts and unloads them at run time.
 """
 
-from astrai.lora.adapter import LoraAdapter, read_adapter
+from astrai.lora.adapter import LoraAdapter, read_adapter, resolve_adapter
 from astrai.lora.layers import LoraLinear, LoraSet, install_lora, lora_reference
 from astrai.lora.manager import Adapter, LoraManager
 
@@ -17,4 +17,5 @@ __all__ = [
     "install_lora",
     "lora_reference",
     "read_adapter",
+    "resolve_adapter",
 ]

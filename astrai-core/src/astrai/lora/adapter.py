@@ -34,7 +34,7 @@ from astrai.model.layout import fused_parts, to_rope_layout, unfuse
 if TYPE_CHECKING:
     from astrai.model.config import ModelConfig
 
-__all__ = ["LoraAdapter", "read_adapter"]
+__all__ = ["LoraAdapter", "read_adapter", "resolve_adapter"]
 
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 
@@ -98,6 +98,30 @@ def read_adapter(
             "start the server with a larger --max-lora-rank"
         )
     return LoraAdapter(name, str(path), rank, modules, base)
+
+
+def resolve_adapter(path: str, revision: str | None = None) -> str:
+    """A local path as it is; a Hub id (``org/name``) to its snapshot's folder (the adapter's files:
+    ``adapter_config.json``, ``adapter_model.safetensors``, ``*.gguf``), from huggingface_hub's
+    cache first, else downloaded (unless ``HF_HUB_OFFLINE``). Raises AdapterError when neither."""
+    from astrai.model.hub import parse_hub_id
+
+    parsed = None if Path(path).expanduser().exists() else parse_hub_id(path)
+    if parsed is None:
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["adapter_config.json", "adapter_model.safetensors", "*.gguf"]
+    try:
+        return snapshot_download(parsed[0], revision=revision, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(parsed[0], revision=revision, allow_patterns=patterns)
+    except Exception as exc:
+        raise AdapterError(
+            f"no LoRA adapter at {path}: not a local path, and not on the Hub ({exc})"
+        ) from exc
 
 
 def _check_shape(

@@ -1,12 +1,12 @@
 """LoRA in the model's step: ``LoraLinear`` wraps a projection, ``LoraSet`` holds the step's rows.
 
 ``install_lora(model, slots)`` wraps each of a decoder's LoRA-capable projections (the fused
-``qkv_proj`` and ``gate_up_proj`` with their parts, ``o_proj``, ``down_proj``) once, at start. A
-step's rows may belong to several adapters and to none: the base product runs once for all of
-them, then the ``lora`` kernel (``astrai.extension``; ``lora_reference`` where no backend lends
-one) adds each row's own adapter's update in place, the segmented ("punica") scheme. A step
-without adapter rows (``LoraSet.rows`` None) runs the base product alone: one attribute test per
-projection.
+``qkv_proj`` and ``gate_up_proj`` with their parts, ``o_proj``, ``down_proj``) once, at start; a
+wrapper stands in for its projection only during a step with adapter rows. A step's rows may
+belong to several adapters and to none: the base product runs once for all of them, then the
+``lora`` kernel (``astrai.extension``; ``lora_reference`` where no backend lends one) adds each
+row's own adapter's update in place, the segmented ("punica") scheme. A step without adapter rows
+runs the model exactly as it runs without LoRA.
 
 An adapter lives in a slot: per projection, ``a`` ``[parts * R, in]`` (each targeted part's A,
 zero-padded to the largest rank ``R``), ``bt`` ``[R, C]`` (each part's scaled B, transposed, side
@@ -46,6 +46,10 @@ class LoraSet:
         self._index: dict[int, torch.Tensor] = {}  # slot -> its rows, made when the reference asks
         # HF module name (``model.layers.3.self_attn.q_proj``) -> (its LoraLinear, o0, o1)
         self.targets: dict[str, tuple[LoraLinear, int, int]] = {}
+        # (owner, attribute, LoraLinear): where each wrapper stands in for its projection during a
+        # step with adapter rows; the model holds its own projections the rest of the time
+        self.swaps: list[tuple[nn.Module, str, LoraLinear]] = []
+        self._swapped = False
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -65,6 +69,7 @@ class LoraSet:
         compact = torch.tensor([where.get(s, -1) for s in slots], dtype=torch.int32)
         self.compact = torch.repeat_interleave(compact, lens)
         self._index = {}
+        self._swap(True)
 
     def index(self, slot: int) -> torch.Tensor:
         """The step's rows of ``slot`` (int64), made once per step."""
@@ -74,6 +79,16 @@ class LoraSet:
 
     def clear(self) -> None:
         self.rows, self.compact, self.present, self._index = None, None, [], {}
+        self._swap(False)
+
+    def _swap(self, wrapped: bool) -> None:
+        """Put the wrappers in the model (``wrapped``) or its own projections back: through the
+        owners' ``_modules`` (a few microseconds for a whole model, where ``setattr`` takes a
+        millisecond). A step without adapter rows runs the model as it is without LoRA."""
+        if self._swapped != wrapped:
+            for owner, attr, mod in self.swaps:
+                owner._modules[attr] = mod if wrapped else mod.base
+            self._swapped = wrapped
 
     def put(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Write ``adapter``'s weights into ``slot`` of every projection (None: empty the slot)."""
@@ -167,13 +182,13 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, mod: LoraLinear) -> torch.T
 
 def _wrap(owner: nn.Module, attr: str, lora: LoraSet) -> LoraLinear:
     mod = LoraLinear(getattr(owner, attr), lora)
-    setattr(owner, attr, mod)
+    lora.swaps.append((owner, attr, mod))
     return mod
 
 
 def install_lora(model: nn.Module, slots: int) -> LoraSet:
-    """Wrap ``model``'s decoder projections for ``slots`` adapters; returns the model's ``LoraSet``
-    (also ``model.lora``). Fused projections (``fuse_projections``) take their parts' updates side by
+    """Wrap ``model``'s decoder projections for ``slots`` adapters (the wrappers stand in only while a
+    step has adapter rows: ``LoraSet.bind``); returns the model's ``LoraSet`` (also ``model.lora``). Fused projections (``fuse_projections``) take their parts' updates side by
     side; a layer whose MLP is not the gated MLP (a mixture of experts) gets attention updates only."""
     from astrai.model.layers import GatedMLP
 

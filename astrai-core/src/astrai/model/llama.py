@@ -55,7 +55,7 @@ class LlamaForCausalLM(DecoderLM):
         if kv_cache.groups:  # layer groups (astrai.kvcache.layout): a layer's K/V is not at its index
             return None
         lora = getattr(self, "lora", None)
-        if lora is not None and lora.rows is not None:  # adapter rows: the layers' LoRA projections
+        if lora is not None and lora.rows is not None:  # adapter rows: the layers' LoRA wrappers run them
             return None
         stack = kernel_for("decoder_layers", x)  # a plugin's whole-stack kernel (astrai.extension.fused)
         return stack(self, x, freqs, kv_cache) if stack is not None else None
@@ -112,10 +112,7 @@ class LlamaForCausalLM(DecoderLM):
                 return None
             if layer.post_attention_layernorm.eps != eps:
                 return None
-            parts = tuple(
-                getattr(lin, "base", lin)  # a LoRA projection's own (its steps without adapter rows)
-                for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            )
+            parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(lin.bias is not None for lin in parts[1:]):
                 return None
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
