@@ -135,7 +135,7 @@ def test_kernel_rejects_bad_arguments():
     pool = torch.randn(10, 2, 64)
     table = torch.zeros(2, 8, dtype=torch.int32)
     rows, lens = torch.tensor([0, 1]), torch.tensor([3, 4])
-    with pytest.raises(RuntimeError, match="must share a dtype"):
+    with pytest.raises(RuntimeError, match="must be int8 with its scales, or in q.s dtype"):
         paged_decode(q, pool.bfloat16(), pool.bfloat16(), table, rows, lens, 0.125)
     with pytest.raises(RuntimeError, match="int32"):
         paged_decode(q, pool, pool, table.long(), rows, lens, 0.125)

@@ -76,11 +76,15 @@ def spy(in_force, monkeypatch):
     return ran
 
 
-def new_pool(model, rows=16, paged=True):
+def new_pool(model, rows=16, paged=True, kinds=("auto", "auto")):
     cfg = model.config
     # contiguous: no pool size (one max_seq_len run of slots per row)
     kv = KVConfig(
-        max_batch_size=rows, max_seq_len=256, page_size=16 if paged else 1, n_tokens=4096 if paged else None
+        max_batch_size=rows,
+        max_seq_len=256,
+        page_size=16 if paged else 1,
+        n_tokens=4096 if paged else None,
+        kinds=kinds,
     )
     return PagePool(
         cfg.num_hidden_layers,
@@ -121,16 +125,21 @@ def release(pool, rows):
 
 
 def both_ways(model, pool, rows, tokens, lens, spy):
-    """The step with the stack and, from the same pool contents, layer by layer: logits and K/V of each."""
-    k0, v0 = pool.k_buffer.clone(), pool.v_buffer.clone()
+    """The step with the stack and, from the same pool contents, layer by layer: logits and K/V of each
+    (an int8 pool's scales too)."""
+    storage = pool.storage
+    buffers = [
+        t for t in (storage.k_buffer, storage.v_buffer, storage.k_scale, storage.v_scale) if t is not None
+    ]
+    before = [t.clone() for t in buffers]
     fused_logits = decode_step(model, pool, rows, tokens, lens)
-    fused_kv = pool.k_buffer.clone(), pool.v_buffer.clone()
+    fused_kv = [t.clone() for t in buffers]
     assert spy[-1] is True, "the stack declined a step it should run"
-    pool.k_buffer.copy_(k0)
-    pool.v_buffer.copy_(v0)
+    for t, b in zip(buffers, before, strict=True):
+        t.copy_(b)
     with without_stack():
         layer_logits = decode_step(model, pool, rows, tokens, lens)
-    return (fused_logits, *fused_kv), (layer_logits, pool.k_buffer, pool.v_buffer)
+    return (fused_logits, *fused_kv), (layer_logits, *buffers)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 12])
@@ -148,6 +157,22 @@ def test_bit_for_bit_the_layers_result(spy, batch, bias, paged):
     lens = [len(p) for p in prompts]
     for _ in range(3):  # a few steps, the last ones on K/V the stack itself wrote
         got, want = both_ways(model, pool, rows, tokens, lens, spy)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        tokens, lens = got[0].argmax(-1).tolist(), [n + 1 for n in lens]
+    release(pool, rows)
+
+
+@pytest.mark.parametrize("kinds", [("int8", "int8"), ("int8", "auto"), ("auto", "int8")], ids="/".join)
+def test_an_int8_pool_bit_for_bit_the_layers_result(spy, kinds):
+    model = bf16_model()
+    pool = new_pool(model, kinds=kinds)
+    prompts = [list(range(3, 3 + n)) for n in (1, 40, 130)]
+    rows, tokens = prefill(model, pool, prompts)
+    lens = [len(p) for p in prompts]
+    for _ in range(3):
+        got, want = both_ways(model, pool, rows, tokens, lens, spy)
+        assert len(got) == 4 if "auto" in kinds else len(got) == 5  # logits, K, V and the scales
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)
         tokens, lens = got[0].argmax(-1).tolist(), [n + 1 for n in lens]

@@ -23,6 +23,7 @@ from astrai_server.metrics import (
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
+    KV_DTYPE_INFO,
     LORA_COUNTERS,
     LORA_RUNNING,
     POOLING_COUNTERS,
@@ -165,6 +166,7 @@ def test_every_metric_is_documented_with_its_type() -> None:
     names |= {PREEMPTIONS[0] + "_total": "counter", "astrai:request_success_total": "counter"}
     names |= {name + "_total": "counter" for name in (*SPEC_COUNTERS, *POOLING_COUNTERS)}
     names |= {name + "_total": "counter" for name in LORA_COUNTERS} | {LORA_RUNNING[0]: "gauge"}
+    names[KV_DTYPE_INFO[0]] = "gauge"
     names["astrai:requests_total"] = "counter"
     assert documented == names
 

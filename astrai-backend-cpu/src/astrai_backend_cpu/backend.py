@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from astrai.extension.api import KernelUnavailable, NativePlan, TorchNativeBackend, plan_step
+from astrai.extension.api import KernelUnavailable, NativePlan, TorchNativeBackend, dequantize_kv, plan_step
 from astrai_backend_cpu import kernels
 from astrai_backend_cpu.build import load_kernels
 
@@ -95,7 +95,7 @@ class CpuBackend(TorchNativeBackend):
 
     name = "cpu"
     priority = 50
-    features = frozenset({"window", "softcap"})
+    features = frozenset({"window", "softcap", "kv_int8"})
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -126,15 +126,36 @@ class CpuBackend(TorchNativeBackend):
         """The step's split between the kernels and torch_native, kept in ``kv_cache.plan["cpu"]``."""
         kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, kv_cache.k_buffer)
 
+    def store(
+        self, x: torch.Tensor, buf: torch.Tensor, scale: torch.Tensor | None, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """torch_native's ``store`` in one ``astrai_cpu::store_kv`` call (the same bytes); the new rows
+        are read back only for a step whose prefill rows attend to them."""
+        torch.ops.astrai_cpu.store_kv(x, kv_cache.out_cache_loc, buf, scale)
+        if scale is None or kv_cache.max_q_len == 1:  # decode rows read the pool itself
+            return x
+        loc = kv_cache.out_cache_loc
+        return dequantize_kv(buf.index_select(0, loc), scale.index_select(0, loc), x.dtype)
+
     def attend_step(
-        self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float, window: int = 0, softcap: float = 0.0
+        self,
+        q,
+        k,
+        v,
+        k_buf,
+        v_buf,
+        kv_cache: KVCache,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        scales=(None, None),
     ) -> torch.Tensor:
         """After torch_native's K/V write: decode rows on ``paged_decode`` (a sliding window as the
-        first position each request attends), the others on ``prefill_attention`` where it runs (it
-        takes the window), else as torch_native (its windowed plans). Soft-capped layers run as
-        torch_native."""
+        first position each request attends; int8 K/V with their ``scales``), the others on
+        ``prefill_attention`` where it runs (it takes the window; not an int8 pool), else as
+        torch_native (its windowed plans). Soft-capped layers run as torch_native."""
         if softcap:  # no kernel caps its scores
-            return super().attend_step(q, k, v, k_buf, v_buf, kv_cache, scale, window, softcap)
+            return super().attend_step(q, k, v, k_buf, v_buf, kv_cache, scale, window, softcap, scales)
         plan = kv_cache.plan.get(self.name)
         if plan is None:  # a direct call, without prepare()
             plan = kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, k_buf)
@@ -142,7 +163,15 @@ class CpuBackend(TorchNativeBackend):
             dq = q if plan.tok_rows is None else q.index_select(0, plan.tok_rows)
             starts = (plan.seq_lens - window).clamp(min=0) if window else None
             decoded = torch.ops.astrai_cpu.paged_decode(
-                dq.contiguous(), k_buf, v_buf, kv_cache.req_to_token, plan.rows, plan.seq_lens, scale, starts
+                dq.contiguous(),
+                k_buf,
+                v_buf,
+                kv_cache.req_to_token,
+                plan.rows,
+                plan.seq_lens,
+                scale,
+                starts,
+                *scales,
             )
             if plan.tok_rows is None:  # a pure decode step
                 return decoded
@@ -156,5 +185,5 @@ class CpuBackend(TorchNativeBackend):
                 if plan.native is not None and not window
                 else self.native_plan(q, kv_cache, window)
             )
-            out = self.attend(q, k, v, k_buf, v_buf, native._replace(decode=None), scale)
+            out = self.attend(q, k, v, k_buf, v_buf, native._replace(decode=None), scale, scales=scales)
         return out.index_copy_(0, plan.tok_rows, decoded) if plan.rows.numel() else out

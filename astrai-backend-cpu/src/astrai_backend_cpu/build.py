@@ -43,6 +43,7 @@ SOURCES = [
         "quant_avx2.cpp",
         "experts.cpp",
         "lora.cpp",
+        "kv_store.cpp",
     )
 ]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only
@@ -128,14 +129,17 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.ops.astrai_cpu.paged_decode`` (loading the kernels first): see ``csrc/paged_decode.cpp``.
 
-    ``q [B, Hq, D]``; ``k_buffer``/``v_buffer [size, Hkv, D]`` of one layer; ``req_to_token``
-    int32; ``rows``/``seq_lens [B]`` int64; ``starts [B]`` int64, the first position each request
-    attends (a sliding window; None: 0) -> ``[B, Hq, D]`` in ``q``'s dtype.
+    ``q [B, Hq, D]``; ``k_buffer``/``v_buffer [size, Hkv, D]`` of one layer, in q's dtype or int8
+    with its float32 ``k_scale``/``v_scale [size, Hkv]`` (``astrai.kvcache.quant``);
+    ``req_to_token`` int32; ``rows``/``seq_lens [B]`` int64; ``starts [B]`` int64, the first
+    position each request attends (a sliding window; None: 0) -> ``[B, Hq, D]`` in ``q``'s dtype.
     """
     load_kernels()
     return torch.ops.astrai_cpu.paged_decode(
-        q, k_buffer, v_buffer, req_to_token, rows, seq_lens, scale, starts
+        q, k_buffer, v_buffer, req_to_token, rows, seq_lens, scale, starts, k_scale, v_scale
     )

@@ -56,7 +56,13 @@ class DecoderLayersKernel:
         t = x.shape[0]
         if (
             x.dtype != torch.bfloat16
-            or kv_cache.k_buffer.dtype != torch.bfloat16
+            or any(  # bf16 K/V, or int8 with their scales (astrai.kvcache.quant)
+                buf.dtype != (torch.bfloat16 if scale is None else torch.int8)
+                for buf, scale in (
+                    (kv_cache.k_buffer, kv_cache.k_scale),
+                    (kv_cache.v_buffer, kv_cache.v_scale),
+                )
+            )
             or type(kv_cache.backend) is not self._backend
         ):
             return None
@@ -87,6 +93,8 @@ class DecoderLayersKernel:
             rows,
             seq_lens,
             kv_cache.out_cache_loc,
+            kv_cache.k_scale,
+            kv_cache.v_scale,
         )
 
     def _row_limits(self, kinds: frozenset[str]) -> list[int | None]:

@@ -13,12 +13,22 @@ from typing import Any
 from astrai.grammar.base import GrammarConfig
 from astrai.limits import RequestLimits
 
-__all__ = ["DEFAULT_KV_MEMORY_BYTES", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS", "EngineConfig"]
+__all__ = [
+    "DEFAULT_KV_MEMORY_BYTES",
+    "KV_CACHE_DTYPES",
+    "SCHEDULING_POLICIES",
+    "SPECULATIVE_METHODS",
+    "EngineConfig",
+]
 
 #: ``EngineConfig.scheduling_policy`` values.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 #: ``EngineConfig.speculative`` values (None: off).
 SPECULATIVE_METHODS = ("ngram",)
+
+#: What the KV pool may keep K and V in (``astrai.kvcache.quant``, which this must match; config
+#: imports no torch): the model's dtype, or 8-bit integers with a scale per token and head.
+KV_CACHE_DTYPES = ("auto", "int8")
 
 #: KV budget of a paged pool when neither n_tokens nor kv_memory_bytes is given.
 DEFAULT_KV_MEMORY_BYTES = 512 * 2**20
@@ -52,6 +62,13 @@ class EngineConfig:
     ``{"temperature": 0.2}`` (``astrai.model.generation_config``: a checkpoint's).
     ``enable_lora``: the model's projections take LoRA adapters (``astrai.lora``), at most
     ``max_loras`` resident at once, each of rank ``max_lora_rank`` at most.
+    ``kv_cache_dtype``: what the KV pool keeps K and V in (``astrai.kvcache.quant``): "auto" (the
+    model's dtype) or "int8"; ``kv_cache_dtype_k`` / ``_v`` set K's or V's alone (None: as
+    ``kv_cache_dtype``). A quantized pool holds more tokens in the same ``kv_memory_bytes``.
+    ``kv_cache_host_memory_bytes`` / ``kv_cache_dir``: the prefix cache's evicted pages go to host RAM
+    (that many bytes) and to files in that folder (at most ``kv_cache_dir_bytes``), and a later
+    prompt with their prefix loads them back (``astrai.kvcache.tier``); the folder's pages outlive
+    the process.
     """
 
     max_batch_size: int = 64
@@ -89,6 +106,14 @@ class EngineConfig:
     enable_lora: bool = False  # LoRA adapters (astrai.lora), loaded with InferenceEngine.loras
     max_loras: int = 4  # adapters resident at once
     max_lora_rank: int = 64  # the largest rank an adapter may have
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8", for K and V
+    kv_cache_dtype_k: str | None = None  # K's alone (None: kv_cache_dtype)
+    kv_cache_dtype_v: str | None = None  # V's alone
+    kv_cache_host_memory_bytes: int = (
+        0  # host RAM for pages evicted from the pool (astrai.kvcache.tier); 0: none
+    )
+    kv_cache_dir: str | None = None  # a folder the evicted pages are written to, found again on restart
+    kv_cache_dir_bytes: int = 8 * 2**30  # what the folder may hold
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -120,5 +145,18 @@ class EngineConfig:
             raise ValueError(
                 f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}"
             )
+        if self.kv_cache_host_memory_bytes < 0 or self.kv_cache_dir_bytes < 1:
+            raise ValueError(
+                "kv_cache_host_memory_bytes must be >= 0 and kv_cache_dir_bytes >= 1, got "
+                f"{self.kv_cache_host_memory_bytes}, {self.kv_cache_dir_bytes}"
+            )
+        for kind in self.kv_kinds:
+            if kind not in KV_CACHE_DTYPES:
+                raise ValueError(f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kind!r}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+
+    @property
+    def kv_kinds(self) -> tuple[str, str]:
+        """What K and V are kept in: ``kv_cache_dtype_k`` / ``_v``, else ``kv_cache_dtype``."""
+        return (self.kv_cache_dtype_k or self.kv_cache_dtype, self.kv_cache_dtype_v or self.kv_cache_dtype)

@@ -24,7 +24,7 @@ import torch
 from astrai.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from astrai.cpu_tuning import run_off_thread
 from astrai.errors import RequestRejected
-from astrai.extension.backend.policy import load_backends
+from astrai.extension.backend.policy import check_features, load_backends
 from astrai.grammar import GrammarCache
 from astrai.hooks import HookThread, PluginManager
 from astrai.kvcache import PagePool
@@ -40,6 +40,7 @@ from astrai.stopping import StopChecker
 from astrai.thinking import ThinkingFormat, ThinkingState
 
 if TYPE_CHECKING:
+    from astrai.kvcache.tier import KVTier
     from astrai.lora import LoraManager
     from astrai.model import Tokenizer
 
@@ -90,6 +91,7 @@ class InferenceEngine:
         self._stop_lock = threading.Lock()
         mc = model.config
         param = next(model.parameters())
+        _check_kv_cache_dtype(self.config, getattr(model, "tensor_parallel_size", 1))
         kv = kv_config(self.config, mc, param.dtype)
         pool_args = (mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, kv)
         # sliding-window layers keep only their window (astrai.kvcache.layout); the ranks of a
@@ -104,7 +106,14 @@ class InferenceEngine:
         # Load every attention backend that can run, now: a plugin that builds kernels on first
         # use (astrai-backend-cpu, once per machine) does so before the first request, and its
         # fused kernels (astrai.extension.fused) are installed for the first step.
+        self.kv_tier = (
+            self._kv_tier(model)
+            if self.config.kv_cache_host_memory_bytes or self.config.kv_cache_dir
+            else None
+        )
         load_backends()
+        # a quantized pool needs a backend that reads it: the one chosen, or (automatic) any
+        check_features(self.pool.storage.features, _KV_INT8, self.config.attention_backend)
         self.loras = self._loras() if self.config.enable_lora else None
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
         # compiled grammars of constrained requests, compiled on the submitting thread (never the scheduler's)
@@ -125,6 +134,10 @@ class InferenceEngine:
         self.scheduler.start(
             warm_up=True
         )  # returns once a first forward has packed weights and built kernels
+        if (
+            self.kv_tier is not None and self.kv_tier.disk is not None
+        ):  # its weights hashed, its pages indexed
+            self.kv_tier.disk.wait_ready()
         self.plugins.notify("astrai_engine_started", engine=self)
 
     @classmethod
@@ -151,6 +164,7 @@ class InferenceEngine:
 
         size = config.tensor_parallel_size if config is not None else 1
         if size > 1:
+            _check_kv_cache_dtype(config, size)
             if weights == "gguf":
                 raise ValueError(
                     "--weights gguf: tensor parallelism shards dense weights (use --weights dense or auto)"
@@ -189,6 +203,43 @@ class InferenceEngine:
             reserve={what: kv.nbytes(*shape)},
         )
         return cls(model, tokenizer, config, plugins)
+
+    def _kv_tier(self, model: torch.nn.Module) -> KVTier | None:
+        """The pool's KV tiers (``astrai.kvcache.tier``): host RAM and, with ``kv_cache_dir``, a folder
+        whose pages belong to this model, checkpoint and cache layout. ValueError where the pool has
+        no prefix cache or the model is split over ranks; None (logged) for a pool of layer groups."""
+        from astrai.kvcache.disk import DiskTier, fingerprint
+        from astrai.kvcache.tier import KVTier
+
+        config, pool = self.config, self.pool
+        if getattr(model, "tensor_parallel_size", 1) > 1 or pool.radix is None:
+            raise ValueError(
+                "KV cache tiers (kv_cache_host_memory_bytes, kv_cache_dir) keep the prefix cache's pages: "
+                "they need a paged pool with prefix caching, and no tensor parallelism"
+            )
+        if not pool.layout.trivial:
+            logger.warning(
+                "KV cache tiers are off: the model's sliding-window layers keep pages per layer group"
+            )
+            return None
+        disk = None
+        if config.kv_cache_dir:
+            storage = pool.storage
+            layout = {
+                "page_size": pool.page_size,
+                "dtypes": [str(t.dtype) for t in (storage.k_buffer, storage.v_buffer)],
+                "shape": [storage.n_layers, storage.n_kv_heads, storage.head_dim, str(storage.dtype)],
+                "scales": [t is not None for t in (storage.k_scale, storage.v_scale)],
+            }
+            tensors = sorted(model.state_dict().items())  # now, before a step swaps any module
+            disk = DiskTier(
+                config.kv_cache_dir,
+                config.kv_cache_dir_bytes,
+                lambda: fingerprint(model.config, tensors, layout),
+            )
+        tier = KVTier(config.kv_cache_host_memory_bytes, disk)
+        pool.attach_tier(tier)
+        return tier
 
     def _loras(self) -> LoraManager:
         """The model's projections wrapped for LoRA adapters (``astrai.lora``) and their manager."""
@@ -412,6 +463,13 @@ class InferenceEngine:
             self._stopped = True
         if self._hooks is not None:
             self._hooks.close()
+        if self.kv_tier is not None:  # the pages still cached, and those queued, are written first
+            saved = self.pool.spill.save_all()
+            if saved:
+                logger.info(
+                    "KV cache disk tier: writing the %d page(s) still cached for the next start", saved
+                )
+            self.kv_tier.close()
         self.grammars.close()  # its compile workers
         close = getattr(self.model, "close", None)  # a tensor-parallel model stops its ranks
         if close is not None:
@@ -504,3 +562,16 @@ class InferenceEngine:
             for r in results:
                 if not r.done:
                     self.abort(r.request_id)
+
+
+_KV_INT8 = "an int8 KV cache (kv_cache_dtype int8)"
+
+
+def _check_kv_cache_dtype(config: EngineConfig, tensor_parallel_size: int) -> None:
+    """ValueError for a quantized KV cache under tensor parallelism: the ranks mirror rank 0's
+    pool in the model dtype (``astrai.distributed.tp``)."""
+    if tensor_parallel_size > 1 and config.kv_kinds != ("auto", "auto"):
+        raise ValueError(
+            "an int8 KV cache is not supported under tensor parallelism (--tensor-parallel-size 1 "
+            "serves it): the ranks' mirrored pools keep the model dtype"
+        )

@@ -62,8 +62,8 @@ class ModelRunner:
         # the query layout backends are asked about (supports/prepare read dtype, device, heads, head_dim)
         self._query = torch.empty((0, pool.n_heads, pool.head_dim), dtype=pool.dtype, device=pool.device)
         # what the model's layers ask of attention (sliding windows, soft-caps): only a backend that
-        # implements it is picked (``AttentionBackend.features``)
-        self._features = frozenset(getattr(model, "attention_features", ()))
+        # implements it is picked (``AttentionBackend.features``), as for a quantized pool ("kv_int8")
+        self._features = frozenset(getattr(model, "attention_features", ())) | pool.storage.features
         # a pooling model (astrai.embedding.decoder) gives each sampled row's vector, not its logits
         self.pooling = getattr(model, "pooling", None) is not None
         # LoRA adapters (astrai.lora): each step tells the model's projections whose rows are whose

@@ -113,6 +113,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "page_size", "KV page size in tokens", type=int)
     _flag(p, "prefix_caching", "radix prefix cache", action=argparse.BooleanOptionalAction)
     _flag(p, "kv_memory", "KV pool budget, e.g. 512MiB")
+    kv_types = ["auto", "int8"]
+    _flag(
+        p,
+        "kv_cache_dtype",
+        "what the KV cache keeps K and V in: auto (the model's dtype) or int8 (a scale per token and head)",
+        choices=kv_types,
+    )
+    _flag(p, "kv_cache_dtype_k", "K's alone (default: --kv-cache-dtype)", choices=kv_types)
+    _flag(p, "kv_cache_dtype_v", "V's alone (default: --kv-cache-dtype)", choices=kv_types)
     _flag(p, "max_prefill_tokens", "prefill tokens per step (chunked prefill)", type=int)
     _flag(p, "max_request_bytes", "largest request body accepted, e.g. 32MiB (413 beyond)")
     _flag(p, "header_timeout", "seconds to send a request head, or a body may stall; then 408", type=float)
@@ -388,6 +397,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         from astrai.tool_parsers import choose_tool_parser
 
         choose_tool_parser(settings.tool_call_parser)
+    _check_kv_cache_dtype(settings)
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config
@@ -429,6 +439,26 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         raise ModelLoadFailed(loader.failure)
     if settings.tensor_parallel_size > 1:  # its process group's threads: as on the other ranks
         _exit_now(0, "tensor-parallel rank 0 stopped")
+
+
+def _check_kv_cache_dtype(settings: ServerSettings) -> None:
+    """A quantized KV cache the attention backend chosen cannot serve, or one under tensor
+    parallelism, stops the start (ConfigError: exit 2), naming the backends that can serve it."""
+    engine = settings.engine_config()
+    if engine.kv_kinds == ("auto", "auto"):
+        return
+    from astrai.errors import BackendUnavailable
+    from astrai.extension.backend.policy import check_features
+
+    what = f"--kv-cache-dtype {'/'.join(engine.kv_kinds)} (K/V)"
+    if settings.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"{what} is not supported under tensor parallelism (--tensor-parallel-size 1 serves it)"
+        )
+    try:
+        check_features(frozenset({"kv_int8"}), what, settings.attention_backend)
+    except BackendUnavailable as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _exit_now(status: int, why: str = "stopped during the start: the model load is abandoned") -> NoReturn:

@@ -103,6 +103,11 @@ class ServerSettings(BaseModel):
     page_size: int = Field(_ENGINE.page_size, ge=1)
     prefix_caching: bool = _ENGINE.prefix_caching
     kv_memory: int | None = Field(None, ge=1)  # KV pool budget in bytes (YAML/CLI accept "512MiB")
+    kv_cache_dtype: Literal["auto", "int8"] = (
+        "auto"  # what the KV pool keeps K and V in (astrai.kvcache.quant)
+    )
+    kv_cache_dtype_k: Literal["auto", "int8"] | None = None  # K's alone (None: kv_cache_dtype)
+    kv_cache_dtype_v: Literal["auto", "int8"] | None = None  # V's alone
     max_prefill_tokens: int = Field(_ENGINE.max_prefill_tokens, ge=1)
     max_request_bytes: int = Field(
         32 * 2**20, ge=1
@@ -304,6 +309,9 @@ class ServerSettings(BaseModel):
             paged=self.paged,
             page_size=self.page_size,
             kv_memory_bytes=self.kv_memory,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype_k=self.kv_cache_dtype_k,
+            kv_cache_dtype_v=self.kv_cache_dtype_v,
             prefix_caching=self.prefix_caching,
             max_prefill_tokens=self.max_prefill_tokens,
             attention_backend=self.attention_backend,

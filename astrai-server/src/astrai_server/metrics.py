@@ -112,7 +112,13 @@ GAUGES: dict[str, tuple[str, Callable[[dict], float]]] = {
         "KV token slots only the prefix cache holds (evictable).",
         lambda s: s["kv_tokens_cached"],
     ),
+    "astrai:kv_cache_bytes_per_token": (
+        "Bytes one KV token slot takes over all layers, K and V (an int8 cache's scales included).",
+        lambda s: s["kv_bytes_per_token"],
+    ),
 }
+#: What the KV pool keeps K and V in, as labels of a gauge of 1 (``get_stats()``'s kv_cache_dtype_k/_v).
+KV_DTYPE_INFO = ("astrai:kv_cache_dtype_info", "The KV cache's K and V dtypes (int8: quantized), as labels.")
 PREEMPTIONS = (
     "astrai:num_preemptions",
     "Times a running request was preempted (KV freed, recomputed later).",
@@ -252,6 +258,10 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(labels, figure)
             yield gauge
+        if "kv_cache_dtype_k" in stats:
+            info = GaugeMetricFamily(*KV_DTYPE_INFO, labels=["model_name", "k_dtype", "v_dtype"])
+            info.add_metric([*labels, stats["kv_cache_dtype_k"], stats["kv_cache_dtype_v"]], 1)
+            yield info
         if "preemptions" in stats:
             counter = CounterMetricFamily(*PREEMPTIONS, labels=["model_name"])
             counter.add_metric(labels, stats["preemptions"])

@@ -94,17 +94,23 @@ struct DecodeStack : torch::CustomClassHolder {
   // x [B, hidden] bf16 (the embeddings of the step's tokens) -> the hidden states after the last
   // layer. freqs [B, head_dim / 2, 2] float32 (cos, sin); k_buffer/v_buffer [layers, size, Hkv, D];
   // req_to_token int32 [rows, max_ctx]; rows/seq_lens/out_loc [B] int64 (the KVCache of a decode step).
+  // An int8 K (V) pool comes with its float32 scales k_scale [layers, size, Hkv] (astrai.kvcache.quant):
+  // the step's rows are quantized into it (store_kv) and read back by paged_decode, as the layers do.
   at::Tensor forward(at::Tensor x, const at::Tensor& freqs, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
-                     const at::Tensor& out_loc) {
+                     const at::Tensor& out_loc, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale) {
     const int64_t B = x.size(0), Hq = n_heads, Hkv = n_kv_heads, D = head_dim, I = intermediate;
     const int64_t width = qkv_width(), n_qk = (Hq + Hkv) * D, kv_row = Hkv * D;
     TORCH_CHECK(x.dim() == 2 && B >= 1 && x.size(1) == hidden() && x.scalar_type() == at::kBFloat16,
                 "DecodeStack.forward: x must be bf16 rows [B, hidden]");
     TORCH_CHECK(k_buffer.dim() == 4 && k_buffer.size(0) == n_layers && k_buffer.size(2) == Hkv && k_buffer.size(3) == D &&
-                    v_buffer.sizes() == k_buffer.sizes() && k_buffer.scalar_type() == at::kBFloat16 &&
-                    v_buffer.scalar_type() == at::kBFloat16 && k_buffer.is_contiguous() && v_buffer.is_contiguous(),
-                "DecodeStack.forward: k_buffer/v_buffer must be contiguous bf16 [layers, size, n_kv_heads, head_dim]");
+                    v_buffer.sizes() == k_buffer.sizes() && k_buffer.is_contiguous() && v_buffer.is_contiguous(),
+                "DecodeStack.forward: k_buffer/v_buffer must be contiguous [layers, size, n_kv_heads, head_dim]");
+    for (const auto& [buf, sc] : {std::pair{&k_buffer, &k_scale}, std::pair{&v_buffer, &v_scale}}) {
+      TORCH_CHECK(buf->scalar_type() == (sc->has_value() ? at::kChar : at::kBFloat16),
+                  "DecodeStack.forward: a K/V pool is bf16, or int8 with its scales");
+    }
     TORCH_CHECK(out_loc.scalar_type() == at::kLong && out_loc.numel() == B && rows.numel() == B && seq_lens.numel() == B,
                 "DecodeStack.forward: one int64 out_loc, row and seq_len per row of x");
     const auto loc = out_loc.contiguous();
@@ -131,17 +137,27 @@ struct DecodeStack : torch::CustomClassHolder {
       const at::Tensor qkv = linear(w, normed, width, bias);
       const at::Tensor qk = traced("astrai_cpu::rotary", [&] { return rotary(qkv.narrow(1, 0, n_qk).view({B, Hq + Hkv, D}), freqs); });
       const at::Tensor k_buf = k_buffer.select(0, l), v_buf = v_buffer.select(0, l);
-      auto* kp = static_cast<at::BFloat16*>(k_buf.data_ptr());
-      auto* vp = static_cast<at::BFloat16*>(v_buf.data_ptr());
-      const auto* qkp = qk.const_data_ptr<at::BFloat16>();
-      const auto* qkvp = qkv.const_data_ptr<at::BFloat16>();
-      for (int64_t b = 0; b < B; ++b) {
-        std::memcpy(kp + lp[b] * kv_row, qkp + b * n_qk + Hq * D, kv_row * sizeof(at::BFloat16));
-        std::memcpy(vp + lp[b] * kv_row, qkvp + b * width + n_qk, kv_row * sizeof(at::BFloat16));
+      const c10::optional<at::Tensor> ks = k_scale.has_value() ? c10::optional<at::Tensor>(k_scale->select(0, l)) : c10::nullopt;
+      const c10::optional<at::Tensor> vs = v_scale.has_value() ? c10::optional<at::Tensor>(v_scale->select(0, l)) : c10::nullopt;
+      if (ks.has_value()) {
+        traced("astrai_cpu::store_kv", [&] { store_kv(qk.narrow(1, Hq, Hkv), loc, k_buf, ks); return 0; });
+      } else {
+        auto* kp = static_cast<at::BFloat16*>(k_buf.data_ptr());
+        const auto* qkp = qk.const_data_ptr<at::BFloat16>();
+        for (int64_t b = 0; b < B; ++b)
+          std::memcpy(kp + lp[b] * kv_row, qkp + b * n_qk + Hq * D, kv_row * sizeof(at::BFloat16));
+      }
+      if (vs.has_value()) {
+        traced("astrai_cpu::store_kv", [&] { store_kv(qkv.narrow(1, n_qk, kv_row).view({B, Hkv, D}), loc, v_buf, vs); return 0; });
+      } else {
+        auto* vp = static_cast<at::BFloat16*>(v_buf.data_ptr());
+        const auto* qkvp = qkv.const_data_ptr<at::BFloat16>();
+        for (int64_t b = 0; b < B; ++b)
+          std::memcpy(vp + lp[b] * kv_row, qkvp + b * width + n_qk, kv_row * sizeof(at::BFloat16));
       }
       const c10::optional<at::Tensor> first = starts_for(windows.empty() ? 0 : windows[l]);
       const at::Tensor o = traced("astrai_cpu::paged_decode", [&] {
-        return paged_decode(qk.narrow(1, 0, Hq).contiguous(), k_buf, v_buf, req_to_token, rows, seq_lens, scale, first);
+        return paged_decode(qk.narrow(1, 0, Hq).contiguous(), k_buf, v_buf, req_to_token, rows, seq_lens, scale, first, ks, vs);
       });
       const at::Tensor attn = linear(w + 1, o.view({B, Hq * D}), hidden(), c10::nullopt);
       // residual add fused with the next norm; SwiGLU MLP; residual add

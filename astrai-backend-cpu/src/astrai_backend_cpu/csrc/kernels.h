@@ -36,7 +36,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                         const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
-                        double scale, const c10::optional<at::Tensor>& starts = c10::nullopt);
+                        double scale, const c10::optional<at::Tensor>& starts = c10::nullopt,
+                        const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                        const c10::optional<at::Tensor>& v_scale = c10::nullopt);
+
+// kv_store.cpp
+void store_kv(const at::Tensor& x, const at::Tensor& loc, const at::Tensor& buf, const c10::optional<at::Tensor>& scale);
 
 // prefill.cpp
 bool has_prefill_attention();

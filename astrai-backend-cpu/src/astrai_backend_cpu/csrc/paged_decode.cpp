@@ -15,6 +15,9 @@
 // at a time with their sums in one transposing reduction; otherwise rows are converted to
 // float32. Values are always accumulated in float32.
 // Grouped-query attention: every query head of a group uses the same row.
+// An int8 pool (k_scale / v_scale given: astrai.kvcache.quant) keeps each slot's head as 8-bit
+// values and one float32 scale; its rows are widened to float32 times their scale as they are
+// read (a quarter of float32's bytes, half of bf16's, from memory), K's and V's independently.
 //
 // Work is cut into items of CHUNK positions of one request (split-K); each item keeps its
 // own max, sum and weighted values, and a second pass combines them. The cut depends only on
@@ -52,6 +55,15 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) 
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// An int8 row of `heads` heads of D values, each head times its scale (astrai.kvcache.quant).
+inline void load_q8(const int8_t* __restrict src, const float* __restrict scale, float* __restrict dst, int64_t heads,
+                    int64_t D) {
+  for (int64_t g = 0; g < heads; ++g) {
+    const float s = scale[g];
+    for (int64_t d = 0; d < D; ++d) dst[g * D + d] = static_cast<float>(src[g * D + d]) * s;
+  }
+}
+
 // bfloat16 -> float32 is a 16-bit shift: written out so that the compiler vectorises it.
 inline void load_row(const c10::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
   const auto* bits = reinterpret_cast<const uint16_t*>(src);
@@ -59,9 +71,37 @@ inline void load_row(const c10::BFloat16* __restrict src, float* __restrict dst,
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
+// One layer's K or V pool as the kernel reads it: the model dtype's rows, or int8 rows and scales.
+template <typename T>
+struct Pool {
+  const T* rows;
+  const int8_t* q8;     // non-null: an int8 pool
+  const float* scales;  // [size, Hkv] with q8
+  int64_t W, heads, D;
+
+  // the slot's row (and scales) on its way into L1
+  void fetch(int64_t slot) const;
+  void load(int64_t slot, float* dst) const {
+    if (q8 != nullptr)
+      load_q8(q8 + slot * W, scales + slot * heads, dst, heads, D);
+    else
+      load_row(rows + slot * W, dst, W);
+  }
+};
+
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+template <typename T>
+void Pool<T>::fetch(int64_t slot) const {
+  if (q8 == nullptr) {
+    prefetch(rows + slot * W, W * static_cast<int64_t>(sizeof(T)));
+  } else {
+    prefetch(q8 + slot * W, W);
+    __builtin_prefetch(scales + slot * heads, 0, 3);
+  }
 }
 
 inline void prefetch_l2(const void* p, int64_t bytes) {
@@ -232,7 +272,7 @@ bool bf16_values(const float* scores, const T* v_pool, const int32_t* slots, int
 template <typename T, int HD>
 void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
             const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
-            const int64_t* first, double scale, at::Tensor& out) {
+            const int64_t* first, double scale, const at::Tensor& k_scale, const at::Tensor& v_scale, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_buffer.size(1);
   const int64_t D = HD > 0 ? HD : q.size(2);
   const int64_t group = Hq / Hkv, W = Hkv * D;
@@ -245,8 +285,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
   for (int64_t b = 0; b < B; ++b) splits = std::max(splits, (lens[b] + CHUNK - 1) / CHUNK);
 
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_buffer.data_ptr<T>();
-  const T* vp = v_buffer.data_ptr<T>();
+  const bool k8 = k_scale.defined(), v8 = v_scale.defined();
+  const T* kp = k8 ? nullptr : k_buffer.data_ptr<T>();
+  const T* vp = v8 ? nullptr : v_buffer.data_ptr<T>();
+  const Pool<T> kpool{kp, k8 ? k_buffer.data_ptr<int8_t>() : nullptr, k8 ? k_scale.data_ptr<float>() : nullptr, W, Hkv, D};
+  const Pool<T> vpool{vp, v8 ? v_buffer.data_ptr<int8_t>() : nullptr, v8 ? v_scale.data_ptr<float>() : nullptr, W, Hkv, D};
   const int32_t* table = req_to_token.data_ptr<int32_t>();
   const int64_t table_stride = req_to_token.stride(0);
   const float fscale = static_cast<float>(scale);
@@ -270,10 +313,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
       load_row(qp + b * Hq * D, qf.data(), Hq * D);
       for (auto& x : qf) x *= fscale;
       scores.resize(Hq * n);
-      if (!bf16_scores<T, HD>(qp + b * Hq * D, kp, vp, slots, n, Hq, Hkv, fscale, scores.data())) {
+      if (k8 || v8 || !bf16_scores<T, HD>(qp + b * Hq * D, kp, vp, slots, n, Hq, Hkv, fscale, scores.data())) {
         for (int64_t l = 0; l < n; ++l) {
-          if (l + PREFETCH < n) prefetch(kp + static_cast<int64_t>(slots[l + PREFETCH]) * W, W * sizeof(T));
-          load_row(kp + static_cast<int64_t>(slots[l]) * W, row.data(), W);
+          if (l + PREFETCH < n) kpool.fetch(slots[l + PREFETCH]);
+          kpool.load(slots[l], row.data());
           for (int64_t h = 0; h < Hq; ++h) {
             const float* __restrict k = row.data() + (h / group) * D;
             const float* __restrict qq = qf.data() + h * D;
@@ -284,16 +327,16 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
         }
       }
       for (int64_t l = 0; l < std::min(n, PREFETCH); ++l)  // the values' first rows, while the softmax runs
-        prefetch(vp + static_cast<int64_t>(slots[l]) * W, W * sizeof(T));
+        vpool.fetch(slots[l]);
       float* mx = part_max.data() + item * Hq;
       float* sum = part_sum.data() + item * Hq;
       for (int64_t h = 0; h < Hq; ++h) std::tie(mx[h], sum[h]) = softmax_numerators(scores.data() + h * n, n);
       float* acc = part_acc.data() + item * Hq * D;
-      if (bf16_values<T, HD>(scores.data(), vp, slots, n, Hq, Hkv, acc)) continue;
+      if (!v8 && bf16_values<T, HD>(scores.data(), vp, slots, n, Hq, Hkv, acc)) continue;
       std::fill(acc, acc + Hq * D, 0.f);
       for (int64_t l = 0; l < n; ++l) {
-        if (l + PREFETCH < n) prefetch(vp + static_cast<int64_t>(slots[l + PREFETCH]) * W, W * sizeof(T));
-        load_row(vp + static_cast<int64_t>(slots[l]) * W, row.data(), W);
+        if (l + PREFETCH < n) vpool.fetch(slots[l + PREFETCH]);
+        vpool.load(slots[l], row.data());
         for (int64_t h = 0; h < Hq; ++h) {
           const float p = scores[h * n + l];
           const float* __restrict v = row.data() + (h / group) * D;
@@ -338,14 +381,26 @@ namespace astrai_cpu {
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                         const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
-                        double scale, const c10::optional<at::Tensor>& starts) {
+                        double scale, const c10::optional<at::Tensor>& starts,
+                        const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.device().is_cpu(), "astrai_cpu::paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
               "paged_decode: q [B, Hq, D], k_buffer/v_buffer [size, Hkv, D]");
   TORCH_CHECK(q.size(2) == k_buffer.size(2) && q.size(1) % k_buffer.size(1) == 0,
               "paged_decode: head dims differ or Hq is not a multiple of Hkv");
-  TORCH_CHECK(k_buffer.scalar_type() == q.scalar_type() && v_buffer.scalar_type() == q.scalar_type(),
-              "paged_decode: q, k_buffer and v_buffer must share a dtype");
+  // an int8 buffer comes with its scales [size, Hkv] (float32); any other is in q's dtype
+  const auto scales_of = [&](const at::Tensor& buf, const c10::optional<at::Tensor>& s, const char* name) {
+    if (buf.scalar_type() != at::kChar) {
+      TORCH_CHECK(buf.scalar_type() == q.scalar_type() && !s.has_value(),
+                  "paged_decode: ", name, " must be int8 with its scales, or in q's dtype without");
+      return at::Tensor();
+    }
+    TORCH_CHECK(s.has_value() && s->scalar_type() == at::kFloat && s->dim() == 2 && s->size(0) == buf.size(0) &&
+                    s->size(1) == buf.size(1),
+                "paged_decode: an int8 ", name, " needs float32 scales [size, Hkv]");
+    return s->contiguous();
+  };
+  const at::Tensor ks = scales_of(k_buffer, k_scale, "k_buffer"), vs = scales_of(v_buffer, v_scale, "v_buffer");
   TORCH_CHECK(q.is_contiguous() && k_buffer.is_contiguous() && v_buffer.is_contiguous(),
               "paged_decode: q, k_buffer and v_buffer must be contiguous");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
@@ -364,9 +419,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const a
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     switch (q.size(2)) {
-      case 64: decode<scalar_t, 64>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, out); break;
-      case 128: decode<scalar_t, 128>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, out); break;
-      default: decode<scalar_t, 0>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, out);
+      case 64: decode<scalar_t, 64>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, ks, vs, out); break;
+      case 128: decode<scalar_t, 128>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, ks, vs, out); break;
+      default: decode<scalar_t, 0>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, ks, vs, out);
     }
   });
   return out;
@@ -376,7 +431,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const a
 
 TORCH_LIBRARY(astrai_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, "
-        "Tensor seq_lens, float scale, Tensor? starts=None) -> Tensor");
+        "Tensor seq_lens, float scale, Tensor? starts=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("paged_decode", &astrai_cpu::paged_decode); }

@@ -5,7 +5,7 @@ from their own modules); every other module of astrai is internal and may move. 
 what a backend does with them:
 
 - implement: ``AttentionBackend`` (the ABC, whose docstrings are the contract), ``KVCache`` (the
-  step it attends), ``Kernel``/``RotaryKernel``/``OPS`` (the fused kernels it may lend the model,
+  step it attends; a quantized pool's rounding: ``quantize_kv``/``dequantize_kv``), ``Kernel``/``RotaryKernel``/``OPS`` (the fused kernels it may lend the model,
   ``AttentionBackend.kernels``);
 - build on: ``TorchNativeBackend`` with its step plan (``NativePlan``, ``plan_step``) to extend,
   ``rotate_torch`` (the rotary formula a kernel falls back to), ``ops`` (the compiled CUDA ops'
@@ -32,6 +32,8 @@ from astrai.extension.backend.selection import ATTN_BACKEND, attn_backend
 from astrai.extension.backend.torch_native import NativePlan, TorchNativeBackend, plan_step
 from astrai.extension.build_lock import build_lock
 from astrai.kvcache.cache import KVCache
+from astrai.kvcache.quant import dequantize as dequantize_kv
+from astrai.kvcache.quant import quantize as quantize_kv
 from astrai.model.cpu_linear import PackedLinear
 from astrai.model.quant import QuantizedLinear
 
@@ -54,7 +56,9 @@ __all__ = [
     "attn_backend",
     "build_lock",
     "check_backend_class",
+    "dequantize_kv",
     "ops",
     "plan_step",
+    "quantize_kv",
     "rotate_torch",
 ]

@@ -40,8 +40,8 @@ class KVCache:
     stated; the ``*_indptr`` and tile maps are int32 (kernel-friendly).
     """
 
-    k_buffer: torch.Tensor  # [n_layers, size, n_kv_heads, head_dim], model dtype
-    v_buffer: torch.Tensor  # [n_layers, size, n_kv_heads, head_dim], model dtype
+    k_buffer: torch.Tensor  # [n_layers, size, n_kv_heads, head_dim], model dtype (or int8: k_scale)
+    v_buffer: torch.Tensor  # [n_layers, size, n_kv_heads, head_dim], model dtype (or int8: v_scale)
     req_to_token: torch.Tensor  # [num_reqs, max_ctx_len] int32: request row, position -> slot
     req_pool_indices: torch.Tensor  # [B] int64: row of each request in req_to_token
     seq_lens: torch.Tensor  # [B] int64: KV length of each request after this step
@@ -49,6 +49,11 @@ class KVCache:
     max_len: int  # max(seq_lens), kept on the host to avoid a device sync in decode
     kv_indptr: torch.Tensor  # [B + 1] int32: prefix sum of seq_lens
     qo_indptr: torch.Tensor  # [B + 1] int32: prefix sum of per-request q_len
+    # A quantized pool (``astrai.kvcache.quant``): K (V) is int8 and its float32 scale per slot and
+    # head is here, [n_layers, size, n_kv_heads]; None: K (V) is in the model dtype. A backend
+    # serving a quantized pool lists "kv_int8" in its ``features`` (``features`` below then has it).
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
     # Filled by the backend that reads them (astrai-backend-cuda), in its prepare():
     q_tile_to_batch: torch.Tensor | None = None  # [num_q_tiles] int32: prefill Q tile -> request
     q_tile_to_index: torch.Tensor | None = None  # [num_q_tiles] int32: Q tile -> request-local tile index

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,10 +17,15 @@ from astrai.errors import CapacityExceeded
 from astrai.kvcache.allocator import Allocator
 from astrai.kvcache.cache import KVCache
 from astrai.kvcache.layout import KVLayout
+from astrai.kvcache.quant import check_kv_dtype
 from astrai.kvcache.radix import RadixCache, RadixNode
 from astrai.kvcache.req_to_token import ReqToTokenPool
+from astrai.kvcache.spill import PageSpill
 from astrai.kvcache.step import step_kv_cache
 from astrai.kvcache.storage import KVStorage
+
+if TYPE_CHECKING:
+    from astrai.kvcache.tier import KVTier
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +46,15 @@ class KVConfig:
     # the most positions a request computes in one step (the engine's max_prefill_tokens): what a
     # windowed layer group holds beyond its window, for the pool's estimates (``KVLayout.pages``)
     chunk_tokens: int = 1
+    # what K and V are kept in (``astrai.kvcache.quant``): "auto" (the model's dtype) or "int8"
+    kinds: tuple[str, str] = ("auto", "auto")
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_seq_len < 1 or self.page_size < 1:
             raise ValueError(f"max_batch_size, max_seq_len and page_size must be >= 1: {self}")
         if self.n_tokens is not None and self.memory_budget_bytes is not None:
             raise ValueError("give either n_tokens or memory_budget_bytes, not both")
+        self.kinds = tuple(check_kv_dtype(kind) for kind in self.kinds)
         for name in ("n_tokens", "memory_budget_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -70,7 +79,9 @@ class KVConfig:
         layout = self.layout(n_layers, windows)
         if self.n_tokens is not None:  # positions of every layer: as many pages for each group
             return self.n_tokens // self.page_size * layout.n_groups * self.page_size
-        per_page = self.page_size * KVStorage.bytes_per_token(layout.group_size, n_kv_heads, head_dim, dtype)
+        per_page = self.page_size * KVStorage.bytes_per_token(
+            layout.group_size, n_kv_heads, head_dim, dtype, self.kinds
+        )
         return self.memory_budget_bytes // per_page * self.page_size
 
     def nbytes(
@@ -79,7 +90,7 @@ class KVConfig:
         """Bytes a ``PagePool`` of this configuration allocates: K/V storage and the req_to_token tables."""
         layout = self.layout(n_layers, windows)
         storage = self.slots(n_layers, n_kv_heads, head_dim, dtype, windows) * KVStorage.bytes_per_token(
-            layout.group_size, n_kv_heads, head_dim, dtype
+            layout.group_size, n_kv_heads, head_dim, dtype, self.kinds
         )
         return storage + layout.n_groups * self.max_batch_size * self.max_seq_len * 4  # int32 tables
 
@@ -142,7 +153,9 @@ class PagePool:
             self.req_to_token_pool = ReqToTokenPool(
                 config.max_batch_size, self.max_ctx_len, self.device, linear_stride=config.max_seq_len
             )
-        self.storage = KVStorage(layout.group_size, self.size, n_kv_heads, head_dim, dtype, self.device)
+        self.storage = KVStorage(
+            layout.group_size, self.size, n_kv_heads, head_dim, dtype, self.device, config.kinds
+        )
         rows = config.max_batch_size
         self._pages = self.req_to_token_pool.pages  # paged: each row's page ids in position order
         self._gpages = self.req_to_token_pool.group_pages  # the same, per layer group
@@ -152,7 +165,10 @@ class PagePool:
         self._namespaces: list[Hashable] = [
             None
         ] * rows  # the radix namespace each row matches and records in
+        self.spill: PageSpill | None = None  # its KV tiers (attach_tier)
         mode = ("paged, radix" if self.radix else "paged") if self.paged else "contiguous"
+        if config.kinds != ("auto", "auto"):
+            mode += f", K {config.kinds[0]}, V {config.kinds[1]}"
         if not layout.trivial:
             mode += f", {layout.n_groups} layer groups of {layout.group_size}, windows {layout.windows}"
         logger.info(
@@ -162,6 +178,11 @@ class PagePool:
             self.page_size,
             self.storage.nbytes() / 2**20,
         )
+
+    def attach_tier(self, tier: KVTier) -> None:
+        """Send the pages the radix evicts to ``tier`` and load prompts' pages back from it
+        (``astrai.kvcache.spill``); ValueError for a pool without prefix caching or with layer groups."""
+        self.spill = PageSpill(self, tier)
 
     # ----------------------------------------------------------------- views
     @property
@@ -214,7 +235,10 @@ class PagePool:
         if self.radix is None or len(token_ids) < 2:
             return 0
         # token_ids[:-1]: at least one token is left to compute, so no write lands in a shared page.
-        nodes = self.radix.match(token_ids, (len(token_ids) - 1) // self.page_size, namespace)
+        max_pages = (len(token_ids) - 1) // self.page_size
+        nodes = self.radix.match(token_ids, max_pages, namespace)
+        if self.spill is not None:  # the pages after the match that a KV tier holds, loaded back
+            nodes += self.spill.restore(token_ids, nodes, max_pages, namespace)
         nodes = nodes[: self._usable(nodes)]
         if not nodes:
             return 0
@@ -432,19 +456,33 @@ class PagePool:
         """``kv_tokens_total`` (slots), ``kv_tokens_cached`` (slots of pages only the radix keeps,
         i.e. what eviction could reclaim now), ``kv_tokens_in_use`` (every other allocated slot:
         pages live requests reference or pin through their cached path; contiguous: their positions).
-        ``in_use + cached + free == total``."""
+        ``in_use + cached + free == total``. What a slot holds: ``kv_cache_dtype_k`` and ``_v`` (the
+        buffers' dtypes: int8 for a quantized cache) and ``kv_bytes_per_token`` (a slot's bytes over
+        all its layers, scales included)."""
+        storage = self.storage
+        kinds = {
+            "kv_cache_dtype_k": str(storage.k_buffer.dtype).removeprefix("torch."),
+            "kv_cache_dtype_v": str(storage.v_buffer.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": KVStorage.bytes_per_token(
+                storage.n_layers, storage.n_kv_heads, storage.head_dim, storage.dtype, storage.kinds
+            ),
+        }
         if not self.paged:
             return {
                 "kv_tokens_total": self.size,
                 "kv_tokens_in_use": self._live_positions(),
                 "kv_tokens_cached": 0,
+                **kinds,
             }
         cached = self.radix.evictable_pages if self.radix is not None else 0
         in_use = self.allocator.n_pages - self.allocator.num_free - cached
+        if self.spill is not None:
+            kinds |= self.spill.tier.stats()
         return {
             "kv_tokens_total": self.size,
             "kv_tokens_in_use": in_use * self.page_size,
             "kv_tokens_cached": cached * self.page_size,
+            **kinds,
         }
 
     # ----------------------------------------------------------------- per step

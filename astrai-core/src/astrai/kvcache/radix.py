@@ -119,6 +119,9 @@ class RadixCache:
         # lazy min-heap of (last_access, id, node); an entry is stale unless the node is still an
         # evictable leaf with that last_access. Keeps eviction O(k log n), not a scan of the tree.
         self._heap: list[tuple[int, int, RadixNode]] = []
+        #: called with each node about to be evicted, its path still attached (``astrai.kvcache.spill``
+        #: copies its page out to the KV tiers); None: nothing is kept
+        self.on_evict: Callable[[RadixNode], None] | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -263,6 +266,30 @@ class RadixCache:
         self._touch(path)
         return deepest
 
+    def attach(
+        self, parent: RadixNode | None, key: tuple[int, ...], page: int, namespace: Hashable
+    ) -> RadixNode:
+        """A new leaf for ``page`` (one layer group), holding the tokens ``key``, under ``parent`` (None:
+        ``namespace``'s root): a page loaded back from a KV tier. The radix takes its own reference;
+        the caller's stays the caller's."""
+        if parent is None:
+            parent = self._roots.get(namespace)
+            if parent is None:
+                parent = RadixNode((), [-1], None, 0)
+                parent.hash, parent.namespace = hash(("namespace", namespace)), namespace
+                self._roots[namespace] = parent
+        if key in parent.children or len(self.windows) != 1:
+            raise ValueError("attach: the page is cached already, or the pool has layer groups")
+        child = RadixNode(key, [page], parent, self._next_id)
+        self._next_id += 1
+        parent.children[key] = child
+        self._evictable_leaves.discard(parent)
+        self._hold(child, [0])
+        self._unlocked += 1
+        self._touch([child])
+        self._refresh(child)
+        return child
+
     def _hold(self, node: RadixNode, groups: list[int]) -> None:
         """Take the radix's reference on ``node``'s pages of ``groups`` (watching the windowed ones)."""
         pages = [node.pages[g] for g in groups]
@@ -364,6 +391,8 @@ class RadixCache:
     def _evict_node(self, node: RadixNode) -> int:
         parent = node.parent
         assert parent is not None  # only non-root nodes are ever evictable leaves
+        if self.on_evict is not None:
+            self.on_evict(node)
         del parent.children[node.key]
         node.parent = None
         self._unlocked -= 1

@@ -29,16 +29,27 @@ def kv_config(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtyp
     ctx = model_config.max_position_embeddings
     seq = min(config.max_seq_len or ctx, ctx)
     if not config.paged:
-        return KVConfig(config.max_batch_size, seq, page_size=1, prefix_caching=False)
+        return KVConfig(config.max_batch_size, seq, page_size=1, prefix_caching=False, kinds=config.kv_kinds)
     n_tokens, budget = config.n_tokens, config.kv_memory_bytes
     per_token = KVStorage.bytes_per_token(
-        model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype
+        model_config.num_hidden_layers,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+        dtype,
+        config.kv_kinds,
     )
     if n_tokens is None and budget is None:
         n_tokens = max(seq, min(config.max_batch_size * seq, DEFAULT_KV_MEMORY_BYTES // per_token))
     chunk = max(1, config.max_prefill_tokens)
     kv = KVConfig(
-        config.max_batch_size, seq, config.page_size, n_tokens, budget, config.prefix_caching, chunk
+        config.max_batch_size,
+        seq,
+        config.page_size,
+        n_tokens,
+        budget,
+        config.prefix_caching,
+        chunk,
+        config.kv_kinds,
     )
     # a request never holds more positions than the pool has for one (a longer req_to_token row or
     # rotary table would never be read); sliding-window layers hold only their window of them

@@ -108,6 +108,8 @@ def _kv_cache(pool: _Layers, req_pool_indices, seq_lens, kv_indptr, qo_indptr, q
     return KVCache(
         k_buffer=pool.storage.k_buffer,
         v_buffer=pool.storage.v_buffer,
+        k_scale=pool.storage.k_scale,
+        v_scale=pool.storage.v_scale,
         req_to_token=pool.table.req_to_token,
         req_pool_indices=req_pool_indices,
         seq_lens=seq_lens,
@@ -120,4 +122,5 @@ def _kv_cache(pool: _Layers, req_pool_indices, seq_lens, kv_indptr, qo_indptr, q
         q_lens_host=tuple(ql),
         seq_lens_host=tuple(sl),
         page_size=pool.page_size,
+        features=pool.storage.features,
     )

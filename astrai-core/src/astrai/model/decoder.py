@@ -106,7 +106,7 @@ class DecoderLM(nn.Module):
         if self.scales_embeddings:  # HF rounds the scale to the dtype first
             x = x * torch.tensor(config.hidden_size**0.5, dtype=x.dtype)
         if kv_cache.backend is None:  # a direct call (no ModelRunner bound the step): resolve it once
-            kv_cache.features = self.attention_features
+            kv_cache.features = self.attention_features | kv_cache.features  # (a quantized pool's)
             bind_step(kv_cache, x.new_empty((0, config.num_attention_heads, config.head_dim)))
         freqs = self._freqs(positions)
         out = self.run_stack(x, freqs[False], kv_cache)

@@ -18,6 +18,10 @@ the engine keeps it with the request, so the scheduler thread honours the caller
 context), and resolved to a backend once per step (``bind_step``: the backend's
 ``prepare`` runs, and ``KVCache.backend`` carries it to every layer). ``attention()``
 reads nothing but the step's ``KVCache``.
+
+Over 300 lines because the registry is one class: discovery, availability, the strict and the
+automatic choice, and the start-up check of what a pool or model needs (``check_features``) share
+its state and are read together.
 """
 
 from __future__ import annotations
@@ -179,6 +183,23 @@ class BackendRegistry:
             "no attention backend can run this call (" + "; ".join(reasons or ["none installed"]) + ")"
         )
 
+    def check_features(self, choice: BackendChoice, features: frozenset[str], what: str) -> None:
+        """Raise ``BackendUnavailable`` when ``choice`` cannot serve a pool or model that needs
+        ``features`` (``AttentionBackend.features``; ``what`` names the need): the backend chosen
+        lacks one, or (automatic) no available backend has them all. The message names the
+        backends that have them."""
+        able = [n for n in self._order if features <= self._classes[n].features and self.availability(n)[0]]
+        names = ", ".join(able) or "none installed here"
+        if choice.name is not None:
+            cls = self._classes.get(choice.name)
+            if cls is not None and not features <= cls.features:
+                raise BackendUnavailable(
+                    f"attention backend {choice.name!r} (from {choice.source}) cannot serve {what}; "
+                    f"backends that can: {names}"
+                )
+        elif not able:
+            raise BackendUnavailable(f"no available attention backend can serve {what}")
+
     def select(self, q: torch.Tensor, kv_cache: KVCache) -> AttentionBackend:
         """``resolve(requested_backend(), q, kv_cache)``: the choice in force in this context."""
         return self.resolve(requested_backend(), q, kv_cache)
@@ -266,6 +287,12 @@ def attention(
         backend = bind_step(kv_cache, q)
     layer_id, kv_cache = layer_view(backend, q, layer_id, kv_cache)
     return call_forward(backend, q, k, v, layer_id, kv_cache, scale, window, softcap)
+
+
+def check_features(features: frozenset[str], what: str, default: str | None = None) -> None:
+    """``BackendRegistry.check_features`` for the selection in force (``requested_backend(default)``)."""
+    if features:
+        get_registry().check_features(requested_backend(default), frozenset(features), what)
 
 
 def available_backends() -> list[tuple[str, bool, str]]:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.extension.backend.base import AttentionBackend
+from astrai.kvcache.quant import dequantize, quantize
 
 if TYPE_CHECKING:
     from astrai.kvcache.cache import KVCache
@@ -184,6 +185,12 @@ def _window_mask(n: int, window: int, device: torch.device) -> torch.Tensor | No
     return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
 
 
+def layer_scales(kv: KVCache, layer_id: int) -> _Scales:
+    """The K and V scales of layer ``layer_id`` (index in ``k_buffer``) of a quantized pool, None where
+    that buffer is in the model dtype."""
+    return tuple(None if s is None else s[layer_id] for s in (kv.k_scale, kv.v_scale))
+
+
 def plan_step(kv: KVCache, dtype: torch.dtype, window: int = 0) -> NativePlan:
     """Split the step on the host into decodes, fresh prompts and the rest; plan each (masks in
     ``dtype``) for layers of sliding window ``window`` (0: full attention)."""
@@ -210,9 +217,33 @@ def plan_step(kv: KVCache, dtype: torch.dtype, window: int = 0) -> NativePlan:
     return NativePlan(decode, fresh, prefill, masks)
 
 
-def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``buf[slots]`` as ``[E, kv_heads, L, D]``; index_select over flat slots is ~4x faster on CPU."""
-    return buf.index_select(0, slots.view(-1)).view(*slots.shape, *buf.shape[1:]).transpose(1, 2)
+#: A layer's K and V scales (``KVCache.k_scale[layer]``, ``[size, Hkv]``) where they are int8, else None.
+_Scales = tuple["torch.Tensor | None", "torch.Tensor | None"]
+
+
+def _read(
+    rows: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Pool rows ``[N, D]`` gathered at ``index`` (of the ``[size * Hkv]`` head rows) in ``dtype``:
+    int8 ones times their scale (``astrai.kvcache.quant.dequantize``)."""
+    if scale is None:
+        return rows.to(dtype)
+    return dequantize(rows, scale.view(-1).index_select(0, index), dtype)
+
+
+def _gather(
+    buf: torch.Tensor,
+    slots: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``buf[slots]`` as ``[E, kv_heads, L, D]`` (in ``dtype``, int8 rows times their ``scale``);
+    index_select over flat slots is ~4x faster on CPU."""
+    flat = slots.view(-1)
+    rows = buf.index_select(0, flat)
+    if scale is not None:
+        rows = dequantize(rows, scale.index_select(0, flat), dtype)
+    return rows.view(*slots.shape, *buf.shape[1:]).transpose(1, 2)
 
 
 #: Below this many K/V positions in a decode step, scores and values are multiplied in
@@ -221,17 +252,22 @@ def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 _DECODE_F32_POSITIONS = 1024
 
 
-def _decode_attention(q, k_buf, v_buf, plan: _DecodePlan, scale: float, softcap: float = 0.0) -> torch.Tensor:
-    """One query row per request: ``[b, Hq, D]``, as one bmm per (kv head, request) pair."""
+def _decode_attention(
+    q, k_buf, v_buf, plan: _DecodePlan, scale: float, softcap: float = 0.0, scales: _Scales = (None, None)
+) -> torch.Tensor:
+    """One query row per request: ``[b, Hq, D]``, as one bmm per (kv head, request) pair; an int8
+    K or V (``scales``: its layer's, ``[size, Hkv]``) is read as ``q * scale``."""
     if plan.tok_rows is not None:
         q = q.index_select(0, plan.tok_rows)
     n_req, n_heads, head_dim = q.shape
     n_kv = k_buf.shape[1]
     group = n_heads // n_kv
     rows, shape = plan.flat_rows, (n_kv * n_req, plan.max_len, head_dim)
-    keys = k_buf.view(-1, head_dim).index_select(0, rows).view(shape)
-    values = v_buf.view(-1, head_dim).index_select(0, rows).view(shape)
     compute = torch.float32 if n_req * plan.max_len <= _DECODE_F32_POSITIONS else q.dtype
+    keys, values = (
+        _read(buf.view(-1, head_dim).index_select(0, rows), s, rows, compute).view(shape)
+        for buf, s in zip((k_buf, v_buf), scales, strict=True)
+    )
     # [b, Hkv, group, D] -> [Hkv * b, group, D], scaled first so the scores need no extra pass
     queries = (q.view(n_req, n_kv, group, head_dim).transpose(0, 1).float() * scale).to(compute)
     queries = queries.reshape(n_kv * n_req, group, head_dim)
@@ -267,11 +303,13 @@ def _sdpa(q, k, v, mask, scale: float, softcap: float, causal: bool = False) -> 
 
 
 def _prefill_attention(
-    q, k_buf, v_buf, plan: _PrefillPlan, scale: float, softcap: float = 0.0
+    q, k_buf, v_buf, plan: _PrefillPlan, scale: float, softcap: float = 0.0, scales: _Scales = (None, None)
 ) -> torch.Tensor:
-    """Tiled ragged prefill through one SDPA call: ``[Tp, Hq, D]``."""
+    """Tiled ragged prefill through one SDPA call: ``[Tp, Hq, D]`` (int8 K/V read as in decode)."""
     n_entries, (n_heads, head_dim) = plan.kv_slots.shape[0], q.shape[1:]
-    keys, values = _gather(k_buf, plan.kv_slots), _gather(v_buf, plan.kv_slots)
+    keys, values = (
+        _gather(buf, plan.kv_slots, s, q.dtype) for buf, s in zip((k_buf, v_buf), scales, strict=True)
+    )
     queries = q[plan.q_rows].view(n_entries, -1, n_heads, head_dim).transpose(1, 2)  # [E, Hq, C, D]
     out = _sdpa(queries, keys.to(q.dtype), values.to(q.dtype), plan.mask, scale, softcap)
     return out.transpose(1, 2).reshape(-1, n_heads, head_dim)[plan.out_rows]
@@ -282,7 +320,7 @@ class TorchNativeBackend(AttentionBackend):
 
     name = "torch_native"
     priority = 100
-    features = frozenset({"window", "softcap"})
+    features = frozenset({"window", "softcap", "kv_int8"})
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -315,11 +353,27 @@ class TorchNativeBackend(AttentionBackend):
         ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]`` in ``q``'s dtype.
         """
         k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
-        # index_copy_ rather than `k_buf[loc] = k`: on CPU, index_put is ~10x slower for this.
-        k_buf.index_copy_(0, kv_cache.out_cache_loc, k.to(k_buf.dtype))
-        v_buf.index_copy_(0, kv_cache.out_cache_loc, v.to(v_buf.dtype))
+        scales = layer_scales(kv_cache, layer_id)
+        k, v = (
+            self.store(x, buf, s, kv_cache) for x, buf, s in zip((k, v), (k_buf, v_buf), scales, strict=True)
+        )
+        return self.attend_step(q, k, v, k_buf, v_buf, kv_cache, scale, window, softcap, scales)
 
-        return self.attend_step(q, k, v, k_buf, v_buf, kv_cache, scale, window, softcap)
+    def store(
+        self, x: torch.Tensor, buf: torch.Tensor, scale: torch.Tensor | None, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """Write one layer's new K (or V) rows ``x [T, Hkv, D]`` at the step's slots of ``buf`` (int8
+        rows quantized, their scales into ``scale``); returns the rows as attention reads them back
+        (``x``, or the int8 rows dequantized: a fresh prompt attends to what its cache holds)."""
+        loc = kv_cache.out_cache_loc
+        # index_copy_ rather than `buf[loc] = x`: on CPU, index_put is ~10x slower for this.
+        if scale is None:
+            buf.index_copy_(0, loc, x.to(buf.dtype))
+            return x
+        q8, s = quantize(x)
+        buf.index_copy_(0, loc, q8)
+        scale.index_copy_(0, loc, s)
+        return dequantize(q8, s, x.dtype)
 
     def native_plan(self, q: torch.Tensor, kv_cache: KVCache, window: int = 0) -> NativePlan:
         """torch_native's plan of the step for layers of window ``window``, made once per step."""
@@ -330,21 +384,43 @@ class TorchNativeBackend(AttentionBackend):
         return plan
 
     def attend_step(
-        self, q, k, v, k_buf, v_buf, kv_cache: KVCache, scale: float, window: int = 0, softcap: float = 0.0
+        self,
+        q,
+        k,
+        v,
+        k_buf,
+        v_buf,
+        kv_cache: KVCache,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        scales: _Scales = (None, None),
     ) -> torch.Tensor:
-        """Attention of every row of the step, once its K/V are written (subclasses may take rows over)."""
-        return self.attend(q, k, v, k_buf, v_buf, self.native_plan(q, kv_cache, window), scale, softcap)
+        """Attention of every row of the step, once its K/V are written (subclasses may take rows over);
+        ``scales``: the layer's K and V scales where they are int8 (``layer_scales``)."""
+        plan = self.native_plan(q, kv_cache, window)
+        return self.attend(q, k, v, k_buf, v_buf, plan, scale, softcap, scales)
 
     @staticmethod
-    def attend(q, k, v, k_buf, v_buf, plan: NativePlan, scale: float, softcap: float = 0.0) -> torch.Tensor:
+    def attend(
+        q,
+        k,
+        v,
+        k_buf,
+        v_buf,
+        plan: NativePlan,
+        scale: float,
+        softcap: float = 0.0,
+        scales: _Scales = (None, None),
+    ) -> torch.Tensor:
         """Attention of the rows ``plan`` covers (K/V already written); other rows are left unset."""
         if plan.decode is not None and plan.decode.tok_rows is None:  # every row decodes
-            return _decode_attention(q, k_buf, v_buf, plan.decode, scale, softcap)
+            return _decode_attention(q, k_buf, v_buf, plan.decode, scale, softcap, scales)
         if plan.prefill is not None and plan.prefill.tok_rows is None:  # every row is a tiled prefill row
-            return _prefill_attention(q, k_buf, v_buf, plan.prefill, scale, softcap)
+            return _prefill_attention(q, k_buf, v_buf, plan.prefill, scale, softcap, scales)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            decoded = _decode_attention(q, k_buf, v_buf, plan.decode, scale, softcap)
+            decoded = _decode_attention(q, k_buf, v_buf, plan.decode, scale, softcap, scales)
             out.index_copy_(0, plan.decode.tok_rows, decoded)
         # A prompt with no cached prefix attends only to this step's own K/V: no gather, no
         # mask, and SDPA's causal kernel skips the blocks above the diagonal. One call per
@@ -357,6 +433,6 @@ class TorchNativeBackend(AttentionBackend):
             qkv = [x[rows].to(q.dtype).transpose(0, 1)[None] for x in (q, k, v)]
             out[rows] = _sdpa(*qkv, mask, scale, softcap, causal=mask is None)[0].transpose(0, 1)
         if plan.prefill is not None:
-            prefill = _prefill_attention(q, k_buf, v_buf, plan.prefill, scale, softcap)
+            prefill = _prefill_attention(q, k_buf, v_buf, plan.prefill, scale, softcap, scales)
             out.index_copy_(0, plan.prefill.tok_rows, prefill)
         return out
