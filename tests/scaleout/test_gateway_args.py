@@ -73,6 +73,13 @@ def test_tls_is_the_gateway_s_and_the_replicas_serve_plain_http_on_loopback(tmp_
     assert (replica.ssl_certfile, replica.allowed_origins, replica.api_key_file) == (None, [], None)
 
 
+def test_each_replica_keeps_its_kv_cache_pages_in_a_folder_of_its_own(tmp_path) -> None:
+    settings = ServerSettings(data_parallel_size=2, kv_cache_dir=str(tmp_path))
+    folders = [replica_settings(settings, 9001 + i, [], i).kv_cache_dir for i in range(2)]
+    assert folders == [str(tmp_path / "replica-0"), str(tmp_path / "replica-1")]
+    assert replica_settings(ServerSettings(data_parallel_size=2), 9001, [], 1).kv_cache_dir is None
+
+
 def test_replica_ports_from_the_base_or_free() -> None:
     assert replica_ports(ServerSettings(data_parallel_size=3, data_parallel_base_port=9100)) == [
         9100,

@@ -29,6 +29,8 @@ from astrai_server.metrics import (
     POOLING_COUNTERS,
     PREEMPTIONS,
     SPEC_COUNTERS,
+    TIER_COUNTERS,
+    TIER_GAUGES,
     ServerMetrics,
 )
 
@@ -167,6 +169,7 @@ def test_every_metric_is_documented_with_its_type() -> None:
     names |= {name + "_total": "counter" for name in (*SPEC_COUNTERS, *POOLING_COUNTERS)}
     names |= {name + "_total": "counter" for name in LORA_COUNTERS} | {LORA_RUNNING[0]: "gauge"}
     names[KV_DTYPE_INFO[0]] = "gauge"
+    names |= {name: "gauge" for name in TIER_GAUGES} | {name + "_total": "counter" for name in TIER_COUNTERS}
     names["astrai:requests_total"] = "counter"
     assert documented == names
 

@@ -122,6 +122,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     _flag(p, "kv_cache_dtype_k", "K's alone (default: --kv-cache-dtype)", choices=kv_types)
     _flag(p, "kv_cache_dtype_v", "V's alone (default: --kv-cache-dtype)", choices=kv_types)
+    _flag(
+        p,
+        "kv_cache_host_memory",
+        "host RAM for the prefix cache's evicted pages, loaded back on a later hit, e.g. 2GiB (default: none)",
+    )
+    _flag(
+        p,
+        "kv_cache_dir",
+        "a folder the prefix cache's evicted pages go to, and at shutdown the cached ones: a restart loads them back",
+    )
+    _flag(
+        p,
+        "kv_cache_dir_size",
+        "what --kv-cache-dir may hold, e.g. 20GiB (least recently used pages go first)",
+    )
     _flag(p, "max_prefill_tokens", "prefill tokens per step (chunked prefill)", type=int)
     _flag(p, "max_request_bytes", "largest request body accepted, e.g. 32MiB (413 beyond)")
     _flag(p, "header_timeout", "seconds to send a request head, or a body may stall; then 408", type=float)
@@ -397,7 +412,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         from astrai.tool_parsers import choose_tool_parser
 
         choose_tool_parser(settings.tool_call_parser)
-    _check_kv_cache_dtype(settings)
+    _check_kv_cache(settings)
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config
@@ -441,16 +456,23 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         _exit_now(0, "tensor-parallel rank 0 stopped")
 
 
-def _check_kv_cache_dtype(settings: ServerSettings) -> None:
+def _check_kv_cache(settings: ServerSettings) -> None:
     """A quantized KV cache the attention backend chosen cannot serve, or one under tensor
-    parallelism, stops the start (ConfigError: exit 2), naming the backends that can serve it."""
+    parallelism, stops the start (ConfigError: exit 2), naming the backends that can serve it; so
+    do KV tiers without a prefix cache or under tensor parallelism."""
     engine = settings.engine_config()
-    if engine.kv_kinds == ("auto", "auto"):
-        return
+    if engine.kv_cache_host_memory_bytes or engine.kv_cache_dir:
+        tiers = "--kv-cache-host-memory and --kv-cache-dir keep the prefix cache's pages"
+        if not (engine.paged and engine.prefix_caching):
+            raise ConfigError(f"{tiers}: they need --paged and --prefix-caching")
+        if settings.tensor_parallel_size > 1:
+            raise ConfigError(f"{tiers}: they are not supported under tensor parallelism")
     from astrai.errors import BackendUnavailable
     from astrai.extension.backend.policy import check_features
 
     what = f"--kv-cache-dtype {'/'.join(engine.kv_kinds)} (K/V)"
+    if engine.kv_kinds == ("auto", "auto"):
+        return
     if settings.tensor_parallel_size > 1:
         raise ConfigError(
             f"{what} is not supported under tensor parallelism (--tensor-parallel-size 1 serves it)"

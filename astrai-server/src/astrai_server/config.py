@@ -108,6 +108,10 @@ class ServerSettings(BaseModel):
     )
     kv_cache_dtype_k: Literal["auto", "int8"] | None = None  # K's alone (None: kv_cache_dtype)
     kv_cache_dtype_v: Literal["auto", "int8"] | None = None  # V's alone
+    # host RAM for the prefix cache's evicted pages, loaded back on a later hit (YAML/CLI: "1GiB"); 0: none
+    kv_cache_host_memory: int = Field(0, ge=0)
+    kv_cache_dir: str | None = None  # a folder those pages (and, at shutdown, the cached ones) go to
+    kv_cache_dir_size: int = Field(_ENGINE.kv_cache_dir_bytes, ge=1)  # what the folder may hold ("8GiB")
     max_prefill_tokens: int = Field(_ENGINE.max_prefill_tokens, ge=1)
     max_request_bytes: int = Field(
         32 * 2**20, ge=1
@@ -205,7 +209,13 @@ class ServerSettings(BaseModel):
     plugin_options: dict[str, Any] = {}  # values of hook plugins' options, by dest
 
     @field_validator(
-        "kv_memory", "max_request_bytes", "max_grammar_bytes", "grammar_cache_memory", mode="before"
+        "kv_memory",
+        "max_request_bytes",
+        "max_grammar_bytes",
+        "grammar_cache_memory",
+        "kv_cache_host_memory",
+        "kv_cache_dir_size",
+        mode="before",
     )
     @classmethod
     def _size(cls, value: Any) -> Any:
@@ -312,6 +322,9 @@ class ServerSettings(BaseModel):
             kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_dtype_k=self.kv_cache_dtype_k,
             kv_cache_dtype_v=self.kv_cache_dtype_v,
+            kv_cache_host_memory_bytes=self.kv_cache_host_memory,
+            kv_cache_dir=self.kv_cache_dir,
+            kv_cache_dir_bytes=self.kv_cache_dir_size,
             prefix_caching=self.prefix_caching,
             max_prefill_tokens=self.max_prefill_tokens,
             attention_backend=self.attention_backend,

@@ -22,6 +22,10 @@ Every series carries ``model_name`` (the served model name). Names follow vLLM's
 counterpart. A scrape whose ``Accept`` names ``application/openmetrics-text`` gets OpenMetrics,
 with the request id as the exemplar of each histogram observation and finish; any other, the
 classic text format (0.0.4), which has no exemplars.
+
+Over 300 lines because every family the server exports is a row of one of the tables here (the
+engine's gauges, its counters, the KV tiers', the adapters', the pooling models'), read beside the
+collector that turns them into samples.
 """
 
 from __future__ import annotations
@@ -115,6 +119,26 @@ GAUGES: dict[str, tuple[str, Callable[[dict], float]]] = {
     "astrai:kv_cache_bytes_per_token": (
         "Bytes one KV token slot takes over all layers, K and V (an int8 cache's scales included).",
         lambda s: s["kv_bytes_per_token"],
+    ),
+}
+#: The KV tiers' figures (``--kv-cache-host-memory``, ``--kv-cache-dir``; absent without them):
+#: gauges name -> (help, its ``get_stats()`` key), then counters.
+TIER_GAUGES = {
+    "astrai:kv_cache_tier_host_bytes": ("Bytes of evicted KV pages kept in host RAM.", "kv_tier_host_bytes"),
+    "astrai:kv_cache_tier_disk_bytes": (
+        "Bytes of KV pages in the --kv-cache-dir folder.",
+        "kv_tier_disk_bytes",
+    ),
+}
+TIER_COUNTERS = {
+    "astrai:kv_cache_tier_spilled_pages": (
+        "KV pages the prefix cache evicted into the tiers.",
+        "kv_tier_spilled_pages",
+    ),
+    "astrai:kv_cache_tier_host_hit_pages": ("KV pages loaded back from host RAM.", "kv_tier_host_hit_pages"),
+    "astrai:kv_cache_tier_disk_hit_pages": (
+        "KV pages loaded back from the disk folder.",
+        "kv_tier_disk_hit_pages",
     ),
 }
 #: What the KV pool keeps K and V in, as labels of a gauge of 1 (``get_stats()``'s kv_cache_dtype_k/_v).
@@ -266,7 +290,12 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(*PREEMPTIONS, labels=["model_name"])
             counter.add_metric(labels, stats["preemptions"])
             yield counter
-        for name, (doc, key) in SPEC_COUNTERS.items():
+        for name, (doc, key) in TIER_GAUGES.items():
+            if key in stats:
+                gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+                gauge.add_metric(labels, stats[key])
+                yield gauge
+        for name, (doc, key) in (SPEC_COUNTERS | TIER_COUNTERS).items():
             if key in stats:
                 counter = CounterMetricFamily(name, doc, labels=["model_name"])
                 counter.add_metric(labels, stats[key])

@@ -147,12 +147,15 @@ def check_gateway_settings(settings: ServerSettings) -> None:
     check_tls(settings)  # a missing or bad certificate fails now
 
 
-def replica_settings(settings: ServerSettings, port: int, keys: list[str]) -> ServerSettings:
+def replica_settings(settings: ServerSettings, port: int, keys: list[str], index: int = 0) -> ServerSettings:
     """One replica's settings: the same, but on 127.0.0.1:``port``, one replica, the keys read
-    already, plain HTTP and no CORS (the gateway terminates TLS and answers CORS)."""
+    already, plain HTTP and no CORS (the gateway terminates TLS and answers CORS); a KV cache
+    folder of its own, ``replica-<index>`` under ``--kv-cache-dir`` (replicas never share files)."""
+    folder = settings.kv_cache_dir
     return ServerSettings.model_validate(
         {
             **settings.model_dump(),
+            "kv_cache_dir": None if folder is None else os.path.join(folder, f"replica-{index}"),
             "host": "127.0.0.1",
             "port": port,
             "data_parallel_size": 1,
@@ -250,7 +253,7 @@ class Supervisor:
         self.metrics_port = settings.gateway_metrics_port or free_port()
         self.replicas = []
         for i, p in enumerate(replica_ports(settings)):
-            payload = replica_settings(settings, p, keys).model_dump_json().encode()
+            payload = replica_settings(settings, p, keys, i).model_dump_json().encode()
             self.replicas.append(Child(f"replica {i}", "replica", payload, _url("http", "127.0.0.1", p)))
         args = gateway_args(settings, port, [r.url for r in self.replicas], self.metrics_port, keys)
         self.gateway = Child(
