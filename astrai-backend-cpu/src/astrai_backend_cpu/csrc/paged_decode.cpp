@@ -31,7 +31,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -129,6 +129,33 @@ inline std::pair<float, float> softmax_numerators(float* s, int64_t n) {
     vz = _mm512_mask_add_ps(vz, keep, vz, e);
   }
   return {m, _mm512_reduce_add_ps(vz)};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline std::pair<float, float> softmax_numerators(float* s, int64_t n) {
+  float m = s[0];
+  for (int64_t l = 1; l < n; ++l) m = std::max(m, s[l]);
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vz = _mm256_setzero_ps();
+  int64_t l = 0;
+  for (; l + 8 <= n; l += 8) {
+    const __m256 e = astrai_cpu::exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(s + l), vm));
+    _mm256_storeu_ps(s + l, e);
+    vz = _mm256_add_ps(vz, e);
+  }
+  alignas(32) float tail[8] = {};
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vz);
+  float z = 0.f;
+  for (int i = 0; i < 8; ++i) z += lanes[i];
+  if (l < n) {
+    for (int64_t i = l; i < n; ++i) tail[i - l] = s[i] - m;
+    _mm256_store_ps(tail, astrai_cpu::exp256_ps(_mm256_load_ps(tail)));
+    for (int64_t i = l; i < n; ++i) {
+      s[i] = tail[i - l];
+      z += s[i];
+    }
+  }
+  return {m, z};
 }
 #else
 inline std::pair<float, float> softmax_numerators(float* s, int64_t n) {
@@ -268,6 +295,132 @@ bool bf16_values(const float* scores, const T* v_pool, const int32_t* slots, int
   return false;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 values of a pool row from element `at`, as float32: float32 rows as they are, bf16 ones widened,
+// int8 ones converted (their scale is applied by the caller).
+template <typename T, bool Q8>
+inline __m256 row8(const Pool<T>& pool, int64_t slot, int64_t at) {
+  if constexpr (Q8) {
+    const auto* p = reinterpret_cast<const __m128i*>(pool.q8 + slot * pool.W + at);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p)));
+  } else if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(pool.rows + slot * pool.W + at);
+  } else {
+    const auto* p = reinterpret_cast<const __m128i*>(pool.rows + slot * pool.W + at);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+  }
+}
+
+// scores[h * n + l] = qf_h . k_l (times an int8 row's scale) for head dims that are a multiple of 8:
+// each block of 8 positions leaves one 8-lane product per (head, position) in tmp [Hq, 8, 8], whose
+// sums reduce8 turns into the block's 8 scores of a head at once. A key row's chunks are converted
+// once for the query heads of its group (head dims up to 64; longer rows chunk by chunk per head).
+template <typename T, int HD, bool Q8>
+void avx2_scores(const float* qf, const Pool<T>& kp, const int32_t* slots, int64_t n, int64_t Hq, int64_t Hkv,
+                 float* scores, float* tmp) {
+  constexpr int NV = HD / 8;
+  const int64_t group = Hq / Hkv;
+  for (int64_t l0 = 0; l0 < n; l0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - l0);
+    for (int64_t p = 0; p < 8; ++p) {
+      const int64_t l = l0 + std::min(p, count - 1);  // a short block repeats its last row
+      if (p < count && l + PREFETCH < n) kp.fetch(slots[l + PREFETCH]);
+      const int64_t slot = slots[l];
+      for (int64_t g = 0; g < Hkv; ++g) {
+        if constexpr (NV <= 8) {
+          __m256 k[NV];
+          for (int i = 0; i < NV; ++i) k[i] = row8<T, Q8>(kp, slot, g * HD + 8 * i);
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const float* q = qf + h * HD;
+            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]), a1 = _mm256_setzero_ps();
+            for (int i = 1; i < NV; ++i) {
+              if (i % 2) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), k[i], a1);
+              else a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), k[i], a0);
+            }
+            _mm256_storeu_ps(tmp + (h * 8 + p) * 8, _mm256_add_ps(a0, a1));
+          }
+        } else {
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const float* q = qf + h * HD;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int i = 0; i < NV; i += 2) {
+              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), row8<T, Q8>(kp, slot, g * HD + 8 * i), a0);
+              a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i + 8), row8<T, Q8>(kp, slot, g * HD + 8 * i + 8), a1);
+            }
+            _mm256_storeu_ps(tmp + (h * 8 + p) * 8, _mm256_add_ps(a0, a1));
+          }
+        }
+      }
+    }
+    alignas(32) float out[8];
+    alignas(32) float scale[8];
+    for (int64_t h = 0; h < Hq; ++h) {
+      __m256 v[8];
+      for (int p = 0; p < 8; ++p) v[p] = _mm256_loadu_ps(tmp + (h * 8 + p) * 8);
+      __m256 sums = astrai_cpu::reduce8(v);
+      if constexpr (Q8) {
+        const int64_t g = h / group;
+        for (int64_t p = 0; p < 8; ++p) scale[p] = kp.scales[static_cast<int64_t>(slots[l0 + std::min(p, count - 1)]) * Hkv + g];
+        sums = _mm256_mul_ps(sums, _mm256_load_ps(scale));
+      }
+      _mm256_store_ps(out, sums);
+      std::copy(out, out + count, scores + h * n + l0);
+    }
+  }
+}
+
+// The probability-weighted values of HC query heads (h0 ..) of KV group g over dims [8 c0, 8 (c0 + NC)),
+// in HC x NC registers; an int8 row's scale folded into each head's probability.
+template <typename T, int HC, int NC, bool Q8>
+void avx2_values_chunk(const float* scores, const Pool<T>& vp, const int32_t* slots, int64_t n, int64_t h0, int64_t g,
+                       int64_t off, bool first_pass, float* acc, int64_t HD) {
+  __m256 a[HC][NC];
+  for (int j = 0; j < HC; ++j)
+    for (int i = 0; i < NC; ++i) a[j][i] = _mm256_setzero_ps();
+  for (int64_t l = 0; l < n; ++l) {
+    if (first_pass && l + PREFETCH < n) vp.fetch(slots[l + PREFETCH]);
+    const int64_t slot = slots[l];
+    __m256 v[NC];
+    for (int i = 0; i < NC; ++i) v[i] = row8<T, Q8>(vp, slot, g * HD + off + 8 * i);
+    const float s = Q8 ? vp.scales[slot * vp.heads + g] : 1.f;
+    for (int j = 0; j < HC; ++j) {
+      const __m256 p = _mm256_set1_ps(scores[(h0 + j) * n + l] * s);
+      for (int i = 0; i < NC; ++i) a[j][i] = _mm256_fmadd_ps(p, v[i], a[j][i]);
+    }
+  }
+  for (int j = 0; j < HC; ++j)
+    for (int i = 0; i < NC; ++i) _mm256_storeu_ps(acc + (h0 + j) * HD + off + 8 * i, a[j][i]);
+}
+
+template <typename T, int HD, bool Q8>
+void avx2_values(const float* scores, const Pool<T>& vp, const int32_t* slots, int64_t n, int64_t Hq, int64_t Hkv,
+                 float* acc) {
+  constexpr int NC = 2;  // 16 dims a pass, for up to 4 heads of a group: each row converted about once
+  const int64_t group = Hq / Hkv;
+  for (int64_t g = 0; g < Hkv; ++g)
+    for (int64_t off = 0; off < HD; off += 8 * NC)
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {
+        const bool first = g == 0 && off == 0 && h0 == 0;
+        switch (std::min<int64_t>(4, (g + 1) * group - h0)) {
+          case 1: avx2_values_chunk<T, 1, NC, Q8>(scores, vp, slots, n, h0, g, off, first, acc, HD); break;
+          case 2: avx2_values_chunk<T, 2, NC, Q8>(scores, vp, slots, n, h0, g, off, first, acc, HD); break;
+          case 3: avx2_values_chunk<T, 3, NC, Q8>(scores, vp, slots, n, h0, g, off, first, acc, HD); break;
+          default: avx2_values_chunk<T, 4, NC, Q8>(scores, vp, slots, n, h0, g, off, first, acc, HD);
+        }
+      }
+}
+#endif
+
+// Whether the AVX2 paths take a pool of T (int8, float32 or bf16 rows) with head dim HD.
+template <typename T, int HD>
+constexpr bool avx2_takes() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return HD > 0 && HD % 32 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+#else
+  return false;
+#endif
+}
+
 // HD: the head dim as a compile-time constant (inner loops fully unrolled), 0 = read at run time.
 template <typename T, int HD>
 void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
@@ -304,7 +457,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
   const int64_t n_work = static_cast<int64_t>(work.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_work), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(Hq * D), row(W), scores;
+    std::vector<float> qf(Hq * D), row(W), scores, tmp;
     for (int64_t i = next++; i < n_work; i = next++) {
       const int64_t item = work[i];
       const int64_t b = item / splits, lo = (item % splits) * CHUNK;
@@ -314,6 +467,15 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
       for (auto& x : qf) x *= fscale;
       scores.resize(Hq * n);
       if (k8 || v8 || !bf16_scores<T, HD>(qp + b * Hq * D, kp, vp, slots, n, Hq, Hkv, fscale, scores.data())) {
+#if defined(__AVX2__) && defined(__FMA__)
+        if constexpr (avx2_takes<T, HD>()) {
+          tmp.resize(Hq * 64);
+          if (k8)
+            avx2_scores<T, HD, true>(qf.data(), kpool, slots, n, Hq, Hkv, scores.data(), tmp.data());
+          else
+            avx2_scores<T, HD, false>(qf.data(), kpool, slots, n, Hq, Hkv, scores.data(), tmp.data());
+        } else
+#endif
         for (int64_t l = 0; l < n; ++l) {
           if (l + PREFETCH < n) kpool.fetch(slots[l + PREFETCH]);
           kpool.load(slots[l], row.data());
@@ -333,6 +495,15 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
       for (int64_t h = 0; h < Hq; ++h) std::tie(mx[h], sum[h]) = softmax_numerators(scores.data() + h * n, n);
       float* acc = part_acc.data() + item * Hq * D;
       if (!v8 && bf16_values<T, HD>(scores.data(), vp, slots, n, Hq, Hkv, acc)) continue;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (avx2_takes<T, HD>()) {
+        if (v8)
+          avx2_values<T, HD, true>(scores.data(), vpool, slots, n, Hq, Hkv, acc);
+        else
+          avx2_values<T, HD, false>(scores.data(), vpool, slots, n, Hq, Hkv, acc);
+        continue;
+      }
+#endif
       std::fill(acc, acc + Hq * D, 0.f);
       for (int64_t l = 0; l < n; ++l) {
         if (l + PREFETCH < n) vpool.fetch(slots[l + PREFETCH]);
