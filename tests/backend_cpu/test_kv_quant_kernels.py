@@ -94,3 +94,28 @@ def test_the_cpu_backend_serves_an_int8_pool(kinds, dtype):
     assert kv.plan["cpu"].tok_rows is None  # a pure decode step: every row on the kernel
     check_int8_step(CpuBackend(), *MIXED, kinds, seed=5, dtype=dtype, window=16)
     check_int8_step(CpuBackend(), [1, 1, 1], [40, 3, 90], kinds, seed=6, dtype=dtype, window=16)
+
+
+@pytest.mark.parametrize("kinds", KINDS, ids="/".join)
+@pytest.mark.parametrize("window", [0, 16])
+def test_the_prefill_kernel_reads_an_int8_pool_as_its_bf16_values(avx512_emulated, kinds, window):
+    """The AVX512-BF16 prefill kernel (emulated here: ``avx512_emulated``) on an int8 pool gives, bit for
+    bit, its result on the bf16 pool holding the same values rounded (torch_native's reading)."""
+    gen = torch.Generator().manual_seed(11)
+    size, hkv, hq, d = 200, 2, 6, 64
+    table = torch.randperm(size, generator=gen).to(torch.int32).view(2, 100)
+    q = (torch.randn(60, hq, d, generator=gen) * 2).bfloat16()
+    pools, scales, dense = [], [], []
+    for kind in kinds:
+        x = (torch.randn(size, hkv, d, generator=gen) * 3).bfloat16()
+        if kind == "int8":
+            q8, s = quantize(x)
+            pools.append(q8), scales.append(s), dense.append(dequantize(q8, s, torch.bfloat16))
+        else:
+            pools.append(x), scales.append(None), dense.append(x)
+    # a fresh prompt of 23 rows, and 37 rows after a cached prefix of 50 positions
+    cols = [torch.tensor(c) for c in ([0, 1], [0, 23], [23, 37], [0, 50])]
+    op = avx512_emulated.prefill_attention
+    got = op(q, *pools, table, *cols, 0.125, window, *scales)
+    want = op(q, *dense, table, *cols, 0.125, window)
+    assert torch.equal(got, want)

@@ -47,18 +47,21 @@ class _CpuPlan(NamedTuple):
     chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
-def _prefill_kernel_runs(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """``astrai_cpu::prefill_attention`` takes the step's prefill rows (bf16, head dim 64 or 128, an
-    AVX512-BF16 build)."""
+def _prefill_kernel_runs(q: torch.Tensor, kv: KVCache) -> bool:
+    """``astrai_cpu::prefill_attention`` takes the step's prefill rows (bf16, a bf16 or int8 pool,
+    head dim 64 or 128, an AVX512-BF16 build)."""
     return (
         q.dtype == torch.bfloat16
-        and k_buf.dtype == torch.bfloat16
+        and all(
+            buf.dtype == (torch.bfloat16 if s is None else torch.int8)
+            for buf, s in ((kv.k_buffer, kv.k_scale), (kv.v_buffer, kv.v_scale))
+        )
         and q.shape[-1] in (64, 128)
         and _has_prefill_kernel()
     )
 
 
-def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
+def _cpu_plan(kv: KVCache, q: torch.Tensor) -> _CpuPlan:
     """Which rows go to which kernel (host facts only; ``q`` for its dtype and head dim)."""
     if kv.max_q_len == 1:  # a pure decode step: every request, in order
         return _CpuPlan(None, None, kv.req_pool_indices.long(), kv.seq_lens.long(), None)
@@ -78,7 +81,7 @@ def _cpu_plan(kv: KVCache, q: torch.Tensor, k_buf: torch.Tensor) -> _CpuPlan:
     lens = torch.repeat_interleave((seq_lens - q_lens)[short], n, output_size=total) + within + 1
     if bool(short.all()):  # every token, in order
         return _CpuPlan(None, None, rows, lens, None)
-    if not _prefill_kernel_runs(q, k_buf):
+    if not _prefill_kernel_runs(q, kv):
         return _CpuPlan(plan_step(kv, q.dtype), tok_rows, rows, lens, None)
     other = (~short).nonzero()[:, 0]
     chunks = (req_rows[other], starts[other], q_lens[other], (seq_lens - q_lens)[other])
@@ -124,7 +127,7 @@ class CpuBackend(TorchNativeBackend):
 
     def prepare(self, q: torch.Tensor, kv_cache: KVCache) -> None:
         """The step's split between the kernels and torch_native, kept in ``kv_cache.plan["cpu"]``."""
-        kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, kv_cache.k_buffer)
+        kv_cache.plan[self.name] = _cpu_plan(kv_cache, q)
 
     def store(
         self, x: torch.Tensor, buf: torch.Tensor, scale: torch.Tensor | None, kv_cache: KVCache
@@ -152,13 +155,13 @@ class CpuBackend(TorchNativeBackend):
     ) -> torch.Tensor:
         """After torch_native's K/V write: decode rows on ``paged_decode`` (a sliding window as the
         first position each request attends; int8 K/V with their ``scales``), the others on
-        ``prefill_attention`` where it runs (it takes the window; not an int8 pool), else as
+        ``prefill_attention`` where it runs (it takes the window and int8 K/V too), else as
         torch_native (its windowed plans). Soft-capped layers run as torch_native."""
         if softcap:  # no kernel caps its scores
             return super().attend_step(q, k, v, k_buf, v_buf, kv_cache, scale, window, softcap, scales)
         plan = kv_cache.plan.get(self.name)
         if plan is None:  # a direct call, without prepare()
-            plan = kv_cache.plan[self.name] = _cpu_plan(kv_cache, q, k_buf)
+            plan = kv_cache.plan[self.name] = _cpu_plan(kv_cache, q)
         if plan.rows.numel():
             dq = q if plan.tok_rows is None else q.index_select(0, plan.tok_rows)
             starts = (plan.seq_lens - window).clamp(min=0) if window else None
@@ -177,7 +180,7 @@ class CpuBackend(TorchNativeBackend):
                 return decoded
         if plan.chunks is not None:
             out = torch.ops.astrai_cpu.prefill_attention(
-                q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale, window
+                q, k_buf, v_buf, kv_cache.req_to_token, *plan.chunks, scale, window, *scales
             )
         else:
             native = (

@@ -48,6 +48,7 @@ bool has_prefill_attention();
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                              const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
                              const at::Tensor& q_lens, const at::Tensor& prefix_lens, double scale,
-                             int64_t window = 0);
+                             int64_t window = 0, const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                             const c10::optional<at::Tensor>& v_scale = c10::nullopt);
 
 }  // namespace astrai_cpu

@@ -354,23 +354,24 @@ void avx2_scores(const float* qf, const Pool<T>& kp, const int32_t* slots, int64
     }
     alignas(32) float out[8];
     alignas(32) float scale[8];
-    for (int64_t h = 0; h < Hq; ++h) {
-      __m256 v[8];
-      for (int p = 0; p < 8; ++p) v[p] = _mm256_loadu_ps(tmp + (h * 8 + p) * 8);
-      __m256 sums = astrai_cpu::reduce8(v);
-      if constexpr (Q8) {
-        const int64_t g = h / group;
+    for (int64_t g = 0, h = 0; g < Hkv; ++g) {
+      if constexpr (Q8)  // the 8 rows' scales of KV group g, gathered once for the group's heads
         for (int64_t p = 0; p < 8; ++p) scale[p] = kp.scales[static_cast<int64_t>(slots[l0 + std::min(p, count - 1)]) * Hkv + g];
-        sums = _mm256_mul_ps(sums, _mm256_load_ps(scale));
+      for (int64_t j = 0; j < group; ++j, ++h) {
+        __m256 v[8];
+        for (int p = 0; p < 8; ++p) v[p] = _mm256_loadu_ps(tmp + (h * 8 + p) * 8);
+        __m256 sums = astrai_cpu::reduce8(v);
+        if constexpr (Q8) sums = _mm256_mul_ps(sums, _mm256_load_ps(scale));
+        _mm256_store_ps(out, sums);
+        std::copy(out, out + count, scores + h * n + l0);
       }
-      _mm256_store_ps(out, sums);
-      std::copy(out, out + count, scores + h * n + l0);
     }
   }
 }
 
 // The probability-weighted values of HC query heads (h0 ..) of KV group g over dims [8 c0, 8 (c0 + NC)),
-// in HC x NC registers; an int8 row's scale folded into each head's probability.
+// in HC x NC registers; an int8 pool's probabilities come with each row's scale folded in
+// (avx2_fold_scales).
 template <typename T, int HC, int NC, bool Q8>
 void avx2_values_chunk(const float* scores, const Pool<T>& vp, const int32_t* slots, int64_t n, int64_t h0, int64_t g,
                        int64_t off, bool first_pass, float* acc, int64_t HD) {
@@ -382,14 +383,25 @@ void avx2_values_chunk(const float* scores, const Pool<T>& vp, const int32_t* sl
     const int64_t slot = slots[l];
     __m256 v[NC];
     for (int i = 0; i < NC; ++i) v[i] = row8<T, Q8>(vp, slot, g * HD + off + 8 * i);
-    const float s = Q8 ? vp.scales[slot * vp.heads + g] : 1.f;
-    for (int j = 0; j < HC; ++j) {
-      const __m256 p = _mm256_set1_ps(scores[(h0 + j) * n + l] * s);
+    for (int j = 0; j < HC; ++j) {  // (an int8 row's scale is in its probabilities already)
+      const __m256 p = _mm256_broadcast_ss(scores + (h0 + j) * n + l);
       for (int i = 0; i < NC; ++i) a[j][i] = _mm256_fmadd_ps(p, v[i], a[j][i]);
     }
   }
   for (int j = 0; j < HC; ++j)
     for (int i = 0; i < NC; ++i) _mm256_storeu_ps(acc + (h0 + j) * HD + off + 8 * i, a[j][i]);
+}
+
+// An int8 V pool's row scales folded into the probabilities: scores[h * n + l] *= scale of l's row
+// for h's KV group (once per position and head, not once per pass of avx2_values).
+template <typename T>
+void avx2_fold_scales(float* scores, const Pool<T>& vp, const int32_t* slots, int64_t n, int64_t Hq, int64_t Hkv) {
+  const int64_t group = Hq / Hkv;
+  for (int64_t l = 0; l < n; ++l) {
+    const float* s = vp.scales + static_cast<int64_t>(slots[l]) * Hkv;
+    for (int64_t g = 0, h = 0; g < Hkv; ++g)
+      for (int64_t j = 0; j < group; ++j, ++h) scores[h * n + l] *= s[g];
+  }
 }
 
 template <typename T, int HD, bool Q8>
@@ -497,6 +509,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
       if (!v8 && bf16_values<T, HD>(scores.data(), vp, slots, n, Hq, Hkv, acc)) continue;
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (avx2_takes<T, HD>()) {
+        if (v8) avx2_fold_scales<T>(scores.data(), vpool, slots, n, Hq, Hkv);
         if (v8)
           avx2_values<T, HD, true>(scores.data(), vpool, slots, n, Hq, Hkv, acc);
         else

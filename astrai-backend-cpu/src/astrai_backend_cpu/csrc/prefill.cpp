@@ -20,6 +20,10 @@
 // time, those with the most keys first. SmolLM2's shapes, one 512-token prompt: 1.2 ms against
 // SDPA's 4-6 ms on 2 cores.
 //
+// An int8 pool (k_scale / v_scale [size, Hkv] given: astrai.kvcache.quant) is read as q * scale
+// rounded once to bf16, the values torch_native's reference attends to, as each key is packed; K's
+// and V's independently.
+//
 // Built where the compiler targets AVX512-BF16 (has_prefill_attention()), for head dims 64 and
 // 128; the backend keeps torch_native's paths for everything else.
 #include <torch/library.h>
@@ -46,6 +50,24 @@ struct Chunk {
   int64_t q0, n, start, keys, offset;  // first row of q, rows, prefix, keys (prefix + rows), offset in the packs
   int64_t k0;                          // the first key packed (a multiple of BLOCK; 0 without a window)
   const int32_t* slots;                // the request's slots from position 0
+};
+
+// One KV head of a layer's K or V pool: bf16 rows, or int8 rows and their scales (q8 non-null).
+struct PoolHead {
+  const at::BFloat16* rows;
+  const int8_t* q8;
+  const float* scales;  // the head's scale of slot s at scales[s * heads]
+  int64_t W, heads;
+
+  // the head's D values of `slot` as bf16: in the pool, or (int8) q * scale rounded into tmp
+  template <int D>
+  const at::BFloat16* row(int64_t slot, at::BFloat16* tmp) const {
+    if (q8 == nullptr) return rows + slot * W;
+    const int8_t* src = q8 + slot * W;
+    const float s = scales[slot * heads];
+    for (int d = 0; d < D; ++d) tmp[d] = at::BFloat16(static_cast<float>(src[d]) * s);
+    return tmp;
+  }
 };
 
 #if defined(__AVX512BF16__)
@@ -81,23 +103,26 @@ inline void transpose16(__m512i* r) {
 // keys are never attended: they follow every query). K: each tile's 16 rows, as pairs of dims,
 // transposed in registers; V: each pair of rows interleaved 16 dims at a time.
 template <int D>
-void pack_kv(const at::BFloat16* k_pool, const at::BFloat16* v_pool, int64_t W, const int32_t* slots, int64_t n,
-             int64_t padded, at::BFloat16* kp, at::BFloat16* vp) {
+void pack_kv(const PoolHead& kh, const PoolHead& vh, const int32_t* slots, int64_t n, int64_t padded, at::BFloat16* kp,
+             at::BFloat16* vp) {
+  alignas(64) at::BFloat16 tmp[16][D];  // an int8 pool's rows of one tile (K) or pair (V), as bf16
   for (int64_t tile = 0; tile < padded / 16; ++tile) {
+    const at::BFloat16* rows[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t key = tile * 16 + i;
+      rows[i] = key < n ? kh.row<D>(slots[key], tmp[i]) : nullptr;
+    }
     for (int half = 0; half < D / 32; ++half) {  // 16 pairs of dims at a time
       __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t key = tile * 16 + i;
-        r[i] = key < n ? _mm512_loadu_si512(k_pool + static_cast<int64_t>(slots[key]) * W + half * 32) : _mm512_setzero_si512();
-      }
+      for (int i = 0; i < 16; ++i) r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + half * 32) : _mm512_setzero_si512();
       transpose16(r);  // r[p]: pair p of the half for the 16 keys
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + ((tile * (D / 2) + half * 16 + p) * 16) * 2, r[p]);
     }
   }
   for (int64_t pair = 0; pair < padded / 2; ++pair) {
     const int64_t k0 = 2 * pair, k1 = k0 + 1;
-    const at::BFloat16* a = k0 < n ? v_pool + static_cast<int64_t>(slots[k0]) * W : nullptr;
-    const at::BFloat16* b = k1 < n ? v_pool + static_cast<int64_t>(slots[k1]) * W : nullptr;
+    const at::BFloat16* a = k0 < n ? vh.row<D>(slots[k0], tmp[0]) : nullptr;
+    const at::BFloat16* b = k1 < n ? vh.row<D>(slots[k1], tmp[1]) : nullptr;
     for (int t = 0; t < D / 16; ++t) {
       const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * t))) : _mm512_setzero_si512();
       const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * t))) : _mm512_setzero_si512();
@@ -212,8 +237,8 @@ struct Item {
 };
 
 template <int D>
-void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, const std::vector<Chunk>& chunks,
-             int64_t window, double scale, at::Tensor& out) {
+void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& k_scale,
+             const at::Tensor& v_scale, const std::vector<Chunk>& chunks, int64_t window, double scale, at::Tensor& out) {
   const int64_t Hq = q.size(1), Hkv = k_buffer.size(1), group = Hq / Hkv, W = Hkv * D;
   const int64_t B = static_cast<int64_t>(chunks.size());
   const auto packed_keys = [](const Chunk& c) { return (c.keys - c.k0 + BLOCK - 1) / BLOCK * BLOCK; };
@@ -221,14 +246,17 @@ void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& 
   auto packed = at::empty({2, Hkv, total * D}, q.options());
   auto* kp = packed.data_ptr<at::BFloat16>();
   auto* vp = kp + Hkv * total * D;
-  const auto* k_pool = k_buffer.data_ptr<at::BFloat16>();
-  const auto* v_pool = v_buffer.data_ptr<at::BFloat16>();
+  // KV head g of a pool: its bf16 rows, or its int8 rows and scales
+  const auto head = [&](const at::Tensor& buf, const at::Tensor& s, int64_t g) {
+    if (!s.defined()) return PoolHead{buf.data_ptr<at::BFloat16>() + g * D, nullptr, nullptr, W, Hkv};
+    return PoolHead{nullptr, buf.data_ptr<int8_t>() + g * D, s.data_ptr<float>() + g, W, Hkv};
+  };
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& c = chunks[i / Hkv];
       const int64_t g = i % Hkv;
-      pack_kv<D>(k_pool + g * D, v_pool + g * D, W, c.slots + c.k0, c.keys - c.k0, packed_keys(c),
-                 kp + (g * total + c.offset) * D, vp + (g * total + c.offset) * D);
+      pack_kv<D>(head(k_buffer, k_scale, g), head(v_buffer, v_scale, g), c.slots + c.k0, c.keys - c.k0,
+                 packed_keys(c), kp + (g * total + c.offset) * D, vp + (g * total + c.offset) * D);
     }
   });
   std::vector<Item> items;
@@ -270,14 +298,26 @@ bool has_prefill_attention() {
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                              const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
-                             const at::Tensor& q_lens, const at::Tensor& prefix_lens, double scale, int64_t window) {
+                             const at::Tensor& q_lens, const at::Tensor& prefix_lens, double scale, int64_t window,
+                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(has_prefill_attention(), "prefill_attention: built without AVX512-BF16");
   TORCH_CHECK(window >= 0 && window <= (int64_t{1} << 30), "prefill_attention: window must be in [0, 2^30] (0: none)");
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes() && q.size(2) == k_buffer.size(2) &&
                   k_buffer.size(1) > 0 && q.size(1) % k_buffer.size(1) == 0,
               "prefill_attention: q [T, Hq, D], k_buffer/v_buffer [size, Hkv, D] with Hq a multiple of Hkv");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buffer.scalar_type() == at::kBFloat16 &&
-                  v_buffer.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
+  // a pool is bf16, or int8 with its float32 scales [size, Hkv]
+  const auto scales_of = [&](const at::Tensor& buf, const c10::optional<at::Tensor>& s) {
+    if (!s.has_value()) {
+      TORCH_CHECK(buf.scalar_type() == at::kBFloat16, "prefill_attention: a pool is bf16, or int8 with its scales");
+      return at::Tensor();
+    }
+    TORCH_CHECK(buf.scalar_type() == at::kChar && s->scalar_type() == at::kFloat && s->dim() == 2 &&
+                    s->size(0) == buf.size(0) && s->size(1) == buf.size(1),
+                "prefill_attention: an int8 pool needs float32 scales [size, Hkv]");
+    return s->contiguous();
+  };
+  const at::Tensor ks = scales_of(k_buffer, k_scale), vs = scales_of(v_buffer, v_scale);
   TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "prefill_attention: head dim 64 or 128");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_buffer.is_contiguous() && v_buffer.is_contiguous(),
               "prefill_attention: q's heads and the buffers must be contiguous (q's rows may be strided)");
@@ -310,9 +350,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, co
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 #if defined(__AVX512BF16__)
   if (q.size(2) == 64) {
-    prefill<64>(q, k_buffer, v_buffer, chunks, window, scale, out);
+    prefill<64>(q, k_buffer, v_buffer, ks, vs, chunks, window, scale, out);
   } else {
-    prefill<128>(q, k_buffer, v_buffer, chunks, window, scale, out);
+    prefill<128>(q, k_buffer, v_buffer, ks, vs, chunks, window, scale, out);
   }
 #endif
   return out;
@@ -323,7 +363,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, co
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("has_prefill_attention() -> bool", &astrai_cpu::has_prefill_attention);
   m.def("prefill_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, "
-        "Tensor q_starts, Tensor q_lens, Tensor prefix_lens, float scale, int window=0) -> Tensor");
+        "Tensor q_starts, Tensor q_lens, Tensor prefix_lens, float scale, int window=0, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("prefill_attention", &astrai_cpu::prefill_attention); }
