@@ -79,8 +79,9 @@ struct Pool {
   const float* scales;  // [size, Hkv] with q8
   int64_t W, heads, D;
 
-  // the slot's row (and scales) on its way into L1
+  // the slot's row (and scales) on its way into L1; into L2 with fetch_l2
   void fetch(int64_t slot) const;
+  void fetch_l2(int64_t slot) const;
   void load(int64_t slot, float* dst) const {
     if (q8 != nullptr)
       load_q8(q8 + slot * W, scales + slot * heads, dst, heads, D);
@@ -107,6 +108,16 @@ void Pool<T>::fetch(int64_t slot) const {
 inline void prefetch_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
+template <typename T>
+void Pool<T>::fetch_l2(int64_t slot) const {
+  if (q8 == nullptr) {
+    prefetch_l2(rows + slot * W, W * static_cast<int64_t>(sizeof(T)));
+  } else {
+    prefetch_l2(q8 + slot * W, W);
+    __builtin_prefetch(scales + slot * heads, 0, 2);
+  }
 }
 
 // softmax_numerators(s, n): in place, s[l] = exp(s[l] - max(s)) for l < n; returns (max, sum of
@@ -316,15 +327,18 @@ inline __m256 row8(const Pool<T>& pool, int64_t slot, int64_t at) {
 // sums reduce8 turns into the block's 8 scores of a head at once. A key row's chunks are converted
 // once for the query heads of its group (head dims up to 64; longer rows chunk by chunk per head).
 template <typename T, int HD, bool Q8>
-void avx2_scores(const float* qf, const Pool<T>& kp, const int32_t* slots, int64_t n, int64_t Hq, int64_t Hkv,
-                 float* scores, float* tmp) {
+void avx2_scores(const float* qf, const Pool<T>& kp, const Pool<T>& vp, const int32_t* slots, int64_t n, int64_t Hq,
+                 int64_t Hkv, float* scores, float* tmp) {
   constexpr int NV = HD / 8;
   const int64_t group = Hq / Hkv;
   for (int64_t l0 = 0; l0 < n; l0 += 8) {
     const int64_t count = std::min<int64_t>(8, n - l0);
     for (int64_t p = 0; p < 8; ++p) {
       const int64_t l = l0 + std::min(p, count - 1);  // a short block repeats its last row
-      if (p < count && l + PREFETCH < n) kp.fetch(slots[l + PREFETCH]);
+      if (p < count) {  // the key row PREFETCH positions ahead into L1; this value row into L2, for avx2_values
+        if (l + PREFETCH < n) kp.fetch(slots[l + PREFETCH]);
+        vp.fetch_l2(slots[l]);
+      }
       const int64_t slot = slots[l];
       for (int64_t g = 0; g < Hkv; ++g) {
         if constexpr (NV <= 8) {
@@ -362,8 +376,12 @@ void avx2_scores(const float* qf, const Pool<T>& kp, const int32_t* slots, int64
         for (int p = 0; p < 8; ++p) v[p] = _mm256_loadu_ps(tmp + (h * 8 + p) * 8);
         __m256 sums = astrai_cpu::reduce8(v);
         if constexpr (Q8) sums = _mm256_mul_ps(sums, _mm256_load_ps(scale));
-        _mm256_store_ps(out, sums);
-        std::copy(out, out + count, scores + h * n + l0);
+        if (count == 8) {
+          _mm256_storeu_ps(scores + h * n + l0, sums);
+        } else {
+          _mm256_store_ps(out, sums);
+          for (int64_t p = 0; p < count; ++p) scores[h * n + l0 + p] = out[p];
+        }
       }
     }
   }
@@ -483,9 +501,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v
         if constexpr (avx2_takes<T, HD>()) {
           tmp.resize(Hq * 64);
           if (k8)
-            avx2_scores<T, HD, true>(qf.data(), kpool, slots, n, Hq, Hkv, scores.data(), tmp.data());
+            avx2_scores<T, HD, true>(qf.data(), kpool, vpool, slots, n, Hq, Hkv, scores.data(), tmp.data());
           else
-            avx2_scores<T, HD, false>(qf.data(), kpool, slots, n, Hq, Hkv, scores.data(), tmp.data());
+            avx2_scores<T, HD, false>(qf.data(), kpool, vpool, slots, n, Hq, Hkv, scores.data(), tmp.data());
         } else
 #endif
         for (int64_t l = 0; l < n; ++l) {
