@@ -103,18 +103,9 @@ def test_a_restarted_server_loads_the_cached_prefix_from_disk(servers, start_ser
             "attention backend 'cuda' (from EngineConfig.attention_backend) cannot serve --kv-cache-dtype "
             "int8/int8 (K/V); backends that can: cpu, torch_native",
         ),
-        (
-            ("--kv-cache-dtype-v", "int8", "--tensor-parallel-size", "2"),
-            "--kv-cache-dtype auto/int8 (K/V) is not supported under tensor parallelism",
-        ),
         (("--kv-cache-dtype", "fp8"), "argument --kv-cache-dtype: invalid choice: 'fp8'"),
-        (("--kv-cache-dir", "/tmp/x", "--no-prefix-caching"), "they need --paged and --prefix-caching"),
-        (
-            ("--kv-cache-host-memory", "1GiB", "--tensor-parallel-size", "2"),
-            "not supported under tensor parallelism",
-        ),
     ],
-    ids=["cuda", "tensor-parallel", "unknown", "tiers-without-prefix-cache", "tiers-tensor-parallel"],
+    ids=["cuda", "unknown"],
 )
 def test_a_kv_cache_the_start_cannot_serve_exits_2(flags, message):
     proc = subprocess.run(
@@ -122,3 +113,28 @@ def test_a_kv_cache_the_start_cannot_serve_exits_2(flags, message):
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            {"kv_cache_dtype_v": "int8", "tensor_parallel_size": 2},
+            "--kv-cache-dtype auto/int8 (K/V) is not supported under tensor parallelism",
+        ),
+        ({"kv_cache_dir": "/tmp/x", "prefix_caching": False}, "they need --paged and --prefix-caching"),
+        (
+            {"kv_cache_host_memory": "1GiB", "tensor_parallel_size": 2},
+            "not supported under tensor parallelism",
+        ),
+    ],
+    ids=["int8-tensor-parallel", "tiers-without-prefix-cache", "tiers-tensor-parallel"],
+)
+def test_the_start_refuses_the_other_caches_it_cannot_serve(settings, message):
+    """The same check as the exit-2 starts above (``ConfigError`` is exit 2), in this process."""
+    from astrai_server.cli import _check_kv_cache
+    from astrai_server.config import ServerSettings
+    from astrai_server.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _check_kv_cache(ServerSettings(**settings))
