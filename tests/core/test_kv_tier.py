@@ -202,10 +202,16 @@ def test_concurrent_eviction_and_hits_under_load_lose_nothing(real_model, tmp_pa
 
 
 def _all(engine, prompts, tokens=6):
+    """Greedy results of ``prompts``, all queued while the scheduler waits, so that every run steps
+    the same batches (and a kernel whose rounding depends on the batch still gives the same ids)."""
     from astrai.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    held, go = threading.Event(), threading.Event()
+    engine.scheduler.call_soon(lambda: (held.set(), go.wait(30)))
+    assert held.wait(30)
     results = [engine.submit(_ids(engine, p), params) for p in prompts]
+    go.set()
     for r in results:
         r.wait_completion()
         r.raise_for_error()
