@@ -145,11 +145,9 @@ def test_the_model_offers_each_step_to_decoder_layers_and_runs_its_layers_on_non
     kernel_registry({"cpu": {"decoder_layers": lambda *args: seen.append(args) and None}})
     assert torch.equal(step(), layers)  # declined: the layers ran
     model, x, freqs, kv = seen[0]
-    assert (
-        model is tiny_model
-        and x.shape == (3, cfg.hidden_size)
-        and freqs.shape == (1, 3, cfg.head_dim // 2, 2)
-    )
+    # the model's RoPE table, then its local layers' (the same one for a model without)
+    assert model is tiny_model and x.shape == (3, cfg.hidden_size) and len(freqs) == 2
+    assert all(f.shape == (1, 3, cfg.head_dim // 2, 2) for f in freqs) and torch.equal(freqs[0], freqs[1])
     assert kv.num_tokens == 3
     kernel_registry({"cpu": {"decoder_layers": lambda model, x, *_: torch.zeros_like(x)}})
     taken = step()  # its hidden states replace the layers': the final norm of zeros is zeros

@@ -162,8 +162,9 @@ def fused_kernels(backend: type) -> dict[str, Kernel]:
     if quant is not None:
         lent["quant_linear"] = quant
         lent["quant_experts"] = QuantExpertsKernel(quant)
+    linear = None
     if ops.has_linear_packed():  # the compiler targeted AVX512-BF16: small-batch GEMMs at the read bandwidth
-        linear = LinearKernel()
-        lent["linear"] = linear
-        lent["decoder_layers"] = DecoderLayersKernel(linear, quant, backend)  # on the same packed weights
+        linear = lent["linear"] = LinearKernel()
+    if linear is not None or quant is not None:  # on the same packed weights
+        lent["decoder_layers"] = DecoderLayersKernel(linear, quant, backend)
     return lent

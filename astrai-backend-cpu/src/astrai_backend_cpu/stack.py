@@ -1,15 +1,16 @@
 """The ``decoder_layers`` kernel: a decode step's decoder layers in one C++ call.
 
-Run layer by layer from Python, a SmolLM2 decode step at batch 1 spends about 6 ms in its GEMVs
-and another 1.5-2 ms dispatching the dozen small calls of each of its 30 layers.
+Run layer by layer from Python, a SmolLM2 decode step at batch 1 spends about as long dispatching
+the dozen small calls of each of its 30 layers as in its GEMVs (7 ms each on 2 AVX2 cores, float32).
 ``astrai_cpu.DecodeStack`` (``csrc/decode_stack.cpp``) makes the same calls from C++, with
 the GIL released: bit for bit the layers' result on this plugin's kernels.
 
-It runs a step only when the layer-by-layer path would run it on these same kernels: bf16,
-tokens that all decode (no more than its linears' kernels take: ``DecoderLayersKernel``), the step's attention
+It runs a step only when the layer-by-layer path would run it on these same kernels: bf16 or
+float32 (the model's dtype, with the K/V pool in it or in int8), tokens that all decode (no more than its linears' kernels take: ``DecoderLayersKernel``), the step's attention
 backend this plugin's own (``KVCache.backend``), and a model whose ``decoder_stack()``
-describes stock layers with fused projections on bf16 ``PackedLinear``s or GGUF weights kept
-quantized (sliding-window layers included: each layer's window goes to the stack, which starts
+describes its layers (``astrai.model.stack``: Llama-family and Gemma layers) with fused projections
+on bf16 ``PackedLinear``s or GGUF weights kept quantized, in one or more formats (sliding-window
+layers and layer groups included: each layer's window goes to the stack, which starts
 their ``paged_decode`` at each request's first position in it, as the backend's decode rows do);
 otherwise it returns ``None`` and the model runs its layers.
 
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
 class DecoderLayersKernel:
     """``kernel(model, x, freqs, kv_cache)``: ``decoder_layers``'s contract (``AttentionBackend.kernels``).
 
-    ``linear`` is the plugin's ``linear`` kernel: the stack shares the weights it packs for
-    ``PackedLinear`` (no further copy); ``quant`` its ``quant_linear`` kernel (``None``: the build
+    ``linear`` is the plugin's ``linear`` kernel (``None``: the build has none, no AVX512-BF16): the
+    stack shares the weights it packs for ``PackedLinear`` (no further copy); ``quant`` its ``quant_linear`` kernel (``None``: the build
     has none), which the model's quantized linears run on. ``backend`` is the attention backend
     class whose steps it runs (``CpuBackend``; not a subclass, which may attend differently). One
     ``DecodeStack`` per model, built on first use. A step runs on it when it has no more rows
@@ -52,12 +53,14 @@ class DecoderLayersKernel:
         self._backend = backend
         self._stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __call__(self, model, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
+    def __call__(
+        self, model, x: torch.Tensor, freqs: list[torch.Tensor], kv_cache: KVCache
+    ) -> torch.Tensor | None:
         t = x.shape[0]
         if (
-            x.dtype != torch.bfloat16
-            or any(  # bf16 K/V, or int8 with their scales (astrai.kvcache.quant)
-                buf.dtype != (torch.bfloat16 if scale is None else torch.int8)
+            x.dtype not in (torch.bfloat16, torch.float32)
+            or any(  # K/V in the model's dtype, or int8 with their scales (astrai.kvcache.quant)
+                buf.dtype != (x.dtype if scale is None else torch.int8)
                 for buf, scale in (
                     (kv_cache.k_buffer, kv_cache.k_scale),
                     (kv_cache.v_buffer, kv_cache.v_scale),
@@ -79,20 +82,27 @@ class DecoderLayersKernel:
                 return None
             rows, seq_lens = plan.rows, plan.seq_lens
         try:
-            stack, kinds = self._stacks[model]
+            stack, kinds, dtype = self._stacks[model]
         except KeyError:
-            stack, kinds = self._stacks[model] = self._build(model)
-        if stack is None or any(limit is not None and t > limit for limit in self._row_limits(kinds)):
+            stack, kinds, dtype = self._stacks[model] = self._build(model)
+        if (
+            stack is None
+            or dtype != x.dtype
+            or any(limit is not None and t > limit for limit in self._row_limits(kinds))
+        ):
             return None
+        groups = getattr(kv_cache, "groups", None) or (kv_cache,)  # layer groups (astrai.kvcache.layout)
+        slots = [i for slot in getattr(kv_cache, "layer_slots", None) or () for i in slot]
         return stack.forward(
             x,
-            freqs.reshape(t, -1, 2),
+            [f.reshape(t, -1, 2) for f in freqs],
             kv_cache.k_buffer,
             kv_cache.v_buffer,
-            kv_cache.req_to_token,
+            [g.req_to_token for g in groups],
             rows,
             seq_lens,
-            kv_cache.out_cache_loc,
+            [g.out_cache_loc for g in groups],
+            slots,
             kv_cache.k_scale,
             kv_cache.v_scale,
         )
@@ -106,27 +116,33 @@ class DecoderLayersKernel:
             limits.append(0 if self._quant is None else self._quant.max_rows)
         return limits
 
-    def _build(self, model) -> tuple[object | None, frozenset[str]]:
-        """The model's ``DecodeStack`` (``None`` when its ``decoder_stack()`` is not what it runs)
-        and the kinds of its linears ("dense", "quant")."""
+    def _build(self, model) -> tuple[object | None, frozenset[str], torch.dtype | None]:
+        """The model's ``DecodeStack`` (``None`` when its ``decoder_stack()`` is not what it runs),
+        the kinds of its linears ("dense", "quant") and the dtype it runs in."""
         describe = getattr(model, "decoder_stack", None)
         spec = describe() if callable(describe) else None
         if spec is None:
-            return None, frozenset()
-        packed, layouts, kinds = [], [], set()
+            return None, frozenset(), None
+        dtype = spec.norms[0].dtype
+        packed, layouts, segments, kinds = [], [], [], set()
         for lin in spec.linears:
-            if isinstance(lin, PackedLinear) and lin.weight.dtype == torch.bfloat16:
+            if (
+                isinstance(lin, PackedLinear)
+                and lin.weight.dtype == torch.bfloat16
+                and self._linear is not None
+            ):
                 packed.append(lin.packed_for(self._linear)[0])
                 layouts += [0] * 7
+                segments.append(1)
                 kinds.add("dense")
-            elif isinstance(lin, QuantizedLinear) and len(lin.layouts) == 1:  # one format: one kernel call
-                packed.append(lin.segments[0][0])
-                layouts += lin.layouts[0].ints()
+            elif isinstance(lin, QuantizedLinear) and self._quant is not None and dtype in self._quant.dtypes:
+                for part, layout in lin.segments:  # each format's rows: one kernel call
+                    packed.append(part)
+                    layouts += layout.ints()
+                segments.append(len(lin.layouts))
                 kinds.add("quant")
             else:
-                return None, frozenset()
-        norms = [w.detach().to(torch.bfloat16).contiguous() for w in spec.norms]
-        biases = [b.detach().to(torch.bfloat16).contiguous() for b in spec.qkv_biases]
+                return None, frozenset(), None
         stack = torch.classes.astrai_cpu.DecodeStack(
             spec.n_heads,
             spec.n_kv_heads,
@@ -134,10 +150,13 @@ class DecoderLayersKernel:
             spec.intermediate_size,
             spec.eps,
             spec.scale,
-            norms,
+            list(spec.norms),
             packed,
-            biases,
+            list(spec.qkv_biases),
             layouts,
             list(spec.windows),
+            [int(spec.sandwich), int(spec.qk_norm), int(spec.gelu)],
+            segments,
+            list(spec.tables),
         )
-        return stack, frozenset(kinds)
+        return stack, frozenset(kinds), dtype

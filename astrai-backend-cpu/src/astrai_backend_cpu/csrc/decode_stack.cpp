@@ -1,17 +1,18 @@
-// astrai_cpu.DecodeStack: every decoder layer of a Llama-family model on a decode step, in one call
-// from Python.
+// astrai_cpu.DecodeStack: every decoder layer of a decode step in one call from Python: the stock
+// pre-norm layer (Llama, SmolLM2, Qwen2/3, Mistral) or Gemma's sandwich-normed one, with or
+// without per-head q/k norms, SwiGLU or GeGLU, sliding windows and layer groups.
 //
-// A decode step at batch 1 spends about 6 ms in its 120 GEMVs and, run layer by layer from
-// Python, another 1.5-2 ms dispatching the dozen small calls of each layer (norms, RoPE, the K/V
-// write, attention, SiLU-and-multiply, residual adds, views and splits). Here the same calls are
-// made from C++: the plugin's own kernels directly (kernels.h), SiLU and the products through
-// ATen, in the order and with the roundings of the Python layers (astrai.model.llama), so the
-// result is bit for bit the layer-by-layer one on the same kernels.
+// Run layer by layer from Python, a decode step at batch 1 spends as long dispatching each
+// layer's dozen small calls (norms, RoPE, the K/V write, attention, the activation, residual
+// adds, views and splits) as in its GEMVs on an AVX2 CPU (SmolLM2: about 7 ms of each). Here the
+// same calls are made from C++: the plugin's own kernels directly (kernels.h), the activation,
+// float32 RoPE and the products through ATen, in the order and with the roundings of the Python
+// layers (astrai.model.layers), so the result is bit for bit the layer-by-layer one on the same
+// kernels.
 //
-// Built once per model from its weights (the linears already packed for linear_packed, or GGUF
-// weights kept quantized, for quant_linear) and each layer's sliding window (Mistral, Ministral:
-// paged_decode then starts each request at the first position its window holds), then
-// called once per decode step with the step's pool view. The GIL is released for the call.
+// Built once per model from its weights (bf16 linears packed for linear_packed, or GGUF weights
+// kept quantized, for quant_linear, in bf16 or float32), then called once per decode step with
+// the step's pool view. The GIL is released for the call.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -35,89 +36,169 @@ auto traced(const char* name, F&& f) {
   return f();
 }
 
+// rotate_torch's rotation (astrai.extension.backend.rotary) of x [B, H, D] by freqs [B, D / 2, 2]:
+// the rotary kernel on bf16 rows (the layers' kernel there), ATen's complex product on float32
+// ones (the layers' ops there, so the same bits).
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& freqs) {
+  if (x.scalar_type() == at::kBFloat16) {
+    return traced("astrai_cpu::rotary", [&] { return rotary(x.stride(1) == x.size(2) ? x : x.contiguous(), freqs); });
+  }
+  const int64_t B = x.size(0), H = x.size(1), D = x.size(2);
+  const at::Tensor pairs = at::view_as_complex(x.reshape({B, H, D / 2, 2}).contiguous());
+  return at::view_as_real(pairs * at::view_as_complex(freqs).unsqueeze(1)).flatten(-2);
+}
+
+// What the layers are (DecodeStack's options): the stock pre-norm layer, or Gemma's sandwich
+// (norms after attention and after the MLP too); per-head norms on q and k before RoPE or none;
+// SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) on the gate.
+enum Option : int64_t { SANDWICH = 0, QK_NORM = 1, GELU = 2, N_OPTIONS = 3 };
+
 struct DecodeStack : torch::CustomClassHolder {
   int64_t n_heads, n_kv_heads, head_dim, intermediate, n_layers;
   double eps, scale;
-  std::vector<at::Tensor> norms;   // 2 per layer: input norm, post-attention norm, [hidden] bf16
-  std::vector<at::Tensor> packed;  // 4 per layer, linear_pack layout: qkv, o, gate_up, down
-  std::vector<at::Tensor> qkv_bias;  // none, or 1 per layer [(Hq + 2 Hkv) D] bf16
-  // per packed weight, 7 integers: zeros for the linear_pack layout, else the quant_linear layout
+  bool sandwich, qk_norm, gelu;
+  // per layer, in the model's dtype: input norm, post-attention norm; then (sandwich) pre- and
+  // post-feed-forward norms [hidden]; then (qk_norm) q and k norms [head_dim]
+  std::vector<at::Tensor> norms;
+  int64_t norms_per_layer;
+  // 4 linears per layer (qkv, o, gate_up, down), each one or more segments whose outputs sit
+  // side by side: linear i is segments first[i] .. first[i + 1] - 1 of packed
+  std::vector<at::Tensor> packed;
+  std::vector<int64_t> first;
+  std::vector<at::Tensor> qkv_bias;  // none, or 1 per layer [(Hq + 2 Hkv) D]
+  // per segment, 7 integers: zeros for the linear_pack layout (bf16), else the quant_linear layout
   // (quant.cpp: n, k, bits, group, has_min, f16_scales, signed) of GGUF weights kept quantized
   std::vector<std::vector<int64_t>> layouts;
   // per layer: its sliding window (0: every position), a request attending from seq_len - window;
   // empty: no layer has one
   std::vector<int64_t> windows;
+  std::vector<int64_t> tables;  // per layer: which of forward's RoPE tables turns it; empty: the first
 
   DecodeStack(int64_t n_heads_, int64_t n_kv_heads_, int64_t head_dim_, int64_t intermediate_, double eps_,
               double scale_, std::vector<at::Tensor> norms_, std::vector<at::Tensor> packed_,
-              std::vector<at::Tensor> qkv_bias_, std::vector<int64_t> layouts_, std::vector<int64_t> windows_)
-      : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(head_dim_), intermediate(intermediate_),
-        n_layers(static_cast<int64_t>(norms_.size()) / 2), eps(eps_), scale(scale_), norms(std::move(norms_)),
-        packed(std::move(packed_)), qkv_bias(std::move(qkv_bias_)), windows(std::move(windows_)) {
+              std::vector<at::Tensor> qkv_bias_, std::vector<int64_t> layouts_, std::vector<int64_t> windows_,
+              std::vector<int64_t> options, std::vector<int64_t> segments, std::vector<int64_t> tables_)
+      : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(head_dim_), intermediate(intermediate_), eps(eps_),
+        scale(scale_), norms(std::move(norms_)), packed(std::move(packed_)), qkv_bias(std::move(qkv_bias_)),
+        windows(std::move(windows_)), tables(std::move(tables_)) {
+    TORCH_CHECK(options.size() == N_OPTIONS, "DecodeStack: options are (sandwich, qk_norm, gelu)");
+    sandwich = options[SANDWICH] != 0, qk_norm = options[QK_NORM] != 0, gelu = options[GELU] != 0;
+    norms_per_layer = 2 + (sandwich ? 2 : 0) + (qk_norm ? 2 : 0);
+    TORCH_CHECK(!norms.empty() && norms.size() % norms_per_layer == 0, "DecodeStack: ", norms_per_layer,
+                " norms per layer");
+    n_layers = static_cast<int64_t>(norms.size()) / norms_per_layer;
+    if (segments.empty()) segments.assign(4 * n_layers, 1);
+    TORCH_CHECK(segments.size() == static_cast<size_t>(4 * n_layers), "DecodeStack: 4 linears per layer");
+    first.assign(1, 0);
+    for (const int64_t c : segments) {
+      TORCH_CHECK(c >= 1, "DecodeStack: a linear has at least one segment");
+      first.push_back(first.back() + c);
+    }
+    TORCH_CHECK(packed.size() == static_cast<size_t>(first.back()), "DecodeStack: one packed tensor per segment");
     TORCH_CHECK(layouts_.empty() || layouts_.size() == 7 * packed.size(),
-                "DecodeStack: no layouts, or 7 integers per packed weight");
+                "DecodeStack: no layouts, or 7 integers per packed segment");
+    const at::ScalarType dtype = norms.front().scalar_type();
+    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "DecodeStack: a bf16 or float32 model");
     for (size_t i = 0; i < packed.size(); ++i) {
       layouts.emplace_back(layouts_.empty() ? std::vector<int64_t>(7, 0)
                                             : std::vector<int64_t>(layouts_.begin() + 7 * i, layouts_.begin() + 7 * i + 7));
+      if (layouts.back()[0] == 0) {
+        TORCH_CHECK(has_linear_packed() && dtype == at::kBFloat16,
+                    "DecodeStack: dense (linear_pack) weights need AVX512-BF16 and a bf16 model");
+      } else {
+        TORCH_CHECK(has_quant_linear(), "DecodeStack: built without quant_linear");
+      }
     }
-    TORCH_CHECK(has_linear_packed(), "DecodeStack: built without AVX512-BF16 (no linear_packed)");
     TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
                 "DecodeStack: n_heads must be a multiple of n_kv_heads and head_dim even");
-    TORCH_CHECK(n_layers > 0 && norms.size() == static_cast<size_t>(2 * n_layers) &&
-                    packed.size() == static_cast<size_t>(4 * n_layers) &&
-                    (qkv_bias.empty() || qkv_bias.size() == static_cast<size_t>(n_layers)),
-                "DecodeStack: 2 norms and 4 packed weights per layer, and no qkv bias or one per layer");
+    TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == static_cast<size_t>(n_layers),
+                "DecodeStack: no qkv bias or one per layer");
     TORCH_CHECK(windows.empty() || windows.size() == static_cast<size_t>(n_layers),
                 "DecodeStack: no windows, or one per layer");
+    TORCH_CHECK(tables.empty() || tables.size() == static_cast<size_t>(n_layers),
+                "DecodeStack: no RoPE table indices, or one per layer");
     for (const int64_t w : windows) TORCH_CHECK(w >= 0, "DecodeStack: a window must be >= 0 (0: none)");
-    for (const auto& t : norms) {
-      TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(0) == hidden(),
-                  "DecodeStack: norm weights must be contiguous bf16 [hidden]");
+    for (size_t i = 0; i < norms.size(); ++i) {
+      const bool per_head = qk_norm && static_cast<int64_t>(i % norms_per_layer) >= norms_per_layer - 2;
+      const auto& t = norms[i];
+      TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous() &&
+                      t.size(0) == (per_head ? head_dim : hidden()),
+                  "DecodeStack: norm weights must be contiguous [hidden] ([head_dim] for q/k), in one dtype");
     }
     for (const auto& t : qkv_bias) {
-      TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(0) == qkv_width(),
-                  "DecodeStack: qkv bias must be contiguous bf16 [(n_heads + 2 n_kv_heads) head_dim]");
+      TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous() && t.size(0) == qkv_width(),
+                  "DecodeStack: qkv bias must be contiguous [(n_heads + 2 n_kv_heads) head_dim] in the model's dtype");
     }
   }
 
   int64_t hidden() const { return norms.front().size(0); }
-
-  // packed weight i applied to x: linear_packed, or quant_linear for a quantized one
-  at::Tensor linear(size_t i, const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias) const {
-    if (layouts[i][0] == 0) {
-      return traced("astrai_cpu::linear_packed", [&] { return linear_packed(x, packed[i], n, bias); });
-    }
-    return traced("astrai_cpu::quant_linear", [&] { return quant_linear(x, packed[i], layouts[i], bias); });
-  }
   int64_t qkv_width() const { return (n_heads + 2 * n_kv_heads) * head_dim; }
+  const at::Tensor& norm(int64_t layer, int64_t which) const { return norms[layer * norms_per_layer + which]; }
 
-  // x [B, hidden] bf16 (the embeddings of the step's tokens) -> the hidden states after the last
-  // layer. freqs [B, head_dim / 2, 2] float32 (cos, sin); k_buffer/v_buffer [layers, size, Hkv, D];
-  // req_to_token int32 [rows, max_ctx]; rows/seq_lens/out_loc [B] int64 (the KVCache of a decode step).
-  // An int8 K (V) pool comes with its float32 scales k_scale [layers, size, Hkv] (astrai.kvcache.quant):
-  // the step's rows are quantized into it (store_kv) and read back by paged_decode, as the layers do.
-  at::Tensor forward(at::Tensor x, const at::Tensor& freqs, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
-                     const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,
-                     const at::Tensor& out_loc, const c10::optional<at::Tensor>& k_scale,
+  // segment s applied to x: linear_packed, or quant_linear for a quantized one
+  at::Tensor segment(size_t s, const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias) const {
+    if (layouts[s][0] == 0) {
+      return traced("astrai_cpu::linear_packed", [&] { return linear_packed(x, packed[s], n, bias); });
+    }
+    return traced("astrai_cpu::quant_linear", [&] { return quant_linear(x, packed[s], layouts[s], bias); });
+  }
+
+  // linear i (its segments' outputs side by side, the bias cut to each) applied to x
+  at::Tensor linear(size_t i, const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias) const {
+    if (first[i + 1] - first[i] == 1) return segment(first[i], x, n, bias);
+    std::vector<at::Tensor> outs;
+    int64_t n0 = 0;
+    for (int64_t s = first[i]; s < first[i + 1]; ++s) {
+      const int64_t ns = layouts[s][0];
+      outs.push_back(segment(s, x, ns, bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, n0, ns)) : c10::nullopt));
+      n0 += ns;
+    }
+    TORCH_CHECK(n0 == n, "DecodeStack: a linear's segments give ", n0, " outputs, not ", n);
+    return at::cat(outs, 1);
+  }
+
+  // x [B, hidden] in the model's dtype (the embeddings of the step's tokens) -> the hidden states
+  // after the last layer. freqs: RoPE tables [B, head_dim / 2, 2] float32 (cos, sin), a layer
+  // turning by tables[layer]; k_buffer/v_buffer [slots, size, Hkv, D]; rows/seq_lens [B] int64
+  // (the KVCache of a decode step). Per layer group: req_to_token int32 [rows, max_ctx] and
+  // out_loc [B] int64; slots: per layer its group and its index in k_buffer (empty: group 0, the
+  // layer's own index). An int8 K (V) pool comes with its float32 scales k_scale [slots, size, Hkv]
+  // (astrai.kvcache.quant): the step's rows are quantized into it (store_kv) and read back by
+  // paged_decode, as the layers do.
+  at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& freqs, const at::Tensor& k_buffer,
+                     const at::Tensor& v_buffer, const std::vector<at::Tensor>& req_to_token, const at::Tensor& rows,
+                     const at::Tensor& seq_lens, const std::vector<at::Tensor>& out_loc,
+                     const std::vector<int64_t>& slots, const c10::optional<at::Tensor>& k_scale,
                      const c10::optional<at::Tensor>& v_scale) {
     const int64_t B = x.size(0), Hq = n_heads, Hkv = n_kv_heads, D = head_dim, I = intermediate;
     const int64_t width = qkv_width(), n_qk = (Hq + Hkv) * D, kv_row = Hkv * D;
-    TORCH_CHECK(x.dim() == 2 && B >= 1 && x.size(1) == hidden() && x.scalar_type() == at::kBFloat16,
-                "DecodeStack.forward: x must be bf16 rows [B, hidden]");
-    TORCH_CHECK(k_buffer.dim() == 4 && k_buffer.size(0) == n_layers && k_buffer.size(2) == Hkv && k_buffer.size(3) == D &&
+    const at::ScalarType dtype = norms.front().scalar_type();
+    TORCH_CHECK(x.dim() == 2 && B >= 1 && x.size(1) == hidden() && x.scalar_type() == dtype,
+                "DecodeStack.forward: x must be rows [B, hidden] in the model's dtype");
+    TORCH_CHECK(k_buffer.dim() == 4 && k_buffer.size(2) == Hkv && k_buffer.size(3) == D &&
                     v_buffer.sizes() == k_buffer.sizes() && k_buffer.is_contiguous() && v_buffer.is_contiguous(),
-                "DecodeStack.forward: k_buffer/v_buffer must be contiguous [layers, size, n_kv_heads, head_dim]");
+                "DecodeStack.forward: k_buffer/v_buffer must be contiguous [slots, size, n_kv_heads, head_dim]");
     for (const auto& [buf, sc] : {std::pair{&k_buffer, &k_scale}, std::pair{&v_buffer, &v_scale}}) {
-      TORCH_CHECK(buf->scalar_type() == (sc->has_value() ? at::kChar : at::kBFloat16),
-                  "DecodeStack.forward: a K/V pool is bf16, or int8 with its scales");
+      TORCH_CHECK(buf->scalar_type() == (sc->has_value() ? at::kChar : dtype),
+                  "DecodeStack.forward: a K/V pool is in the model's dtype, or int8 with its scales");
     }
-    TORCH_CHECK(out_loc.scalar_type() == at::kLong && out_loc.numel() == B && rows.numel() == B && seq_lens.numel() == B,
-                "DecodeStack.forward: one int64 out_loc, row and seq_len per row of x");
-    const auto loc = out_loc.contiguous();
-    const int64_t* lp = loc.data_ptr<int64_t>();
+    TORCH_CHECK(!freqs.empty() && !req_to_token.empty() && out_loc.size() == req_to_token.size(),
+                "DecodeStack.forward: RoPE tables, and a page table and out_loc per layer group");
+    TORCH_CHECK(slots.empty() || slots.size() == static_cast<size_t>(2 * n_layers),
+                "DecodeStack.forward: no slots, or a group and an index per layer");
+    for (const auto& f : freqs) {
+      TORCH_CHECK(f.scalar_type() == at::kFloat && f.is_contiguous() && f.dim() == 3 && f.size(0) == B &&
+                      f.size(1) * 2 == D && f.size(2) == 2,
+                  "DecodeStack.forward: RoPE tables must be contiguous float32 [B, head_dim / 2, 2]");
+    }
     const int64_t size = k_buffer.size(1);
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(lp[b] >= 0 && lp[b] < size, "DecodeStack.forward: out_loc outside the pool");
+    std::vector<at::Tensor> locs;
+    for (const auto& loc : out_loc) {
+      TORCH_CHECK(loc.scalar_type() == at::kLong && loc.numel() == B && rows.numel() == B && seq_lens.numel() == B,
+                  "DecodeStack.forward: one int64 out_loc, row and seq_len per row of x");
+      locs.push_back(loc.contiguous());
+      const int64_t* lp = locs.back().data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lp[b] >= 0 && lp[b] < size, "DecodeStack.forward: out_loc outside the pool");
     }
     x = x.contiguous();
     // each window's first positions (seq_len - window, from 0), made once per step and window
@@ -129,42 +210,54 @@ struct DecodeStack : torch::CustomClassHolder {
       starts.emplace_back(window, at::clamp_min(seq_lens.to(at::kLong) - window, 0));
       return starts.back().second;
     };
+    const auto store = [&](const at::Tensor& rows_, const at::Tensor& loc, const at::Tensor& buf,
+                           const c10::optional<at::Tensor>& sc) {
+      traced("astrai_cpu::store_kv", [&] { store_kv(rows_, loc, buf, sc); return 0; });
+    };
+    const auto norm_rows = [&](const at::Tensor& t, const at::Tensor& w) {
+      return traced("astrai_cpu::rms_norm", [&] { return rms_norm(t, w, eps); });
+    };
     for (int64_t l = 0; l < n_layers; ++l) {
       const size_t w = 4 * l;
+      const int64_t group = slots.empty() ? 0 : slots[2 * l], index = slots.empty() ? l : slots[2 * l + 1];
+      TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(locs.size()) && index >= 0 && index < k_buffer.size(0),
+                  "DecodeStack.forward: a layer's slot outside the pool");
+      const at::Tensor& f = freqs.at(tables.empty() ? 0 : tables[l]);
       const c10::optional<at::Tensor> bias = qkv_bias.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_bias[l]);
-      // attention: norm, QKV, RoPE on q|k, this step's K/V into the pool, paged decode, output projection
-      const at::Tensor normed = traced("astrai_cpu::rms_norm", [&] { return rms_norm(x, norms[2 * l], eps); });
+      // attention: norm, QKV, (q/k norms,) RoPE, this step's K/V into the pool, paged decode, output projection
+      const at::Tensor normed = norm_rows(x, norm(l, 0));
       const at::Tensor qkv = linear(w, normed, width, bias);
-      const at::Tensor qk = traced("astrai_cpu::rotary", [&] { return rotary(qkv.narrow(1, 0, n_qk).view({B, Hq + Hkv, D}), freqs); });
-      const at::Tensor k_buf = k_buffer.select(0, l), v_buf = v_buffer.select(0, l);
-      const c10::optional<at::Tensor> ks = k_scale.has_value() ? c10::optional<at::Tensor>(k_scale->select(0, l)) : c10::nullopt;
-      const c10::optional<at::Tensor> vs = v_scale.has_value() ? c10::optional<at::Tensor>(v_scale->select(0, l)) : c10::nullopt;
-      if (ks.has_value()) {
-        traced("astrai_cpu::store_kv", [&] { store_kv(qk.narrow(1, Hq, Hkv), loc, k_buf, ks); return 0; });
+      at::Tensor q, k;
+      if (qk_norm) {
+        const int64_t qn = norms_per_layer - 2;
+        q = rotate(norm_rows(qkv.narrow(1, 0, Hq * D).reshape({B * Hq, D}), norm(l, qn)).view({B, Hq, D}), f);
+        k = rotate(norm_rows(qkv.narrow(1, Hq * D, kv_row).reshape({B * Hkv, D}), norm(l, qn + 1)).view({B, Hkv, D}), f);
       } else {
-        auto* kp = static_cast<at::BFloat16*>(k_buf.data_ptr());
-        const auto* qkp = qk.const_data_ptr<at::BFloat16>();
-        for (int64_t b = 0; b < B; ++b)
-          std::memcpy(kp + lp[b] * kv_row, qkp + b * n_qk + Hq * D, kv_row * sizeof(at::BFloat16));
+        const at::Tensor qk = rotate(qkv.narrow(1, 0, n_qk).view({B, Hq + Hkv, D}), f);
+        q = qk.narrow(1, 0, Hq), k = qk.narrow(1, Hq, Hkv);
       }
-      if (vs.has_value()) {
-        traced("astrai_cpu::store_kv", [&] { store_kv(qkv.narrow(1, n_qk, kv_row).view({B, Hkv, D}), loc, v_buf, vs); return 0; });
-      } else {
-        auto* vp = static_cast<at::BFloat16*>(v_buf.data_ptr());
-        const auto* qkvp = qkv.const_data_ptr<at::BFloat16>();
-        for (int64_t b = 0; b < B; ++b)
-          std::memcpy(vp + lp[b] * kv_row, qkvp + b * width + n_qk, kv_row * sizeof(at::BFloat16));
-      }
-      const c10::optional<at::Tensor> first = starts_for(windows.empty() ? 0 : windows[l]);
+      const at::Tensor k_buf = k_buffer.select(0, index), v_buf = v_buffer.select(0, index);
+      const c10::optional<at::Tensor> ks = k_scale.has_value() ? c10::optional<at::Tensor>(k_scale->select(0, index)) : c10::nullopt;
+      const c10::optional<at::Tensor> vs = v_scale.has_value() ? c10::optional<at::Tensor>(v_scale->select(0, index)) : c10::nullopt;
+      store(k, locs[group], k_buf, ks);
+      store(qkv.narrow(1, n_qk, kv_row).view({B, Hkv, D}), locs[group], v_buf, vs);
+      const c10::optional<at::Tensor> start = starts_for(windows.empty() ? 0 : windows[l]);
       const at::Tensor o = traced("astrai_cpu::paged_decode", [&] {
-        return paged_decode(qk.narrow(1, 0, Hq).contiguous(), k_buf, v_buf, req_to_token, rows, seq_lens, scale, first, ks, vs);
+        return paged_decode(q.contiguous(), k_buf, v_buf, req_to_token[group], rows, seq_lens, scale, start, ks, vs);
       });
       const at::Tensor attn = linear(w + 1, o.view({B, Hq * D}), hidden(), c10::nullopt);
-      // residual add fused with the next norm; SwiGLU MLP; residual add
-      const auto [sum, h] = traced("astrai_cpu::add_rms_norm", [&] { return add_rms_norm(x, attn, norms[2 * l + 1], eps); });
+      at::Tensor h;
+      if (sandwich) {  // x + post_norm(attn), then the pre-feed-forward norm
+        x = at::add(x, norm_rows(attn, norm(l, 1)));
+        h = norm_rows(x, norm(l, 2));
+      } else {  // the residual add fused with the next norm
+        std::tie(x, h) = traced("astrai_cpu::add_rms_norm", [&] { return add_rms_norm(x, attn, norm(l, 1), eps); });
+      }
       const at::Tensor gate_up = linear(w + 2, h, 2 * I, c10::nullopt);
-      const at::Tensor act = at::mul(at::silu(gate_up.narrow(1, 0, I)), gate_up.narrow(1, I, I));
-      x = at::add(sum, linear(w + 3, act, hidden(), c10::nullopt));
+      const at::Tensor gate = gate_up.narrow(1, 0, I);
+      const at::Tensor act = at::mul(gelu ? at::gelu(gate, "tanh") : at::silu(gate), gate_up.narrow(1, I, I));
+      const at::Tensor down = linear(w + 3, act, hidden(), c10::nullopt);
+      x = at::add(x, sandwich ? norm_rows(down, norm(l, 3)) : down);
     }
     return x;
   }
@@ -176,6 +269,7 @@ struct DecodeStack : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.class_<astrai_cpu::DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>())
       .def("forward", &astrai_cpu::DecodeStack::forward);
 }

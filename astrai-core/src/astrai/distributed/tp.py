@@ -13,7 +13,7 @@ Inside a shard, the outputs of ``o_proj`` and ``down_proj`` are summed over the 
 (``Attention.reduce``/``MLP.reduce``: ``all_reduce_sum``), so every rank holds the same hidden
 states; bfloat16 and float16 are summed in float32 over gloo (whose half-precision all-reduce is
 not reliable) and rounded once. A model with reductions never offers a whole-stack kernel
-(``LlamaForCausalLM.decoder_stack`` is None), so no fused path skips them.
+(``DecoderLM.decoder_stack`` is None), so no fused path skips them.
 
 While idle, rank 0 sends a heartbeat every ``timeout / 4`` seconds (the scheduler calls
 ``idle()``), so the workers' waits never reach the collective time-out. A failed collective or a

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from astrai.extension import RotaryEmbedding, bind_step
+from astrai.extension.fused import kernel_for
 from astrai.model.layers import RMSNorm, zero_init
+from astrai.model.stack import DecoderStack, describe
 
 if TYPE_CHECKING:
     from astrai.kvcache import KVCache
@@ -109,7 +111,7 @@ class DecoderLM(nn.Module):
             kv_cache.features = self.attention_features | kv_cache.features  # (a quantized pool's)
             bind_step(kv_cache, x.new_empty((0, config.num_attention_heads, config.head_dim)))
         freqs = self._freqs(positions)
-        out = self.run_stack(x, freqs[False], kv_cache)
+        out = self.run_stack(x, freqs, kv_cache)
         if out is None:
             for layer in self.model.layers:
                 x = layer(x, freqs[bool(layer.self_attn.window)], kv_cache)
@@ -120,9 +122,21 @@ class DecoderLM(nn.Module):
         cap = config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def run_stack(self, x: torch.Tensor, freqs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
-        """The decoder layers on a whole-stack kernel, or None (then ``forward`` runs them one by one)."""
-        return None
+    def run_stack(
+        self, x: torch.Tensor, freqs: dict[bool, torch.Tensor], kv_cache: KVCache
+    ) -> torch.Tensor | None:
+        """The decoder layers on a backend's whole-stack kernel (``decoder_layers``), or None (then
+        ``forward`` runs them one by one): ``freqs`` is ``_freqs``'s, by "is a local layer"."""
+        lora = getattr(self, "lora", None)
+        if lora is not None and lora.rows is not None:  # adapter rows: the layers' LoRA wrappers run them
+            return None
+        stack = kernel_for("decoder_layers", x)  # a plugin's whole-stack kernel (astrai.extension.fused)
+        return stack(self, x, [freqs[False], freqs[True]], kv_cache) if stack is not None else None
+
+    def decoder_stack(self) -> DecoderStack | None:
+        """The decoder layers as a whole-stack kernel may run them in place of ``forward``'s loop
+        (``astrai.model.stack.describe``: ``None`` unless that computes exactly what they do)."""
+        return describe(self)
 
     def fuse_projections(self) -> None:
         """Merge q/k/v and gate/up projections for inference; call once weights are final.

@@ -124,7 +124,9 @@ class AttentionBackend(ABC):
           adds ``(x @ a[p*R:(p+1)*R].T) @ bt[:, c0:c0 + o1 - o0]`` to ``y[:, o0:o1]`` (empty tensors
           for a slot the module has no update for); ``dtypes`` the ``x`` dtypes it takes.
         - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
-          hidden]``, the rotary rows ``freqs [1, T, head_dim/2, 2]`` and the step's ``KVCache``: runs
+          hidden]``, the rotary rows ``freqs``, a list of ``[1, T, head_dim/2, 2]`` tables (the
+          model's, then its local layers'; ``model.decoder_stack()`` says which turns each
+          layer) and the step's ``KVCache`` (its layer groups, if any, in ``groups``): runs
           all of ``model``'s decoder layers (writing the step's K/V as they would) and returns the
           hidden states after the last one, bit for bit the layers' own on the same kernels; or
           ``None``, without side effects, when it cannot run this model or step.

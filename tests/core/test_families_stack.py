@@ -1,0 +1,109 @@
+"""The families' decode steps on astrai-backend-cpu's whole-stack kernel (``decoder_layers``) in float32.
+
+Each family's tiny checkpoint, written as a Q4_0 GGUF and served with its weights kept in blocks
+(``quant_linear``, on AVX2 or AVX512-BF16), runs through the engine twice: once with the stack
+lent, once with the layers run one by one from Python. Every decode step of the first run is the
+stack's, and both runs give the same tokens and the same log-probs to the bit: the stack computes
+what the layers compute (Qwen3's per-head q/k norms; Gemma 3's sandwich norms, GeGLU, local layers
+on their own RoPE table, in the pool's layer groups; Mistral's and Ministral's windows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from families import load_astrai, prompts
+
+from astrai.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: the families whose layers ``astrai.model.stack`` describes (Gemma 2 soft-caps, Phi-3 turns half
+#: of each head: their layers run from Python)
+STACKED = ["qwen3", "gemma3", "mistral", "ministral", "llama3"]
+
+
+def _cpu_kernels() -> dict:
+    from astrai.extension.backend.policy import get_registry
+    from astrai.model import quantized_kernels
+
+    why = quantized_kernels("cpu", torch.float32)
+    if why is not None:
+        pytest.skip(why)
+    return get_registry().kernels.for_device("cpu")
+
+
+@contextlib.contextmanager
+def counted(kernels: dict, ran: list[bool]):
+    """The ``decoder_layers`` kernel wrapped to record whether each call ran the step."""
+    real = kernels["decoder_layers"]
+
+    def kernel(*args):
+        out = real(*args)
+        ran.append(out is not None)
+        return out
+
+    kernels["decoder_layers"] = kernel
+    try:
+        yield
+    finally:
+        kernels["decoder_layers"] = real
+
+
+@contextlib.contextmanager
+def without_stack(kernels: dict):
+    real = kernels.pop("decoder_layers")
+    try:
+        yield
+    finally:
+        kernels["decoder_layers"] = real
+
+
+def _greedy(engine, batch):
+    """Greedy tokens and log-probs of ``batch``, all queued while the scheduler waits, so that both
+    runs step the same batches (prefill chunks of more rows than ``quant_linear`` takes round
+    otherwise)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    held, go = threading.Event(), threading.Event()
+    engine.scheduler.call_soon(lambda: (held.set(), go.wait(30)))
+    assert held.wait(30)
+    results = [engine.submit(p, params) for p in batch]
+    go.set()
+    out = []
+    for r in results:
+        assert r.wait_completion(120)
+        r.raise_for_error()
+        out.append((r.output_ids, [(e.logprob, e.top) for e in r.logprobs]))
+    return out
+
+
+@pytest.mark.parametrize("family", STACKED)
+def test_decode_steps_on_the_stack_are_the_layers_to_the_bit(
+    family_gguf, make_engine, tiny_tokenizer, family
+):
+    path, _ = family_gguf(family, "Q4_0")
+    model = load_astrai(path, quantized=True)
+    kernels = _cpu_kernels()
+    assert model.decoder_stack() is not None
+    # pages of 4 and prompts of 20-40 tokens: Gemma 3's and Ministral's windowed groups drop pages;
+    # no prefix cache, so that the second run prefills as the first did
+    engine = make_engine(
+        model, tiny_tokenizer, page_size=4, max_batch_size=3, max_prefill_tokens=64, prefix_caching=False
+    )
+    batch = prompts(3, seed=4)
+    ran: list[bool] = []
+    with counted(kernels, ran):
+        stacked = _greedy(engine, batch)
+    assert ran.count(True) >= 15, "the decode steps did not run on the stack"
+    with without_stack(kernels):
+        layered = _greedy(engine, batch)
+    assert stacked == layered
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_families_the_stack_does_not_replicate_run_their_layers(family_gguf, family):
+    path, _ = family_gguf(family, "Q4_0")
+    assert load_astrai(path, quantized=True).decoder_stack() is None
