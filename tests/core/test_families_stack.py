@@ -5,7 +5,8 @@ Each family's tiny checkpoint, written as a Q4_0 GGUF and served with its weight
 lent, once with the layers run one by one from Python. Every decode step of the first run is the
 stack's, and both runs give the same tokens and the same log-probs to the bit: the stack computes
 what the layers compute (Qwen3's per-head q/k norms; Gemma 3's sandwich norms, GeGLU, local layers
-on their own RoPE table, in the pool's layer groups; Mistral's and Ministral's windows).
+on their own RoPE table, in the pool's layer groups; Mistral's and Ministral's windows; the
+mixtures of experts of Qwen3-MoE and Mixtral, and Qwen2-MoE's shared expert).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 #: the families whose layers ``astrai.model.stack`` describes (Gemma 2 soft-caps, Phi-3 turns half
 #: of each head: their layers run from Python)
-STACKED = ["qwen3", "gemma3", "mistral", "ministral", "llama3"]
+STACKED = ["qwen3", "gemma3", "mistral", "ministral", "llama3", "qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def _cpu_kernels() -> dict:

@@ -166,5 +166,5 @@ def fused_kernels(backend: type) -> dict[str, Kernel]:
     if ops.has_linear_packed():  # the compiler targeted AVX512-BF16: small-batch GEMMs at the read bandwidth
         linear = lent["linear"] = LinearKernel()
     if linear is not None or quant is not None:  # on the same packed weights
-        lent["decoder_layers"] = DecoderLayersKernel(linear, quant, backend)
+        lent["decoder_layers"] = DecoderLayersKernel(linear, quant, backend, lent.get("quant_experts"))
     return lent

@@ -40,16 +40,18 @@ class DecoderLayersKernel:
 
     ``linear`` is the plugin's ``linear`` kernel (``None``: the build has none, no AVX512-BF16): the
     stack shares the weights it packs for ``PackedLinear`` (no further copy); ``quant`` its ``quant_linear`` kernel (``None``: the build
-    has none), which the model's quantized linears run on. ``backend`` is the attention backend
+    has none), which the model's quantized linears run on; ``experts`` its ``quant_experts`` kernel
+    (a mixture of experts' projections). ``backend`` is the attention backend
     class whose steps it runs (``CpuBackend``; not a subclass, which may attend differently). One
     ``DecodeStack`` per model, built on first use. A step runs on it when it has no more rows
     than each kind of its linears' kernels takes: ``linear``'s ``max_rows`` for dense ones
     (16 on an AMX CPU, where oneDNN's tile GEMMs then win), ``quant_linear``'s for quantized ones.
     """
 
-    def __init__(self, linear, quant, backend: type) -> None:
+    def __init__(self, linear, quant, backend: type, experts=None) -> None:
         self._linear = linear
         self._quant = quant
+        self._experts = experts
         self._backend = backend
         self._stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -126,7 +128,9 @@ class DecoderLayersKernel:
         dtype = spec.norms[0].dtype
         packed, layouts, segments, kinds = [], [], [], set()
         for lin in spec.linears:
-            if (
+            if lin is None:  # a mixture of experts without a shared expert: no linears 2 and 3
+                segments.append(0)
+            elif (
                 isinstance(lin, PackedLinear)
                 and lin.weight.dtype == torch.bfloat16
                 and self._linear is not None
@@ -143,6 +147,17 @@ class DecoderLayersKernel:
                 kinds.add("quant")
             else:
                 return None, frozenset(), None
+        moe_layers, moe_tensors, moe_ints = [], [], list(spec.expert_sizes)
+        if spec.experts:
+            if self._experts is None or dtype not in self._experts.dtypes:
+                return None, frozenset(), None
+            kinds.add("quant")
+            for mix in spec.experts:
+                moe_layers.append(int(mix is not None))
+                if mix is not None:
+                    shared = mix.shared_gate if mix.shared_gate is not None else torch.empty(0, dtype=dtype)
+                    moe_tensors += [mix.router, shared, *mix.gate_up, *mix.down]
+                    moe_ints += [*mix.gate_up_layout, *mix.down_layout]
         stack = torch.classes.astrai_cpu.DecodeStack(
             spec.n_heads,
             spec.n_kv_heads,
@@ -158,5 +173,8 @@ class DecoderLayersKernel:
             [int(spec.sandwich), int(spec.qk_norm), int(spec.gelu)],
             segments,
             list(spec.tables),
+            moe_layers,
+            moe_tensors,
+            moe_ints,
         )
         return stack, frozenset(kinds), dtype

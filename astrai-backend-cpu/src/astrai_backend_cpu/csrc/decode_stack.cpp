@@ -1,6 +1,7 @@
 // astrai_cpu.DecodeStack: every decoder layer of a decode step in one call from Python: the stock
 // pre-norm layer (Llama, SmolLM2, Qwen2/3, Mistral) or Gemma's sandwich-normed one, with or
-// without per-head q/k norms, SwiGLU or GeGLU, sliding windows and layer groups.
+// without per-head q/k norms, SwiGLU or GeGLU, a dense MLP or a mixture of experts (Qwen3-MoE,
+// Mixtral, Qwen2-MoE's shared expert), sliding windows and layer groups.
 //
 // Run layer by layer from Python, a decode step at batch 1 spends as long dispatching each
 // layer's dozen small calls (norms, RoPE, the K/V write, attention, the activation, residual
@@ -53,6 +54,15 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& freqs) {
 // SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) on the gate.
 enum Option : int64_t { SANDWICH = 0, QK_NORM = 1, GELU = 2, N_OPTIONS = 3 };
 
+// A mixture-of-experts layer's MLP (astrai.model.moe.SparseMoE): its router, every expert's
+// quantized gate_up and down (one layout each), and where it has one the shared expert's gate (the
+// shared expert's own projections are the layer's linears 2 and 3).
+struct Experts {
+  at::Tensor router, shared_gate;
+  std::vector<at::Tensor> gate_up, down;
+  std::vector<int64_t> gate_up_layout, down_layout;
+};
+
 struct DecodeStack : torch::CustomClassHolder {
   int64_t n_heads, n_kv_heads, head_dim, intermediate, n_layers;
   double eps, scale;
@@ -73,11 +83,16 @@ struct DecodeStack : torch::CustomClassHolder {
   // empty: no layer has one
   std::vector<int64_t> windows;
   std::vector<int64_t> tables;  // per layer: which of forward's RoPE tables turns it; empty: the first
+  // per layer: its experts (a router undefined: a dense MLP); empty: every MLP dense
+  std::vector<Experts> experts;
+  int64_t top_k = 0, expert_intermediate = 0, shared_intermediate = 0;
+  bool norm_topk = false;
 
   DecodeStack(int64_t n_heads_, int64_t n_kv_heads_, int64_t head_dim_, int64_t intermediate_, double eps_,
               double scale_, std::vector<at::Tensor> norms_, std::vector<at::Tensor> packed_,
               std::vector<at::Tensor> qkv_bias_, std::vector<int64_t> layouts_, std::vector<int64_t> windows_,
-              std::vector<int64_t> options, std::vector<int64_t> segments, std::vector<int64_t> tables_)
+              std::vector<int64_t> options, std::vector<int64_t> segments, std::vector<int64_t> tables_,
+              std::vector<int64_t> moe_layers, std::vector<at::Tensor> moe_tensors, std::vector<int64_t> moe_ints)
       : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(head_dim_), intermediate(intermediate_), eps(eps_),
         scale(scale_), norms(std::move(norms_)), packed(std::move(packed_)), qkv_bias(std::move(qkv_bias_)),
         windows(std::move(windows_)), tables(std::move(tables_)) {
@@ -90,9 +105,10 @@ struct DecodeStack : torch::CustomClassHolder {
     if (segments.empty()) segments.assign(4 * n_layers, 1);
     TORCH_CHECK(segments.size() == static_cast<size_t>(4 * n_layers), "DecodeStack: 4 linears per layer");
     first.assign(1, 0);
-    for (const int64_t c : segments) {
-      TORCH_CHECK(c >= 1, "DecodeStack: a linear has at least one segment");
-      first.push_back(first.back() + c);
+    for (size_t i = 0; i < segments.size(); ++i) {
+      // (a mixture-of-experts layer without a shared expert has no linears 2 and 3)
+      TORCH_CHECK(segments[i] >= (i % 4 < 2 ? 1 : 0), "DecodeStack: an attention linear has at least one segment");
+      first.push_back(first.back() + segments[i]);
     }
     TORCH_CHECK(packed.size() == static_cast<size_t>(first.back()), "DecodeStack: one packed tensor per segment");
     TORCH_CHECK(layouts_.empty() || layouts_.size() == 7 * packed.size(),
@@ -118,6 +134,7 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(tables.empty() || tables.size() == static_cast<size_t>(n_layers),
                 "DecodeStack: no RoPE table indices, or one per layer");
     for (const int64_t w : windows) TORCH_CHECK(w >= 0, "DecodeStack: a window must be >= 0 (0: none)");
+    init_experts(moe_layers, moe_tensors, moe_ints, dtype);
     for (size_t i = 0; i < norms.size(); ++i) {
       const bool per_head = qk_norm && static_cast<int64_t>(i % norms_per_layer) >= norms_per_layer - 2;
       const auto& t = norms[i];
@@ -129,6 +146,89 @@ struct DecodeStack : torch::CustomClassHolder {
       TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous() && t.size(0) == qkv_width(),
                   "DecodeStack: qkv bias must be contiguous [(n_heads + 2 n_kv_heads) head_dim] in the model's dtype");
     }
+  }
+
+  // moe_layers: per layer 1 for a mixture of experts, 0 for a dense MLP (empty: all dense).
+  // moe_tensors: per mixture, its router [experts, hidden], the shared expert's gate [1, hidden] (or
+  // an empty tensor), then every expert's packed gate_up, then every expert's packed down.
+  // moe_ints: (experts, top_k, norm_topk, expert intermediate, shared intermediate), then per
+  // mixture the 7 layout integers of its gate_up and of its down.
+  void init_experts(const std::vector<int64_t>& moe_layers, const std::vector<at::Tensor>& moe_tensors,
+                    const std::vector<int64_t>& moe_ints, at::ScalarType dtype) {
+    if (moe_layers.empty()) return;
+    TORCH_CHECK(moe_layers.size() == static_cast<size_t>(n_layers) && moe_ints.size() >= 5,
+                "DecodeStack: a kind per layer and the experts' five integers");
+    const int64_t E = moe_ints[0];
+    top_k = moe_ints[1], norm_topk = moe_ints[2] != 0, expert_intermediate = moe_ints[3];
+    shared_intermediate = moe_ints[4];
+    TORCH_CHECK(E >= 1 && top_k >= 1 && top_k <= E && expert_intermediate >= 1, "DecodeStack: bad expert sizes");
+    experts.resize(n_layers);
+    size_t t = 0, i = 5;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      if (!moe_layers[l]) continue;
+      TORCH_CHECK(moe_tensors.size() >= t + 2 + 2 * E && moe_ints.size() >= i + 14,
+                  "DecodeStack: each mixture's tensors and layouts");
+      Experts& x = experts[l];
+      x.router = moe_tensors[t];
+      TORCH_CHECK(x.router.dim() == 2 && x.router.size(0) == E && x.router.scalar_type() == dtype,
+                  "DecodeStack: a router is [experts, hidden] in the model's dtype");
+      if (moe_tensors[t + 1].numel() > 0) x.shared_gate = moe_tensors[t + 1];
+      TORCH_CHECK(x.shared_gate.defined() == (shared_intermediate > 0) &&
+                      (first[4 * l + 3] - first[4 * l + 2] > 0) == (shared_intermediate > 0) &&
+                      first[4 * l + 4] - first[4 * l + 3] == first[4 * l + 3] - first[4 * l + 2],
+                  "DecodeStack: a shared expert's gate and its projections, or neither");
+      x.gate_up.assign(moe_tensors.begin() + t + 2, moe_tensors.begin() + t + 2 + E);
+      x.down.assign(moe_tensors.begin() + t + 2 + E, moe_tensors.begin() + t + 2 + 2 * E);
+      x.gate_up_layout.assign(moe_ints.begin() + i, moe_ints.begin() + i + 7);
+      x.down_layout.assign(moe_ints.begin() + i + 7, moe_ints.begin() + i + 14);
+      TORCH_CHECK(x.gate_up_layout[0] == 2 * expert_intermediate && x.down_layout[0] == hidden(),
+                  "DecodeStack: an expert's gate_up gives 2 x its intermediate rows, its down hidden ones");
+      t += 2 + 2 * E, i += 14;
+    }
+  }
+
+  // the gate's activation times up (astrai.model.layers.GatedMLP), gate_up [rows, 2 width]
+  at::Tensor activation(const at::Tensor& gate_up, int64_t width) const {
+    const at::Tensor gate = gate_up.narrow(1, 0, width);
+    return at::mul(gelu ? at::gelu(gate, "tanh") : at::silu(gate), gate_up.narrow(1, width, width));
+  }
+
+  // the MLP of layer l (linears 4l + 2 and 4l + 3) on h: dense, or its experts (SparseMoE.forward:
+  // route, the (token, choice) pairs sorted by expert, each projection of every chosen expert in one
+  // quant_experts call, the outputs weighted and added back at their tokens; the shared expert's)
+  at::Tensor mlp(int64_t l, const at::Tensor& h) const {
+    const size_t w = 4 * l;
+    if (experts.empty() || !experts[l].router.defined()) {
+      return linear(w + 3, activation(linear(w + 2, h, 2 * intermediate, c10::nullopt), intermediate), hidden(),
+                    c10::nullopt);
+    }
+    const Experts& x = experts[l];
+    const int64_t E = x.router.size(0);
+    const at::Tensor probs = at::linear(h, x.router).to(at::kFloat).softmax(-1);
+    auto [weights, ids] = at::topk(probs, top_k, -1);
+    if (norm_topk) weights = at::div(weights, weights.sum(-1, true));
+    weights = weights.to(h.scalar_type());
+    const at::Tensor flat = ids.reshape(-1);
+    const at::Tensor order = at::argsort(flat, true, 0, false);
+    const at::Tensor rows_of = at::floor_divide(order, top_k);
+    const at::Tensor scale = weights.reshape(-1).index_select(0, order).unsqueeze(1);
+    at::Tensor offsets = at::zeros({E + 1}, flat.options());
+    at::Tensor counts = offsets.narrow(0, 1, E);
+    at::cumsum_out(counts, at::bincount(flat, {}, E), 0);
+    const at::Tensor up = traced("astrai_cpu::quant_experts", [&] {
+      return quant_experts(h.index_select(0, rows_of), offsets, x.gate_up, x.gate_up_layout);
+    });
+    const at::Tensor act = activation(up, expert_intermediate).contiguous();
+    const at::Tensor y = at::mul(
+        traced("astrai_cpu::quant_experts", [&] { return quant_experts(act, offsets, x.down, x.down_layout); }), scale);
+    at::Tensor out = at::zeros_like(h).index_add_(0, rows_of, y);
+    if (x.shared_gate.defined()) {
+      const at::Tensor shared = linear(
+          w + 3, activation(linear(w + 2, h, 2 * shared_intermediate, c10::nullopt), shared_intermediate), hidden(),
+          c10::nullopt);
+      out = at::add(out, at::mul(at::sigmoid(at::linear(h, x.shared_gate)), shared));
+    }
+    return out;
   }
 
   int64_t hidden() const { return norms.front().size(0); }
@@ -170,7 +270,7 @@ struct DecodeStack : torch::CustomClassHolder {
                      const at::Tensor& seq_lens, const std::vector<at::Tensor>& out_loc,
                      const std::vector<int64_t>& slots, const c10::optional<at::Tensor>& k_scale,
                      const c10::optional<at::Tensor>& v_scale) {
-    const int64_t B = x.size(0), Hq = n_heads, Hkv = n_kv_heads, D = head_dim, I = intermediate;
+    const int64_t B = x.size(0), Hq = n_heads, Hkv = n_kv_heads, D = head_dim;
     const int64_t width = qkv_width(), n_qk = (Hq + Hkv) * D, kv_row = Hkv * D;
     const at::ScalarType dtype = norms.front().scalar_type();
     TORCH_CHECK(x.dim() == 2 && B >= 1 && x.size(1) == hidden() && x.scalar_type() == dtype,
@@ -253,10 +353,7 @@ struct DecodeStack : torch::CustomClassHolder {
       } else {  // the residual add fused with the next norm
         std::tie(x, h) = traced("astrai_cpu::add_rms_norm", [&] { return add_rms_norm(x, attn, norm(l, 1), eps); });
       }
-      const at::Tensor gate_up = linear(w + 2, h, 2 * I, c10::nullopt);
-      const at::Tensor gate = gate_up.narrow(1, 0, I);
-      const at::Tensor act = at::mul(gelu ? at::gelu(gate, "tanh") : at::silu(gate), gate_up.narrow(1, I, I));
-      const at::Tensor down = linear(w + 3, act, hidden(), c10::nullopt);
+      const at::Tensor down = mlp(l, h);
       x = at::add(x, sandwich ? norm_rows(down, norm(l, 3)) : down);
     }
     return x;
@@ -270,6 +367,7 @@ TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.class_<astrai_cpu::DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>())
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward", &astrai_cpu::DecodeStack::forward);
 }

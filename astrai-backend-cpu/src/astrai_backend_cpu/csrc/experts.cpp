@@ -24,6 +24,8 @@ namespace {
 // rows per expert up to which the experts themselves are the parallel work
 constexpr int64_t FEW_ROWS = 4;
 
+}  // namespace
+
 at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& offsets, const std::vector<at::Tensor>& packed,
                          const std::vector<int64_t>& layout) {
   const int64_t E = static_cast<int64_t>(packed.size());
@@ -60,7 +62,6 @@ at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& offsets, const s
   return out;
 }
 
-}  // namespace
 }  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {

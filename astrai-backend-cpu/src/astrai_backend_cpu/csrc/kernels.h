@@ -33,6 +33,10 @@ bool has_quant_linear();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
                         const c10::optional<at::Tensor>& bias, bool float_out = false);
 
+// experts.cpp
+at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& offsets, const std::vector<at::Tensor>& packed,
+                         const std::vector<int64_t>& layout);
+
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                         const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,

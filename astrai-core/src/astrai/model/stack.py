@@ -8,7 +8,10 @@ a whole-stack kernel replicates, with the same sizes and options in every layer:
 - ``SandwichDecoderLayer``: Gemma's norms before and after each block (Gemma 3: per-head q/k
   norms, local and global layers turning by their own RoPE tables).
 
-Otherwise (partial rotary, soft-capped scores, mixture-of-experts or other MLPs, unfused
+Either with a gated MLP or a mixture of experts (``SparseMoE``: Qwen3-MoE, Mixtral, Qwen2-MoE's
+shared expert) whose experts are quantized in one layout per projection.
+
+Otherwise (partial rotary, soft-capped scores, other MLPs or experts held otherwise, unfused
 projections, a tensor-parallel shard, Gemma's ``1 + weight`` norms on a model not in float32,
 where the layers round in float32 between the model's bf16 steps) it is ``None`` and the model
 runs its layers one by one.
@@ -17,9 +20,9 @@ runs its layers one by one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from astrai.model.layers import (
     Attention,
@@ -29,14 +32,25 @@ from astrai.model.layers import (
     RMSNorm,
     SandwichDecoderLayer,
 )
+from astrai.model.moe import SparseMoE
 
-if TYPE_CHECKING:
-    from torch import nn
-
-__all__ = ["DecoderStack", "describe"]
+__all__ = ["DecoderStack", "Experts", "describe"]
 
 #: a gated MLP's activation -> whether the stack runs it as tanh-approximated GELU (else SiLU)
 _ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True, "gelu_tanh": True}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP (``SparseMoE``) as a whole-stack kernel runs it: every expert's fused
+    gate_up and its down in one quantized layout each (``SparseMoE._grouped``)."""
+
+    router: torch.Tensor  # [experts, hidden], the model's dtype
+    gate_up: tuple[torch.Tensor, ...]  # per expert, packed
+    gate_up_layout: tuple[int, ...]  # quant_linear's 7 integers
+    down: tuple[torch.Tensor, ...]
+    down_layout: tuple[int, ...]
+    shared_gate: torch.Tensor | None  # [1, hidden]: the shared expert's gate (its projections: linears 2, 3)
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,9 @@ class DecoderStack:
     # per layer: input norm, post-attention norm; (sandwich) pre- and post-feed-forward norms;
     # (qk_norm) the q and k norms: each the weight the layer multiplies by, in the model's dtype
     norms: tuple[torch.Tensor, ...]
-    linears: tuple[nn.Module, ...]  # per layer: qkv_proj, o_proj, gate_up_proj, down_proj
+    # per layer: qkv_proj, o_proj, gate_up_proj, down_proj (a mixture of experts: its shared
+    # expert's, or None, None)
+    linears: tuple[nn.Module | None, ...]
     qkv_biases: tuple[torch.Tensor, ...]  # per layer, or () when no layer has one
     # per layer: its sliding window (0: every position), or () when no layer has one
     windows: tuple[int, ...] = ()
@@ -61,6 +77,10 @@ class DecoderStack:
     gelu: bool = False  # GeGLU (tanh-approximated GELU) rather than SwiGLU
     # per layer: which RoPE table turns it (0: the model's, 1: its local layers'), or () for all 0
     tables: tuple[int, ...] = ()
+    # per layer: its experts, or None for a dense MLP; () when every MLP is dense
+    experts: tuple[Experts | None, ...] = ()
+    # (experts, top_k, norm_topk, expert intermediate, shared intermediate) of every mixture
+    expert_sizes: tuple[int, ...] = ()
 
 
 def _norm_weight(norm: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
@@ -89,6 +109,48 @@ def _layer_norms(layer: nn.Module) -> tuple[list[nn.Module], bool] | None:
     return None
 
 
+def _experts(mlp: SparseMoE) -> tuple[Experts, tuple, nn.Module | None, nn.Module | None] | None:
+    """``mlp`` as ``Experts``, its sizes and activation, and the shared expert's projections."""
+    grouped = mlp._grouped()
+    router, shared = mlp.gate, mlp.shared_expert
+    if grouped is None or type(router) is not nn.Linear or router.bias is not None:
+        return None
+    act = mlp.experts[0].act_name
+    if any(e.act_name != act for e in mlp.experts) or act not in _ACTIVATIONS:
+        return None
+    gate_up, gate_up_layout, down, down_layout = grouped
+    shared_parts: tuple = (None, None)
+    shared_gate = None
+    if shared is not None:
+        gate = mlp.shared_expert_gate
+        if (
+            type(shared) is not GatedMLP
+            or shared.act_name != act
+            or not hasattr(shared, "gate_up_proj")
+            or type(gate) is not nn.Linear
+            or gate.bias is not None
+        ):
+            return None
+        shared_parts = (shared.gate_up_proj, shared.down_proj)
+        shared_gate = gate.weight.detach().contiguous()
+    experts = Experts(
+        mlp.gate.weight.detach().contiguous(),
+        tuple(gate_up),
+        tuple(gate_up_layout),
+        tuple(down),
+        tuple(down_layout),
+        shared_gate,
+    )
+    sizes = (
+        mlp.num_experts,
+        mlp.top_k,
+        int(mlp.norm_topk),
+        gate_up_layout[0] // 2,
+        0 if shared is None else shared.down_proj.in_features,
+    )
+    return experts, (sizes, _ACTIVATIONS[act]), *shared_parts
+
+
 def describe(model: nn.Module) -> DecoderStack | None:
     """``model``'s decoder layers as a ``DecoderStack``, or ``None`` when a whole-stack kernel
     would not compute exactly what they do (see the module docstring)."""
@@ -98,24 +160,38 @@ def describe(model: nn.Module) -> DecoderStack | None:
         return None  # (a whole-stack kernel rotates whole heads)
     dtype = next(model.parameters()).dtype
     norms: list[torch.Tensor] = []
-    linears: list[nn.Module] = []
+    linears: list[nn.Module | None] = []
     biases: list[torch.Tensor] = []
     windows: list[int] = []
-    options: set[tuple] = set()
+    experts: list[Experts | None] = []
+    options: set[tuple] = set()  # what every layer must share
+    dense: set[tuple] = set()  # (intermediate, gelu) of every dense MLP
+    mixtures: set[tuple] = set()  # (sizes, gelu) of every mixture of experts
     for layer in layers:
         found = _layer_norms(layer)
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if (
             found is None
             or type(attn) is not Attention
-            or type(mlp) is not GatedMLP
-            or mlp.act_name not in _ACTIVATIONS
             or attn.softcap
             or not hasattr(attn, "qkv_proj")
-            or not hasattr(mlp, "gate_up_proj")
             or attn.reduce is not None
-            or mlp.reduce is not None  # a tensor-parallel shard sums over ranks
+            or getattr(mlp, "reduce", True) is not None  # a tensor-parallel shard sums over ranks
+            or attn.o_proj.bias is not None
         ):
+            return None
+        if type(mlp) is GatedMLP and mlp.act_name in _ACTIVATIONS and hasattr(mlp, "gate_up_proj"):
+            if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+                return None
+            dense.add((mlp.down_proj.in_features, _ACTIVATIONS[mlp.act_name]))
+            parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            experts.append(None)
+        elif type(mlp) is SparseMoE and (moe := _experts(mlp)) is not None:
+            mixture, shape, shared_gate_up, shared_down = moe
+            mixtures.add(shape)
+            parts = (attn.qkv_proj, attn.o_proj, shared_gate_up, shared_down)
+            experts.append(mixture)
+        else:
             return None
         block_norms, sandwich = found
         qk_norm = hasattr(attn, "q_norm")
@@ -124,19 +200,14 @@ def describe(model: nn.Module) -> DecoderStack | None:
         weights = [_norm_weight(n, dtype) for n in block_norms]
         if any(w is None for w in weights):
             return None
-        parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.bias is not None for lin in parts[1:]):
-            return None
         options.add(
             (
                 attn.n_heads,
                 attn.n_kv_heads,
                 attn.head_dim,
-                mlp.down_proj.in_features,
                 attn.scale,
                 sandwich,
                 qk_norm,
-                _ACTIVATIONS[mlp.act_name],
                 *(n.eps for n in block_norms),
             )
         )
@@ -145,9 +216,12 @@ def describe(model: nn.Module) -> DecoderStack | None:
         if attn.qkv_proj.bias is not None:
             biases.append(attn.qkv_proj.bias.detach().to(dtype).contiguous())
         windows.append(int(attn.window))
-    if len(options) != 1 or len(biases) not in (0, len(layers)):
+    acts = {gelu for _, gelu in dense | mixtures}
+    if len(options) != 1 or len(dense) > 1 or len(mixtures) > 1 or len(acts) != 1:
         return None
-    (n_heads, n_kv_heads, head_dim, intermediate, scale, sandwich, qk_norm, gelu, *eps) = options.pop()
+    if len(biases) not in (0, len(layers)):
+        return None
+    (n_heads, n_kv_heads, head_dim, scale, sandwich, qk_norm, *eps) = options.pop()
     if len(set(eps)) != 1:
         return None
     tables = tuple(1 if w else 0 for w in windows) if hasattr(model, "rotary_local") else ()
@@ -155,7 +229,7 @@ def describe(model: nn.Module) -> DecoderStack | None:
         n_heads,
         n_kv_heads,
         head_dim,
-        intermediate,
+        next(iter(dense))[0] if dense else 0,
         eps[0],
         scale,
         tuple(norms),
@@ -164,6 +238,8 @@ def describe(model: nn.Module) -> DecoderStack | None:
         tuple(windows) if any(windows) else (),
         sandwich,
         qk_norm,
-        gelu,
+        acts.pop(),
         tables if any(tables) else (),
+        tuple(experts) if mixtures else (),
+        next(iter(mixtures))[0] if mixtures else (),
     )
