@@ -81,10 +81,19 @@ def _greedy(engine, batch):
     return out
 
 
-@pytest.mark.parametrize("family", STACKED)
+CASES = [(family, "auto") for family in STACKED] + [
+    ("llama3", "int8"),
+    ("gemma3", "int8"),
+    ("qwen3_moe", "int8"),
+]
+
+
+@pytest.mark.parametrize(("family", "kv"), CASES, ids=[f"{f}-{kv}" for f, kv in CASES])
 def test_decode_steps_on_the_stack_are_the_layers_to_the_bit(
-    family_gguf, make_engine, tiny_tokenizer, family
+    family_gguf, make_engine, tiny_tokenizer, family, kv
 ):
+    """``kv``: the pool's dtype (int8: the stack quantizes the step's K/V and reads them back as the
+    layers do)."""
     path, _ = family_gguf(family, "Q4_0")
     model = load_astrai(path, quantized=True)
     kernels = _cpu_kernels()
@@ -92,7 +101,13 @@ def test_decode_steps_on_the_stack_are_the_layers_to_the_bit(
     # pages of 4 and prompts of 20-40 tokens: Gemma 3's and Ministral's windowed groups drop pages;
     # no prefix cache, so that the second run prefills as the first did
     engine = make_engine(
-        model, tiny_tokenizer, page_size=4, max_batch_size=3, max_prefill_tokens=64, prefix_caching=False
+        model,
+        tiny_tokenizer,
+        page_size=4,
+        max_batch_size=3,
+        max_prefill_tokens=64,
+        prefix_caching=False,
+        kv_cache_dtype=kv,
     )
     batch = prompts(3, seed=4)
     ran: list[bool] = []
