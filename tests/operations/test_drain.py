@@ -96,7 +96,7 @@ def _started(served, *streams: Stream) -> None:
 
 def test_sigterm_drains_new_requests_get_503_the_stream_completes_and_the_process_exits_0(private) -> None:
     served = private["drains"]
-    stream = Stream(served.url, CHAT, chat(300))  # still running after the signal and two refusals
+    stream = Stream(served.url, CHAT, chat(150))  # still running after the signal and two refusals
     _started(served, stream)
     served.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10

@@ -172,9 +172,9 @@ def test_a_request_past_the_queue_timeout_is_refused_streaming_or_not_and_the_ru
     served = servers["queue_timeout"]
     results: dict[str, tuple] = {}
     occupant = threading.Thread(
-        # long enough to outlast two requests' 0.5 s in the queue at any decode speed (100 tokens
-        # took about 1 s once the whole-step decode kernel ran on AVX2)
-        target=lambda: results.setdefault("occupant", _stream_lines(served.url, chat(400, stream=True)))
+        # outlasts two requests' 0.5 s each in the queue: 300 tokens are 1.7 s at 170 tok/s (100
+        # tokens took about 1 s once the whole-step decode kernel ran on AVX2, too few)
+        target=lambda: results.setdefault("occupant", _stream_lines(served.url, chat(300, stream=True)))
     )
     occupant.start()
     deadline = time.monotonic() + 60
@@ -206,7 +206,7 @@ def test_queued_requests_finish_in_priority_order(servers) -> None:
         with lock:
             done.append(priority)
 
-    occupant = threading.Thread(target=call, args=(0, 300))  # busy while the four are queued
+    occupant = threading.Thread(target=call, args=(0, 150))  # busy while the four are queued
     occupant.start()
     deadline = time.monotonic() + 60
     while not served.stats()["active_tasks"]:
