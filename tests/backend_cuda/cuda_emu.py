@@ -68,14 +68,19 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _layer(scales: torch.Tensor | None, layer_id: int) -> int | None:
+    """The pointer to layer ``layer_id`` of an int8 pool's ``[n_layers, size, Hkv]`` scales, or NULL."""
+    return None if scales is None else scales[layer_id].data_ptr()
+
+
 class Emulator:
     """The three ops on CPU tensors (same arguments and writes as ``astrai.extension.ops``)."""
 
     def __init__(self, lib_path: Path) -> None:
         self.lib = ctypes.CDLL(str(lib_path))
         # argument types, one letter each: i int, l int64, p pointer, f float (see emu/capi.cpp)
-        self.lib.emu_paged_decode.argtypes = _argtypes("ipllpllpllppplppppppiiiiiiifif")
-        self.lib.emu_paged_prefill.argtypes = _argtypes("ipllppplpppppplliiiifif")
+        self.lib.emu_paged_decode.argtypes = _argtypes("ipllpllpllppplppppppiiiiiiififpp")
+        self.lib.emu_paged_prefill.argtypes = _argtypes("ipllppplpppppplliiiififpp")
         self.lib.emu_rotary.argtypes = _argtypes("ipllppllliii")
         self.lib.emu_last_error.restype = ctypes.c_char_p
 
@@ -103,6 +108,8 @@ class Emulator:
         scale,
         window=0,
         softcap=0.0,
+        k_scale=None,
+        v_scale=None,
     ):
         k, v = k_buffer[layer_id], v_buffer[layer_id]
         err = self.lib.emu_paged_decode(
@@ -136,6 +143,8 @@ class Emulator:
             scale,
             window,
             softcap,
+            _layer(k_scale, layer_id),
+            _layer(v_scale, layer_id),
         )
         self._check(err, "attn_paged_decode")
         return out
@@ -156,6 +165,8 @@ class Emulator:
         out=None,
         window=0,
         softcap=0.0,
+        k_scale=None,
+        v_scale=None,
     ):
         out = torch.empty_like(q) if out is None else out
         k, v = k_buffer[layer_id], v_buffer[layer_id]
@@ -183,6 +194,8 @@ class Emulator:
             scale,
             window,
             softcap,
+            _layer(k_scale, layer_id),
+            _layer(v_scale, layer_id),
         )
         self._check(err, "attn_paged_prefill")
         return out

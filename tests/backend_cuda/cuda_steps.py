@@ -15,6 +15,7 @@ import math
 import torch
 
 from astrai.kvcache.cache import KVCache
+from astrai.kvcache.quant import quantize
 from astrai_backend_cuda import reference
 from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, PREFILL_Q_TILE, decode_split_range, window_start
 
@@ -44,6 +45,7 @@ def make_step(
     device="cpu",
     n_layers=2,
     poison_free=True,
+    kinds=("auto", "auto"),
 ):
     """A hand-built step: each request's slots a random scattering of the pool, slot 0 never used.
 
@@ -51,6 +53,8 @@ def make_step(
     Columns of req_to_token past seq_len hold random stale slots, as a reused row would;
     the pool holds random K/V in used slots (the new positions' old contents too) and, with
     ``poison_free``, NaN in every other slot, so a read of a slot it should not read shows.
+    ``kinds`` (K's, V's): ``"int8"`` keeps that side quantized (``astrai.kvcache.quant``), its free
+    slots' scales NaN.
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + q for p, q in zip(prefix_lens, q_lens, strict=True)]
@@ -73,14 +77,20 @@ def make_step(
         return torch.randn(s, generator=gen).to(dtype).to(device)
 
     pools = [rand(*shape), rand(*shape)]
+    scales = [None, None]
+    for i, kind in enumerate(kinds):
+        if kind == "int8":
+            pools[i], scales[i] = quantize(pools[i])
+    free = torch.ones(size, dtype=torch.bool)
+    free[perm[: sum(seq_lens)]] = False
     if poison_free:
-        free = torch.ones(size, dtype=torch.bool)
-        free[perm[: sum(seq_lens)]] = False
-        for pool in pools:
-            pool[:, free.to(device)] = float("nan")
+        for pool, s in zip(pools, scales, strict=True):
+            (pool if s is None else s)[:, free.to(device)] = float("nan")
     kv = KVCache(
         k_buffer=pools[0],
         v_buffer=pools[1],
+        k_scale=scales[0],
+        v_scale=scales[1],
         req_to_token=req_to_token.to(device),
         req_pool_indices=rows.long().to(device),
         seq_lens=torch.tensor(seq_lens, device=device),
@@ -109,6 +119,13 @@ def clone_step(kv: KVCache) -> KVCache:
 def poisoned(t: torch.Tensor) -> torch.Tensor:
     """``t`` filled with NaN (every element an implementation must write)."""
     return t.fill_(float("nan"))
+
+
+def _values(kv: KVCache, side: str, layer: int | None = None) -> torch.Tensor:
+    """The pool's K or V (``side``) as attention reads it: its values, or an int8 pool's ``q * scale``."""
+    buf, scales = getattr(kv, f"{side}_buffer"), getattr(kv, f"{side}_scale")
+    values = buf if scales is None else buf.float() * scales[..., None]
+    return values if layer is None else values[layer]
 
 
 def _max_abs(t: torch.Tensor) -> float:
@@ -165,13 +182,17 @@ def check_decode(
             scale,
             window,
             softcap,
+            s.k_scale,
+            s.v_scale,
         )
     assert _same(mine.k_buffer, ref.k_buffer) and _same(mine.v_buffer, ref.v_buffer), "pool writes differ"
+    for got, want in ((mine.k_scale, ref.k_scale), (mine.v_scale, ref.v_scale)):
+        assert got is None or _same(got, want), "the scales written differ"
     o_m, o_r = mine.decode_o_part[:, :, :num_splits].cpu(), ref.decode_o_part[:, :, :num_splits].cpu()
     ml_m, ml_r = mine.decode_ml_part[:, :, :num_splits].cpu(), ref.decode_ml_part[:, :, :num_splits].cpu()
     assert not o_m.isnan().any() and not ml_m.isnan().any(), "a partial slot below num_splits was not written"
     assert mine.decode_o_part[:, :, num_splits:].isnan().all(), "a partial slot above num_splits was written"
-    vmax = max(_max_abs(v), _max_abs(kv.v_buffer))
+    vmax = max(_max_abs(v), _max_abs(_values(kv, "v")))
     empty = torch.isinf(ml_r)
     assert torch.equal(torch.isinf(ml_m), empty), "empty splits differ"
     assert (o_m[empty] == 0).all()
@@ -189,8 +210,7 @@ def check_prefill(impl, kv: KVCache, q, k, v, layer: int = 0, window: int = 0, s
     """``impl.attn_paged_prefill`` (K/V written first) against the reference; every row must be written.
     ``window`` and ``softcap`` go to both (0: off)."""
     kv = clone_step(kv)
-    kv.k_buffer[layer].index_copy_(0, kv.out_cache_loc, k)
-    kv.v_buffer[layer].index_copy_(0, kv.out_cache_loc, v)
+    write_step(kv, k, v, layer)
     scale = q.shape[-1] ** -0.5
     outs = []
     for fn in (impl.attn_paged_prefill, reference.attn_paged_prefill):
@@ -210,12 +230,20 @@ def check_prefill(impl, kv: KVCache, q, k, v, layer: int = 0, window: int = 0, s
             out,
             window,
             softcap,
+            kv.k_scale,
+            kv.v_scale,
         )
         outs.append(out.float().cpu())
     assert not outs[0].isnan().any(), "a query row was not written"
-    err = float((outs[0] - outs[1]).abs().max()) / _max_abs(kv.v_buffer[layer])
+    err = float((outs[0] - outs[1]).abs().max()) / _max_abs(_values(kv, "v", layer))
     assert err <= output_bound(q.dtype), f"prefill output error {err:.2e} > {output_bound(q.dtype):.2e}"
     return {"out": err}
+
+
+def write_step(kv: KVCache, k, v, layer: int) -> None:
+    """This step's ``k``/``v`` into ``kv``'s pool at ``out_cache_loc`` (quantized into an int8 side)."""
+    reference.write_kv(kv.k_buffer, kv.k_scale, layer, kv.out_cache_loc, k)
+    reference.write_kv(kv.v_buffer, kv.v_scale, layer, kv.out_cache_loc, v)
 
 
 def check_rotary(impl, x: torch.Tensor, freqs: torch.Tensor, in_place: bool) -> dict:

@@ -6,7 +6,8 @@ be multiples of the tiles (32 positions in decode, 64 in prefill), and to reach 
 branch: GQA groups from 1 to 16, both head dims and storage types, one split (output
 written directly) and many (combine pass), empty splits, prefix hits; and sliding windows
 (shorter than a tile, across tiles, wider than the sequence, of one position) with soft-capped
-scores, where a prefill row may see nothing of the first K/V tiles its Q tile loads.
+scores, where a prefill row may see nothing of the first K/V tiles its Q tile loads; and int8
+pools (K, V or both) with their scales.
 """
 
 from __future__ import annotations
@@ -71,6 +72,57 @@ def test_decode_strided_new_kv(kernels):
     qkv = torch.randn(2, (4 + 2 + 2) * 64, generator=torch.Generator().manual_seed(3)).to(BF16).to(device)
     k, v = qkv[:, 256:384].view(2, 2, 64), qkv[:, 384:].view(2, 2, 64)
     check_decode(impl, kv, q, k, v, num_splits=2)
+
+
+I8, AUTO = "int8", "auto"
+# id: (prefix_lens, n_heads, n_kv_heads, head_dim, dtype, num_splits, window, softcap, kinds of K and V)
+DECODE_INT8 = {
+    "int8-kv-smollm2-heads-many-splits": ([0, 37, 300], 9, 3, 64, BF16, 3, 0, 0.0, (I8, I8)),
+    "int8-kv-gqa4-d128-one-split": ([5, 64, 200], 8, 2, 128, BF16, 1, 0, 0.0, (I8, I8)),
+    "int8-k-only-fp16-group16": ([70, 33], 16, 1, 128, FP16, 2, 0, 0.0, (I8, AUTO)),
+    "int8-v-only-empty-splits": ([0, 2, 39], 4, 2, 64, BF16, 4, 0, 0.0, (AUTO, I8)),
+    "int8-kv-window-and-softcap-fp16": ([70, 33, 250], 16, 1, 128, FP16, 3, 90, 1.5, (I8, I8)),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_INT8.values()), ids=list(DECODE_INT8))
+def test_decode_int8_pool(kernels, case):
+    """An int8 K and/or V pool: the new token quantized into the pool byte for byte as
+    ``astrai.kvcache.quant.quantize`` writes it (scale beside it), the pool read as ``q * scale``."""
+    impl, device = kernels
+    prefix, n_heads, n_kv, head_dim, dtype, splits, window, softcap, kinds = case
+    kv, q, k, v = make_step(
+        [1] * len(prefix),
+        prefix,
+        n_heads,
+        n_kv,
+        head_dim,
+        dtype,
+        seed=len(prefix) + 7,
+        device=device,
+        kinds=kinds,
+    )
+    check_decode(impl, kv, q, k, v, splits, window=window, softcap=softcap)
+
+
+# id: (q_lens, prefix_lens, n_heads, n_kv_heads, head_dim, dtype, window, softcap, kinds of K and V)
+PREFILL_INT8 = {
+    "int8-kv-prefix-hits-several-tiles": ([33, 130], [64, 7], 2, 1, 64, BF16, 0, 0.0, (I8, I8)),
+    "int8-kv-gqa4-d128": ([65, 3], [0, 100], 8, 2, 128, BF16, 0, 0.0, (I8, I8)),
+    "int8-k-only-mixed-decode-rows-fp16": ([1, 1, 20], [50, 3, 0], 4, 4, 128, FP16, 0, 0.0, (I8, AUTO)),
+    "int8-v-only-window-across-tiles": ([33, 130], [64, 200], 2, 1, 64, BF16, 70, 0.0, (AUTO, I8)),
+    "int8-kv-window-and-softcap-fp16": ([1, 1, 20, 90], [50, 3, 0, 77], 4, 4, 128, FP16, 8, 3.0, (I8, I8)),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFILL_INT8.values()), ids=list(PREFILL_INT8))
+def test_prefill_int8_pool(kernels, case):
+    impl, device = kernels
+    q_lens, prefix, n_heads, n_kv, head_dim, dtype, window, softcap, kinds = case
+    kv, q, k, v = make_step(
+        q_lens, prefix, n_heads, n_kv, head_dim, dtype, seed=sum(q_lens) + 1, device=device, kinds=kinds
+    )
+    check_prefill(impl, kv, q, k, v, window=window, softcap=softcap)
 
 
 # id: (q_lens, prefix_lens, n_heads, n_kv_heads, head_dim, dtype)

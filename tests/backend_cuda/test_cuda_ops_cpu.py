@@ -78,7 +78,15 @@ def test_wrappers_and_reference_follow_the_compiled_schemas(cpu_ops):
         assert (
             mutated
             == {
-                "attn_paged_decode": {"k_buffer", "v_buffer", "o_part", "ml_part", "out"},
+                "attn_paged_decode": {
+                    "k_buffer",
+                    "v_buffer",
+                    "o_part",
+                    "ml_part",
+                    "out",
+                    "k_scale",
+                    "v_scale",
+                },
                 "attn_paged_prefill": {"out"},
                 "rotary_emb": {"out"},
             }[name]
@@ -108,7 +116,9 @@ class CpuCudaBackend(CudaBackend):
     def is_available(cls) -> tuple[bool, str]:
         return True, ""
 
-    def _device_slots(self, q: torch.Tensor, group: int) -> tuple[int, int]:
+    def _device_slots(
+        self, q: torch.Tensor, group: int, k8: bool = False, v8: bool = False
+    ) -> tuple[int, int]:
         return 132, 3
 
 
@@ -144,12 +154,12 @@ def tiny_llama(architecture="llama", **options):
     return model.to(torch.bfloat16)
 
 
-def greedy_run(model, prompts, late_prompt, steps=6, forced=None):
+def greedy_run(model, prompts, late_prompt, steps=6, forced=None, kinds=("auto", "auto")):
     """Prefill ``prompts`` together, decode ``steps`` steps; at step 2 ``late_prompt`` joins (a mixed step).
 
     Each step feeds each request its greedy token, or ``forced[i][n]`` when given (so that a
-    near-tie decided differently does not send two runs apart). Returns ``(tokens of every
-    request, logits of every step)``.
+    near-tie decided differently does not send two runs apart). ``kinds``: what the pool keeps
+    K and V in (``astrai.kvcache.quant``). Returns ``(tokens of every request, logits of every step)``.
     """
     c = model.config
     pool = PagePool(
@@ -157,7 +167,7 @@ def greedy_run(model, prompts, late_prompt, steps=6, forced=None):
         c.num_attention_heads,
         c.num_key_value_heads,
         c.head_dim,
-        KVConfig(max_batch_size=4, max_seq_len=128, page_size=16, n_tokens=1024),
+        KVConfig(max_batch_size=4, max_seq_len=128, page_size=16, n_tokens=1024, kinds=kinds),
         dtype=torch.bfloat16,
     )
     seqs, tokens, logits_seen = [], [], []
@@ -239,3 +249,41 @@ def test_cuda_backend_drives_a_model_like_torch_native(cpu_ops, monkeypatch, opt
     assert sum(len(t) for t in tokens) == 3 * 7 + 4
     for name in ("attn_paged_decode", "attn_paged_prefill"):  # every layer ran on the kernels
         assert {(w, c) for op, w, c in seen if op == name} == layer_options, name
+
+
+@pytest.mark.parametrize(
+    "kinds", [("int8", "int8"), ("int8", "auto"), ("auto", "int8")], ids=["kv", "k", "v"]
+)
+def test_cuda_backend_serves_an_int8_pool_like_torch_native(cpu_ops, monkeypatch, kinds):
+    """``--kv-cache-dtype int8`` (K and V, or one of them) on the cuda backend, sliding windows
+    included: both ops get the pool's scales, and the logits follow torch_native's on an int8 pool
+    through prefill, decode and mixed steps."""
+    monkeypatch.setattr(policy, "_registry", BackendRegistry([CpuCudaBackend, TorchNativeBackend]))
+    model = tiny_llama(architecture="mistral", sliding_window=16)
+    scales_seen = []
+    for name in ("attn_paged_decode", "attn_paged_prefill"):
+        real = getattr(ops, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            scales_seen.append((_name, kwargs["k_scale"] is not None, kwargs["v_scale"] is not None))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (9, 70, 33)]
+    late = torch.randint(2, 256, (20,), generator=gen).tolist()
+    with attn_backend("torch_native"):
+        expected_tokens, expected_logits = greedy_run(model, prompts, late, kinds=kinds)
+    with attn_backend("cuda"):
+        tokens, logits = greedy_run(model, prompts, late, forced=expected_tokens, kinds=kinds)
+    for got, want in zip(logits, expected_logits, strict=True):
+        tol = 0.02 * float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=0, atol=tol)
+        top2 = want.topk(2).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * tol
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    quantized = tuple(kind == "int8" for kind in kinds)
+    assert {(op, k, v) for op, k, v in scales_seen} == {
+        ("attn_paged_decode", *quantized),
+        ("attn_paged_prefill", *quantized),
+    }

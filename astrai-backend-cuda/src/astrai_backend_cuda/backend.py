@@ -8,7 +8,9 @@ size); other steps write K/V with ``index_copy_`` and run ``attn_paged_prefill``
 prefill tile maps (one host-to-device copy), or slices of split-K scratch allocated once
 per pool. Nothing is gathered, nothing is allocated in decode, the device is never synchronised.
 Sliding-window layers and soft-capped scores (``features``) run on the same kernels, which take
-the layer's window and soft-cap.
+the layer's window and soft-cap; so does an int8 pool (``--kv-cache-dtype int8``, K, V or both):
+decode quantizes the new K/V in the kernel, other steps quantize them as they are written
+(``reference.write_kv``), and both kernels read ``q * scale``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from astrai.extension.api import AttentionBackend, KernelUnavailable, ops
 from astrai_backend_cuda.build import load_kernels, rotary_kernel
 from astrai_backend_cuda.plan import DECODE_MAX_SPLITS, HEAD_DIMS, MAX_GROUP, decode_num_splits, prefill_tiles
+from astrai_backend_cuda.reference import write_kv
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -39,15 +42,15 @@ class CudaBackend(AttentionBackend):
 
     name = "cuda"
     priority = 10
-    #: Both kernels take a sliding window and a soft-cap (``AttentionBackend.features``).
-    features = frozenset({"window", "softcap"})
+    #: Both kernels take a sliding window, a soft-cap and an int8 pool (``AttentionBackend.features``).
+    features = frozenset({"window", "softcap", "kv_int8"})
     #: Device type of the tensors the ops accept.
     device_type = "cuda"
 
     def __init__(self) -> None:
         self._slots: dict[
-            tuple[int, torch.dtype, int, int], tuple[int, int]
-        ] = {}  # (device, dtype, D, group)
+            tuple[int, torch.dtype, int, int, bool, bool], tuple[int, int]
+        ] = {}  # (device, dtype, D, group, int8 K, int8 V)
         # split-K scratch per (device, dtype, rows, heads, D): allocated once, sliced per step
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -74,8 +77,13 @@ class CudaBackend(AttentionBackend):
 
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         """None, or the first of: dtype, head_dim, head grouping, device (host facts only)."""
-        if q.dtype not in _DTYPES or kv_cache.k_buffer.dtype != q.dtype:
-            return f"dtype {q.dtype} (KV {kv_cache.k_buffer.dtype}) not supported: bfloat16 or float16"
+        kv = kv_cache
+        stored = {
+            buf.dtype if scales is None else q.dtype
+            for buf, scales in ((kv.k_buffer, kv.k_scale), (kv.v_buffer, kv.v_scale))
+        }
+        if q.dtype not in _DTYPES or stored != {q.dtype}:
+            return f"dtype {q.dtype} (KV {kv.k_buffer.dtype}) not supported: bfloat16 or float16 (or an int8 pool)"
         head_dim, n_heads, n_kv = q.shape[-1], q.shape[1], kv_cache.k_buffer.shape[2]
         if head_dim not in HEAD_DIMS:
             return f"head_dim {head_dim} not supported ({', '.join(map(str, HEAD_DIMS))})"
@@ -150,11 +158,13 @@ class CudaBackend(AttentionBackend):
                 scale,
                 window=window,
                 softcap=softcap,
+                k_scale=kv.k_scale,
+                v_scale=kv.v_scale,
             )
         if kv.q_tile_to_batch is None:  # a direct call, without prepare()
             self.prepare(q, kv)
-        kv.k_buffer[layer_id].index_copy_(0, kv.out_cache_loc, k)
-        kv.v_buffer[layer_id].index_copy_(0, kv.out_cache_loc, v)
+        write_kv(kv.k_buffer, kv.k_scale, layer_id, kv.out_cache_loc, k)
+        write_kv(kv.v_buffer, kv.v_scale, layer_id, kv.out_cache_loc, v)
         return ops.attn_paged_prefill(
             q,
             kv.k_buffer,
@@ -169,13 +179,17 @@ class CudaBackend(AttentionBackend):
             scale,
             window=window,
             softcap=softcap,
+            k_scale=kv.k_scale,
+            v_scale=kv.v_scale,
         )
 
     def _decode_splits(self, q: torch.Tensor, kv: KVCache, max_len: int | None = None) -> int:
         """The step's split count over ``max_len`` positions at most (default ``kv.max_len``), from host
         facts and the (cached) size of the device."""
         n_kv = kv.k_buffer.shape[2]
-        num_sms, blocks_per_sm = self._device_slots(q, q.shape[1] // n_kv)
+        num_sms, blocks_per_sm = self._device_slots(
+            q, q.shape[1] // n_kv, kv.k_scale is not None, kv.v_scale is not None
+        )
         return decode_num_splits(
             kv.req_pool_indices.shape[0],
             n_kv,
@@ -200,13 +214,16 @@ class CudaBackend(AttentionBackend):
             )
         return self._scratch[key]
 
-    def _device_slots(self, q: torch.Tensor, group: int) -> tuple[int, int]:
-        """``(SM count, decode blocks per SM)`` of q's device for this shape, asked once per key."""
+    def _device_slots(
+        self, q: torch.Tensor, group: int, k8: bool = False, v8: bool = False
+    ) -> tuple[int, int]:
+        """``(SM count, decode blocks per SM)`` of q's device for this shape and pool (``k8``/``v8``:
+        int8 K/V), asked once per key."""
         device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        key = (device, q.dtype, q.shape[-1], group)
+        key = (device, q.dtype, q.shape[-1], group, k8, v8)
         if key not in self._slots:
             with torch.cuda.device(device):
-                blocks = torch.ops.astrai.paged_decode_blocks_per_sm(q.dtype, q.shape[-1], group)
+                blocks = torch.ops.astrai.paged_decode_blocks_per_sm(q.dtype, q.shape[-1], group, k8, v8)
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             self._slots[key] = (sms, max(1, blocks))
         return self._slots[key]

@@ -4,7 +4,9 @@ Each function has the contract of its ``astrai.extension.ops`` namesake (see the
 including what it mutates: the decode reference writes the new K/V into the pool, every
 split's partial output and log-sum-exp at the kernel's split boundaries (``plan``), and
 the combined output; the prefill reference writes only the rows of the listed Q tiles.
-It runs on any device and synchronises freely (it is for tests and checks, not speed).
+It runs on any device and synchronises freely (it is for tests and checks, not speed). An int8
+pool (``k_scale``/``v_scale`` given) is read as ``q * scale`` in float32, and decode quantizes
+the new K/V with ``astrai.kvcache.quant.quantize``.
 The kernels differ from it only by rounding: float32 accumulation order, base-2
 exponentials, and (prefill) probabilities rounded to the storage type before P.V.
 """
@@ -13,7 +15,29 @@ from __future__ import annotations
 
 import torch
 
+from astrai.extension.api import quantize_kv
 from astrai_backend_cuda.plan import PREFILL_Q_TILE, decode_split_range, window_start
+
+
+def _side(buf: torch.Tensor, scales: torch.Tensor | None, layer_id: int) -> torch.Tensor:
+    """Layer ``layer_id`` of a pool's K (V) as the kernels read it: its values, or an int8 pool's
+    ``q * scale`` in float32."""
+    if scales is None:
+        return buf[layer_id]
+    return buf[layer_id].float() * scales[layer_id][..., None]
+
+
+def write_kv(
+    buf: torch.Tensor, scales: torch.Tensor | None, layer_id: int, loc: torch.Tensor, x: torch.Tensor
+) -> None:
+    """``x`` into slots ``loc`` of layer ``layer_id`` of a pool's K (V): as is, or quantized with its
+    ``scales`` (``quantize_kv``). CudaBackend writes a prefill step's K/V with it."""
+    if scales is None:
+        buf[layer_id].index_copy_(0, loc, x.to(buf.dtype))
+        return
+    q, s = quantize_kv(x)
+    buf[layer_id].index_copy_(0, loc, q)
+    scales[layer_id].index_copy_(0, loc, s)
 
 
 def _attend(
@@ -62,11 +86,13 @@ def attn_paged_decode(
     scale,
     window=0,
     softcap=0.0,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Reference of ``ops.attn_paged_decode``: pool write, split-K partials, combine into ``out``."""
-    k_layer, v_layer = k_buffer[layer_id], v_buffer[layer_id]
-    k_layer.index_copy_(0, out_cache_loc, new_k.to(k_layer.dtype))
-    v_layer.index_copy_(0, out_cache_loc, new_v.to(v_layer.dtype))
+    write_kv(k_buffer, k_scale, layer_id, out_cache_loc, new_k)
+    write_kv(v_buffer, v_scale, layer_id, out_cache_loc, new_v)
+    k_layer, v_layer = _side(k_buffer, k_scale, layer_id), _side(v_buffer, v_scale, layer_id)
     rows = req_pool_indices.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         slots = req_to_token[rows[b], :seq_len].long()
@@ -100,11 +126,13 @@ def attn_paged_prefill(
     out=None,
     window=0,
     softcap=0.0,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Reference of ``ops.attn_paged_prefill``: causal attention tile by tile, offset ``kv_len - q_len``
     (in a sliding window, a row at position ``p`` sees ``p - window + 1 .. p``)."""
     out = torch.empty_like(q) if out is None else out
-    k_layer, v_layer = k_buffer[layer_id], v_buffer[layer_id]
+    k_layer, v_layer = _side(k_buffer, k_scale, layer_id), _side(v_buffer, v_scale, layer_id)
     qo, kv, rows = qo_indptr.tolist(), kv_indptr.tolist(), req_pool_indices.tolist()
     for b, tile in zip(q_tile_to_batch.tolist(), q_tile_to_index.tolist(), strict=True):
         q_start, q_len, kv_len = qo[b], qo[b + 1] - qo[b], kv[b + 1] - kv[b]

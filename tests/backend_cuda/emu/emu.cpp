@@ -163,7 +163,8 @@ uint64_t emu_shfl_xor(uint64_t bits, int lane_mask) {
 void emu_check_smem(const void* p, size_t bytes, const char* what) {
   const auto* c = static_cast<const unsigned char*>(p);
   if (c < g_smem || c + bytes > g_smem + g_smem_size) fail(std::string(what) + " outside shared memory");
-  if (reinterpret_cast<uintptr_t>(p) % 16) fail(std::string(what) + " not 16-byte aligned");
+  const size_t align = bytes < 16 ? bytes : 16;  // cp.async of 4 or 8 bytes: their size; else 16
+  if (reinterpret_cast<uintptr_t>(p) % align) fail(std::string(what) + " not " + std::to_string(align) + "-byte aligned");
 }
 
 void emu_fail(const char* what) { fail(what); }

@@ -12,16 +12,36 @@ void emu_check_smem(const void* p, size_t bytes, const char* what);
 // Every lane of the warp passes `bytes` bytes and receives all 32 lanes' values in lane order.
 void emu_warp_exchange(const void* mine, size_t bytes, void* all);
 unsigned emu_lane();
+void emu_fail(const char* what);
 
 namespace astrai {
 
 // The copy happens at once: a wait can only be too early, never missed by the emulator.
 inline void cp_async_16(void* dst, const void* src, bool valid) {
   emu_check_smem(dst, 16, "cp.async destination");
+  if (valid && reinterpret_cast<uintptr_t>(src) % 16) emu_fail("cp.async source not 16-byte aligned");
   if (valid)
     std::memcpy(dst, src, 16);
   else
     std::memset(dst, 0, 16);
+}
+
+inline void cp_async_4(void* dst, const void* src, bool valid) {
+  emu_check_smem(dst, 4, "cp.async destination");
+  if (valid && reinterpret_cast<uintptr_t>(src) % 4) emu_fail("cp.async source not 4-byte aligned");
+  if (valid)
+    std::memcpy(dst, src, 4);
+  else
+    std::memset(dst, 0, 4);
+}
+
+inline void cp_async_8(void* dst, const void* src, bool valid) {
+  emu_check_smem(dst, 8, "cp.async destination");
+  if (valid && reinterpret_cast<uintptr_t>(src) % 8) emu_fail("cp.async source not 8-byte aligned");
+  if (valid)
+    std::memcpy(dst, src, 8);
+  else
+    std::memset(dst, 0, 8);
 }
 
 inline void cp_async_commit() {}

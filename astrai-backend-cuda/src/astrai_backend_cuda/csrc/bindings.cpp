@@ -49,17 +49,36 @@ void* layer_ptr(const Tensor& buf, int64_t layer) {
   return static_cast<char*>(buf.data_ptr()) + layer * buf.stride(0) * buf.element_size();
 }
 
-void check_pool(const Tensor& k_buffer, const Tensor& v_buffer, const Tensor& q) {
-  for (const Tensor* t : {&k_buffer, &v_buffer}) {
-    check_tensor(*t, q, q.scalar_type(), 4, "k_buffer/v_buffer");
-    TORCH_CHECK(t->is_contiguous(), "k_buffer/v_buffer must be contiguous");
+// The pool's K (V): q's dtype without a scale, or int8 with its float32 scales [n_layers, size, Hkv].
+void check_side(const Tensor& buf, const c10::optional<Tensor>& scale, const Tensor& q, const char* name) {
+  check_same_device(buf, q, name);
+  TORCH_CHECK(buf.dim() == 4 && buf.is_contiguous(), name, " must be a contiguous [n_layers, size, n_kv_heads, head_dim]");
+  if (!scale.has_value()) {
+    TORCH_CHECK(buf.scalar_type() == q.scalar_type(), name, " must be ", q.scalar_type(), " (or int8 with its scales), got ",
+                buf.scalar_type());
+    return;
   }
+  TORCH_CHECK(buf.scalar_type() == at::kChar, name, " must be int8 when its scales are given, got ", buf.scalar_type());
+  check_tensor(*scale, q, at::kFloat, 3, "k_scale/v_scale");
+  TORCH_CHECK(scale->is_contiguous() && scale->sizes() == buf.sizes().slice(0, 3), "the scales of ", name,
+              " must be a contiguous [n_layers, size, n_kv_heads] = ", buf.sizes().slice(0, 3), ", got ", scale->sizes());
+}
+
+void check_pool(const Tensor& k_buffer, const Tensor& v_buffer, const Tensor& q, const c10::optional<Tensor>& k_scale,
+                const c10::optional<Tensor>& v_scale) {
+  check_side(k_buffer, k_scale, q, "k_buffer");
+  check_side(v_buffer, v_scale, q, "v_buffer");
   TORCH_CHECK(k_buffer.sizes() == v_buffer.sizes(), "k_buffer and v_buffer differ in shape");
   TORCH_CHECK(k_buffer.size(3) == q.size(2), "head_dim of q (", q.size(2), ") and the pool differ");
   TORCH_CHECK(astrai::head_dim_supported(static_cast<int>(q.size(2))), "head_dim ", q.size(2),
               " has no kernel (64, 128)");
   const int64_t n_heads = q.size(1), n_kv = k_buffer.size(2);
   TORCH_CHECK(n_kv >= 1 && n_heads % n_kv == 0, "n_heads ", n_heads, " is not a multiple of n_kv_heads ", n_kv);
+}
+
+// Layer `layer` of an int8 pool's scales, or null.
+float* scale_ptr(const c10::optional<Tensor>& scale, int64_t layer) {
+  return scale.has_value() ? scale->data_ptr<float>() + layer * scale->stride(0) : nullptr;
 }
 
 void check_req_to_token(const Tensor& req_to_token, const Tensor& q) {
@@ -77,11 +96,12 @@ void attn_paged_decode(const Tensor& q, const Tensor& new_k, const Tensor& new_v
                        const Tensor& v_buffer, int64_t layer_id, const Tensor& req_to_token,
                        const Tensor& req_pool_indices, const Tensor& seq_lens, const Tensor& out_cache_loc,
                        int64_t max_len, int64_t num_splits, const Tensor& o_part, const Tensor& ml_part,
-                       const Tensor& out, double scale, int64_t window, double softcap) {
+                       const Tensor& out, double scale, int64_t window, double softcap,
+                       const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "q must be a [B, n_heads, head_dim] CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const astrai::DType dtype = storage_type(q, "q");
-  check_pool(k_buffer, v_buffer, q);
+  check_pool(k_buffer, v_buffer, q, k_scale, v_scale);
   const int64_t batch = q.size(0), n_heads = q.size(1), head_dim = q.size(2), n_kv = k_buffer.size(2);
   TORCH_CHECK(n_heads / n_kv <= astrai::kMaxDecodeGroup, "n_heads / n_kv_heads above ", astrai::kMaxDecodeGroup);
   TORCH_CHECK(batch <= 65535 && n_kv <= 65535, "batch and n_kv_heads must be <= 65535");
@@ -143,17 +163,20 @@ void attn_paged_decode(const Tensor& q, const Tensor& new_k, const Tensor& new_v
   a.scale = static_cast<float>(scale);
   a.window = static_cast<int>(window);
   a.softcap = static_cast<float>(softcap);
+  a.k_scale = scale_ptr(k_scale, layer_id);
+  a.v_scale = scale_ptr(v_scale, layer_id);
   check_launch(astrai::paged_decode(a, dtype, c10::cuda::getCurrentCUDAStream()), "attn_paged_decode");
 }
 
 void attn_paged_prefill(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer, int64_t layer_id,
                         const Tensor& req_to_token, const Tensor& req_pool_indices, const Tensor& qo_indptr,
                         const Tensor& kv_indptr, const Tensor& q_tile_to_batch, const Tensor& q_tile_to_index,
-                        double scale, const Tensor& out, int64_t window, double softcap) {
+                        double scale, const Tensor& out, int64_t window, double softcap,
+                        const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "q must be a [T, n_heads, head_dim] CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const astrai::DType dtype = storage_type(q, "q");
-  check_pool(k_buffer, v_buffer, q);
+  check_pool(k_buffer, v_buffer, q, k_scale, v_scale);
   check_rows(q, "q");
   check_req_to_token(req_to_token, q);
   const int64_t batch = req_pool_indices.size(0), n_tiles = q_tile_to_batch.size(0);
@@ -196,6 +219,8 @@ void attn_paged_prefill(const Tensor& q, const Tensor& k_buffer, const Tensor& v
   a.scale = static_cast<float>(scale);
   a.window = static_cast<int>(window);
   a.softcap = static_cast<float>(softcap);
+  a.k_scale = scale_ptr(k_scale, layer_id);
+  a.v_scale = scale_ptr(v_scale, layer_id);
   check_launch(astrai::paged_prefill(a, dtype, c10::cuda::getCurrentCUDAStream()), "attn_paged_prefill");
 }
 
@@ -240,10 +265,10 @@ void rotary_emb(const Tensor& x, const Tensor& freqs, const Tensor& out) {
   check_launch(astrai::rotary(a, dtype, c10::cuda::getCurrentCUDAStream()), "rotary_emb");
 }
 
-int64_t paged_decode_blocks_per_sm(at::ScalarType dtype, int64_t head_dim, int64_t group) {
+int64_t paged_decode_blocks_per_sm(at::ScalarType dtype, int64_t head_dim, int64_t group, bool k8, bool v8) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "dtype must be bfloat16 or float16");
   const auto type = dtype == at::kBFloat16 ? astrai::DType::kBFloat16 : astrai::DType::kFloat16;
-  return astrai::paged_decode_blocks_per_sm(type, static_cast<int>(head_dim), static_cast<int>(group));
+  return astrai::paged_decode_blocks_per_sm(type, static_cast<int>(head_dim), static_cast<int>(group), k8, v8);
 }
 
 }  // namespace
@@ -253,14 +278,16 @@ TORCH_LIBRARY(astrai, m) {
       "attn_paged_decode(Tensor q, Tensor new_k, Tensor new_v, Tensor(a!) k_buffer, Tensor(b!) v_buffer, "
       "int layer_id, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor out_cache_loc, "
       "int max_len, int num_splits, Tensor(c!) o_part, Tensor(d!) ml_part, Tensor(e!) out, float scale, "
-      "int window=0, float softcap=0.) -> ()");
+      "int window=0, float softcap=0., Tensor(f!)? k_scale=None, Tensor(g!)? v_scale=None) -> ()");
   m.def(
       "attn_paged_prefill(Tensor q, Tensor k_buffer, Tensor v_buffer, int layer_id, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor qo_indptr, Tensor kv_indptr, Tensor q_tile_to_batch, "
-      "Tensor q_tile_to_index, float scale, Tensor(a!) out, int window=0, float softcap=0.) -> ()");
+      "Tensor q_tile_to_index, float scale, Tensor(a!) out, int window=0, float softcap=0., Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> ()");
   m.def("rotary_emb(Tensor x, Tensor freqs, Tensor(a!) out) -> ()");
   // Occupancy of the decode kernel on the current device (sizes the split-K grid); no tensors.
-  m.def("paged_decode_blocks_per_sm(ScalarType dtype, int head_dim, int group) -> int", &paged_decode_blocks_per_sm);
+  m.def("paged_decode_blocks_per_sm(ScalarType dtype, int head_dim, int group, bool k8=False, bool v8=False) -> int",
+        &paged_decode_blocks_per_sm);
 }
 
 TORCH_LIBRARY_IMPL(astrai, CUDA, m) {

@@ -73,6 +73,15 @@ __device__ __forceinline__ float2 unpack2(uint32_t raw) {
   return Storage<T>::to_float2(*reinterpret_cast<const typename Storage<T>::Pair*>(&raw));
 }
 
+// 8 bytes = 8 int8 values -> 8 floats (exact).
+__device__ __forceinline__ void unpack8_i8(const uint2& raw, float (&out)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[i] = static_cast<float>(static_cast<int8_t>((raw.x >> (8 * i)) & 0xffu));
+    out[4 + i] = static_cast<float>(static_cast<int8_t>((raw.y >> (8 * i)) & 0xffu));
+  }
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
@@ -83,6 +92,30 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
   return v;
+}
+
+// One KV head's row of D = 8 * (lanes holding values) elements quantized by one warp, as
+// astrai.kvcache.quant.quantize: lane i < D / 8 passes its 8 values in x (other lanes any finite
+// values with `holds` false), receives them as int8 in the returned 8 bytes; `scale` is amax / 127
+// on every lane. 127 / amax and amax / 127 are IEEE divisions (nvcc's default -prec-div).
+__device__ __forceinline__ uint2 quantize8_warp(const float (&x)[8], bool holds, float& scale) {
+  float amax = 0.f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) amax = fmaxf(amax, holds ? fabsf(x[e]) : 0.f);
+  amax = warp_max(amax);
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  scale = amax / 127.f;
+  uint2 raw{0u, 0u};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float r = fminf(fmaxf(rintf(x[e] * inv), -127.f), 127.f);
+    const uint32_t byte = static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(r)));
+    if (e < 4)
+      raw.x |= byte << (8 * e);
+    else
+      raw.y |= byte << (8 * (e - 4));
+  }
+  return raw;
 }
 
 // Let `kernel` use up to `smem_max` bytes of dynamic shared memory (above the 48 KiB default),

@@ -13,6 +13,12 @@
 // The block writes its normalised partial output and log-sum-exp; the combine kernel merges splits.
 // The new token (position seq_len - 1) is read from new_k/new_v and written to the pool by the
 // block whose split holds it, so no other block of this launch reads its slot.
+// An int8 pool (K, V or both; DecodeArgs): its rows are staged as int8 with their scales (half the
+// bytes of a bf16 row), the score phase multiplies each token's dot by K's scale and the P.V phase
+// each probability by V's; the new token is quantized by one warp (K: warp 0, V: warp 1) and read
+// back from the pool after a barrier.
+#include <type_traits>
+
 #include "common.cuh"
 #include "kernels.h"
 #include "ptx.cuh"
@@ -27,39 +33,93 @@ constexpr int kSlices = kThreads / kTile;  // threads per token in the score pha
 constexpr int kQuad = 4;                   // heads per thread in the P.V phase (one V load, four heads)
 static_assert(kTile == 32, "the softmax phase maps one token to each lane");
 
-template <int D>
-struct DecodeShape {
-  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  static constexpr int kStages = D >= 128 ? 3 : 4;
+// One of K and V in the pipeline's stages: rows of the model's dtype T (16-byte chunks of 8 values)
+// or, from an int8 pool, rows of int8 (16-byte chunks of 16 values) with a float32 scale each.
+template <typename T, bool Q8, int D>
+struct Side {
+  static constexpr int kBytes = Q8 ? 1 : 2;  // per value
+  static constexpr int kPer = 16 / kBytes;   // values per 16-byte chunk
+  static constexpr int kChunks = D / kPer;   // 16-byte chunks per row
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kPasses = kTile / kRowsPerPass;
-  static constexpr int kSliceChunks = kChunks / kSlices;
-  static constexpr int kPvRows = kThreads / kChunks;  // (head quad, token subset) pairs of the P.V phase
-  static constexpr int kStageElems = kTile * D;
-  static_assert(kChunks >= 8 && kChunks % kSlices == 0, "swizzle and slices need D % 32 == 0, D >= 64");
-  static_assert(kPvRows * kQuad * D * 4 <= 2 * kStages * kStageElems * 2, "the P.V reduction fits the stages");
+  static constexpr int kStageBytes = kTile * D * kBytes;
+  static_assert(kChunks >= 4 && kTile % kRowsPerPass == 0, "head dims of 64 and more");
 
-  // K and V stages, then float q [group][D], scores/probabilities [group][kTile], m, l, alpha [group].
-  static size_t smem_bytes(int group) {
-    return size_t(2) * kStages * kStageElems * 2 + size_t(group) * (D + kTile + 3) * sizeof(float);
+  // Byte offset of 16-byte chunk c of `row` in a stage. T rows: odd rows swizzled by 4 chunks, so the
+  // score phase's reads (2 tokens x 4 slices per 8 lanes) are free of bank conflicts; int8 rows (half
+  // as long): chunk ^ (row / 2) spreads the 8 rows one score-phase read touches over the banks.
+  static __device__ __forceinline__ int off(int row, int c) {
+    if constexpr (Q8)
+      return row * D + ((c ^ ((row >> 1) & (kChunks - 1))) << 4);
+    else
+      return (row * D + ((c ^ ((row & 1) << 2)) << 3)) * 2;
+  }
+
+  // Values e0 .. e0 + 7 (e0 a multiple of 8) of `row` as floats; int8 rows give the integers (the scale
+  // is applied to the score, or to the probability, once per token).
+  static __device__ __forceinline__ void read8(const unsigned char* stage, int row, int e0, float (&f)[8]) {
+    if constexpr (Q8)
+      unpack8_i8(*reinterpret_cast<const uint2*>(stage + off(row, e0 / 16) + (e0 % 16)), f);
+    else
+      unpack8<T>(*reinterpret_cast<const uint4*>(stage + off(row, e0 / 8)), f);
   }
 };
 
-// Element offset of 16-byte chunk `c` of row `row` in a [kTile][D] stage. Swizzling odd rows by
-// 4 chunks keeps the score phase's reads (2 tokens x 4 slices per 8 lanes) free of bank conflicts.
-template <int D>
-__device__ __forceinline__ int stage_off(int row, int c) {
-  return row * D + ((c ^ ((row & 1) << 2)) << 3);
+template <typename T, bool K8, bool V8, int D>
+struct DecodeShape {
+  using KS = Side<T, K8, D>;
+  using VS = Side<T, V8, D>;
+  static constexpr int kChunks = D / 8;  // 8-value chunks per row (the P.V phase's output chunks)
+  static constexpr int kStages = D >= 128 ? 3 : 4;
+  static constexpr int kSliceChunks = kChunks / kSlices;
+  static constexpr int kPvRows = kThreads / kChunks;  // (head quad, token subset) pairs of the P.V phase
+  static constexpr int kStagesBytes = kStages * (KS::kStageBytes + VS::kStageBytes);
+  static constexpr int kScaleFloats = kStages * kTile * (int(K8) + int(V8));
+  static_assert(kChunks >= 8 && kChunks % kSlices == 0, "slices need D % 32 == 0, D >= 64");
+  static_assert(kPvRows * kQuad * D * 4 <= kStagesBytes, "the P.V reduction fits the stages");
+
+  // K and V stages, their scales (int8 sides), then float q [group][D], scores/probabilities
+  // [group][kTile], m, l, alpha [group].
+  static size_t smem_bytes(int group) {
+    return size_t(kStagesBytes) + size_t(kScaleFloats) * 4 + size_t(group) * (D + kTile + 3) * sizeof(float);
+  }
+};
+
+// The new token's row of one KV head into the pool: copied (16 bytes per thread, tid < D / 8), or
+// quantized by one warp (its lanes < D / 8 hold 8 values each) with the scale written beside it.
+template <typename T, bool Q8, int D>
+__device__ __forceinline__ void store_new_row(const T* src, void* pool, float* scales, int64_t slot,
+                                              int64_t slot_stride, int hkv, int n_kv, int tid, int quant_warp) {
+  constexpr int kLanes = D / 8;
+  if constexpr (!Q8) {
+    if (tid < kLanes)
+      *reinterpret_cast<uint4*>(static_cast<T*>(pool) + slot * slot_stride + tid * 8) =
+          *reinterpret_cast<const uint4*>(src + tid * 8);
+  } else {
+    if (tid / 32 != quant_warp) return;
+    const int lane = tid % 32;
+    const bool holds = lane < kLanes;
+    float x[8];
+    unpack8<T>(*reinterpret_cast<const uint4*>(src + (holds ? lane : 0) * 8), x);
+    float scale;
+    const uint2 q = quantize8_warp(x, holds, scale);
+    if (holds) *reinterpret_cast<uint2*>(static_cast<int8_t*>(pool) + slot * slot_stride + lane * 8) = q;
+    if (lane == 0) scales[slot * n_kv + hkv] = scale;
+  }
 }
 
-template <typename T, int D>
+template <typename T, bool K8, bool V8, int D>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs a) {
-  using S = DecodeShape<D>;
+  using S = DecodeShape<T, K8, V8, D>;
+  using KS = typename S::KS;
+  using VS = typename S::VS;
   extern __shared__ __align__(16) unsigned char smem[];
   const int group = a.n_heads / a.n_kv_heads;
-  T* ks = reinterpret_cast<T*>(smem);
-  T* vs = ks + S::kStages * S::kStageElems;
-  float* qs = reinterpret_cast<float*>(vs + S::kStages * S::kStageElems);
+  unsigned char* ks = smem;
+  unsigned char* vs = ks + S::kStages * KS::kStageBytes;
+  float* k_sc = reinterpret_cast<float*>(vs + S::kStages * VS::kStageBytes);  // [kStages][kTile] (K8)
+  float* v_sc = k_sc + (K8 ? S::kStages * kTile : 0);                         // [kStages][kTile] (V8)
+  float* qs = reinterpret_cast<float*>(smem + S::kStagesBytes) + S::kScaleFloats;
   float* sp = qs + group * D;
   float* m_s = sp + group * kTile;
   float* l_s = m_s + group;
@@ -83,14 +143,18 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
   const int last = seq_len - 1;
   const T* new_k = static_cast<const T*>(a.new_k) + b * a.new_k_stride_t + hkv * a.new_k_stride_h;
   const T* new_v = static_cast<const T*>(a.new_v) + b * a.new_v_stride_t + hkv * a.new_v_stride_h;
-  T* k_cache = static_cast<T*>(a.k_cache) + hkv * D;
-  T* v_cache = static_cast<T*>(a.v_cache) + hkv * D;
-  const int64_t slot_stride = int64_t(a.n_kv_heads) * D;
-  if (last < end && tid < S::kChunks) {  // this split holds the new token: store it in the pool
-    const int64_t dst = a.out_cache_loc[b] * slot_stride + tid * 8;
-    *reinterpret_cast<uint4*>(k_cache + dst) = *reinterpret_cast<const uint4*>(new_k + tid * 8);
-    *reinterpret_cast<uint4*>(v_cache + dst) = *reinterpret_cast<const uint4*>(new_v + tid * 8);
+  const int64_t slot_stride = int64_t(a.n_kv_heads) * D;  // values per slot
+  if (last < end) {  // this split holds the new token: store it in the pool
+    const int64_t slot = a.out_cache_loc[b];
+    store_new_row<T, K8, D>(new_k, static_cast<unsigned char*>(a.k_cache) + hkv * D * KS::kBytes, a.k_scale, slot,
+                            slot_stride, hkv, a.n_kv_heads, tid, 0);
+    store_new_row<T, V8, D>(new_v, static_cast<unsigned char*>(a.v_cache) + hkv * D * VS::kBytes, a.v_scale, slot,
+                            slot_stride, hkv, a.n_kv_heads, tid, 1);
+    // An int8 side reads the new row back from the pool (its quantized values), after this barrier.
+    if constexpr (K8 || V8) __syncthreads();
   }
+  const unsigned char* k_cache = static_cast<const unsigned char*>(a.k_cache) + hkv * D * KS::kBytes;
+  const unsigned char* v_cache = static_cast<const unsigned char*>(a.v_cache) + hkv * D * VS::kBytes;
 
   // Queries of the group, pre-multiplied by scale * log2(e): scores come out in base-2 units, and so
   // does the soft-cap (softcap * tanh(s / softcap) of a score s is cap * tanh(s2 / cap) of s2 = s log2 e).
@@ -110,32 +174,48 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
     l_s[g] = 0.f;
   }
 
-  // Loader: thread copies chunk lc of rows lr + p * kRowsPerPass. Slots are fetched one tile
-  // ahead into registers, so the dependent global load is off the issue path.
+  // Loaders, one per side: thread copies chunk tid % kChunks of rows tid / kChunks + p * kRowsPerPass
+  // (and, for an int8 side, the thread of chunk 0 the row's scale). Slots are fetched one tile ahead
+  // into registers, so the dependent global load is off the issue path. The new token's row comes
+  // from new_k/new_v on a T side (no block reads a slot this launch writes), from the pool on an int8
+  // side (written above, before the barrier).
   const int32_t* r2t = a.req_to_token + a.req_pool_indices[b] * a.req_to_token_stride;
   const int n_tiles = ceil_div(end - start, kTile);
-  const int lc = tid % S::kChunks, lr = tid / S::kChunks;
-  int slots[S::kPasses];
-  auto fetch_slots = [&](int tile) {
+  int k_slots[KS::kPasses], v_slots[VS::kPasses];
+  auto fetch = [&](auto side, int (&slots)[decltype(side)::kPasses], int tile) {
+    using X = decltype(side);
+    const int lr = tid / X::kChunks;
 #pragma unroll
-    for (int p = 0; p < S::kPasses; ++p) {
-      const int pos = start + tile * kTile + p * S::kRowsPerPass + lr;
+    for (int p = 0; p < X::kPasses; ++p) {
+      const int pos = start + tile * kTile + p * X::kRowsPerPass + lr;
       slots[p] = (tile < n_tiles && pos < end) ? r2t[pos] : 0;
     }
   };
-  auto issue = [&](int tile) {
-    T* kd = ks + (tile % S::kStages) * S::kStageElems;
-    T* vd = vs + (tile % S::kStages) * S::kStageElems;
+  auto load = [&](auto side, const int (&slots)[decltype(side)::kPasses], int tile, unsigned char* stages,
+                  float* scales, const unsigned char* pool, const float* pool_scales, const T* fresh) {
+    using X = decltype(side);
+    constexpr bool kQ8 = X::kBytes == 1;
+    const int lc = tid % X::kChunks, lr = tid / X::kChunks;
+    unsigned char* dst = stages + (tile % S::kStages) * X::kStageBytes;
 #pragma unroll
-    for (int p = 0; p < S::kPasses; ++p) {
-      const int row = p * S::kRowsPerPass + lr;
+    for (int p = 0; p < X::kPasses; ++p) {
+      const int row = p * X::kRowsPerPass + lr;
       const int pos = start + tile * kTile + row;
-      const int64_t off = int64_t(slots[p]) * slot_stride;
-      const T* ksrc = pos == last ? new_k : k_cache + off;
-      const T* vsrc = pos == last ? new_v : v_cache + off;
-      cp_async_16(kd + stage_off<D>(row, lc), ksrc + lc * 8, pos < end);
-      cp_async_16(vd + stage_off<D>(row, lc), vsrc + lc * 8, pos < end);
+      const unsigned char* src = pool + int64_t(slots[p]) * slot_stride * X::kBytes;
+      if (!kQ8 && pos == last) src = reinterpret_cast<const unsigned char*>(fresh);
+      cp_async_16(dst + X::off(row, lc), src + lc * 16, pos < end);
+      if (kQ8 && lc == 0)
+        cp_async_4(scales + (tile % S::kStages) * kTile + row,
+                   pool_scales + int64_t(slots[p]) * a.n_kv_heads + hkv, pos < end);
     }
+  };
+  auto fetch_slots = [&](int tile) {
+    fetch(KS{}, k_slots, tile);
+    fetch(VS{}, v_slots, tile);
+  };
+  auto issue = [&](int tile) {
+    load(KS{}, k_slots, tile, ks, k_sc, k_cache, a.k_scale, new_k);
+    load(VS{}, v_slots, tile, vs, v_sc, v_cache, a.v_scale, new_v);
   };
 
   fetch_slots(0);
@@ -170,15 +250,17 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
       fetch_slots(i + S::kStages);
     }
     cp_async_commit();
-    const T* kt = ks + (i % S::kStages) * S::kStageElems;
-    const T* vt = vs + (i % S::kStages) * S::kStageElems;
+    const unsigned char* kt = ks + (i % S::kStages) * KS::kStageBytes;
+    const unsigned char* vt = vs + (i % S::kStages) * VS::kStageBytes;
+    const float* kst = k_sc + (i % S::kStages) * kTile;
+    const float* vst = v_sc + (i % S::kStages) * kTile;
     const int n_valid = imin(kTile, end - (start + i * kTile));
 
     {  // scores: sp[g][tt] = q_g . k_tt (base-2 units, soft-capped), -inf past the split's end
       float kf[S::kSliceChunks][8];
 #pragma unroll
-      for (int j = 0; j < S::kSliceChunks; ++j)
-        unpack8<T>(*reinterpret_cast<const uint4*>(kt + stage_off<D>(tt, sl + kSlices * j)), kf[j]);
+      for (int j = 0; j < S::kSliceChunks; ++j) KS::read8(kt, tt, (sl + kSlices * j) * 8, kf[j]);
+      const float k_scale = K8 ? kst[tt] : 1.f;
       for (int g = 0; g < group; ++g) {
         float dot = 0.f;
 #pragma unroll
@@ -190,6 +272,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
         }
         dot += __shfl_xor_sync(kFullMask, dot, 1);
         dot += __shfl_xor_sync(kFullMask, dot, 2);
+        if (K8) dot *= k_scale;
         if (inv_cap > 0.f) dot = cap * tanhf(dot * inv_cap);
         if (sl == 0) sp[g * kTile + tt] = tt < n_valid ? dot : -INFINITY;
       }
@@ -223,10 +306,12 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
         for (int e = 0; e < 8; ++e) acc[h][e] *= alpha[h];
       for (int t = ts; t < n_valid; t += ts_count) {
         float vf[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(vt + stage_off<D>(t, pc)), vf);
+        VS::read8(vt, t, pc * 8, vf);
+        const float v_scale = V8 ? vst[t] : 1.f;  // an int8 V's scale rides on the probability
 #pragma unroll
         for (int h = 0; h < kQuad; ++h) {
-          const float p = g0 + h < group ? sp[(g0 + h) * kTile + t] : 0.f;
+          float p = g0 + h < group ? sp[(g0 + h) * kTile + t] : 0.f;
+          if (V8) p *= v_scale;
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[h][e] += p * vf[e];
         }
@@ -297,12 +382,12 @@ __global__ void __launch_bounds__(128)
   *reinterpret_cast<uint2*>(out + bh * D + c * 4) = packed;
 }
 
-template <typename T, int D>
+template <typename T, bool K8, bool V8, int D>
 cudaError_t run_decode(const DecodeArgs& a, cudaStream_t stream) {
-  using S = DecodeShape<D>;
+  using S = DecodeShape<T, K8, V8, D>;
   const int group = a.n_heads / a.n_kv_heads;
-  cudaError_t err = launch(paged_decode_kernel<T, D>, dim3(a.num_splits, a.n_kv_heads, a.batch), dim3(kThreads),
-                           S::smem_bytes(group), S::smem_bytes(kMaxDecodeGroup), stream, a);
+  cudaError_t err = launch(paged_decode_kernel<T, K8, V8, D>, dim3(a.num_splits, a.n_kv_heads, a.batch),
+                           dim3(kThreads), S::smem_bytes(group), S::smem_bytes(kMaxDecodeGroup), stream, a);
   if (err != cudaSuccess || a.num_splits == 1) return err;
   const int64_t n_bh = int64_t(a.batch) * a.n_heads;
   const int64_t threads = n_bh * (D / 4);
@@ -311,16 +396,52 @@ cudaError_t run_decode(const DecodeArgs& a, cudaStream_t stream) {
                 static_cast<T*>(a.out), n_bh, a.max_splits, a.num_splits);
 }
 
-template <typename T, int D>
+template <typename T, bool K8, bool V8, int D>
 int blocks_per_sm(int group) {
-  using S = DecodeShape<D>;
-  if (allow_smem(paged_decode_kernel<T, D>, S::smem_bytes(kMaxDecodeGroup)) != cudaSuccess) return 0;
+  using S = DecodeShape<T, K8, V8, D>;
+  if (allow_smem(paged_decode_kernel<T, K8, V8, D>, S::smem_bytes(kMaxDecodeGroup)) != cudaSuccess) return 0;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_kernel<T, D>, kThreads, S::smem_bytes(group)) !=
-      cudaSuccess)
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_kernel<T, K8, V8, D>, kThreads,
+                                                    S::smem_bytes(group)) != cudaSuccess)
     return 0;
   return n;
 }
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// F<T, K8, V8, D>::call(args...) for the runtime storage type, pool kinds and head dim (D 64 or 128).
+template <template <typename, bool, bool, int> class F, typename R, typename... Args>
+R dispatch(DType dtype, bool k8, bool v8, int head_dim, R unsupported, Args&&... args) {
+  auto by_dim = [&](auto t, auto kq, auto vq) -> R {
+    using T = typename decltype(t)::type;
+    constexpr bool kK8 = decltype(kq)::value, kV8 = decltype(vq)::value;
+    switch (head_dim) {
+      case 64: return F<T, kK8, kV8, 64>::call(std::forward<Args>(args)...);
+      case 128: return F<T, kK8, kV8, 128>::call(std::forward<Args>(args)...);
+      default: return unsupported;
+    }
+  };
+  auto by_kinds = [&](auto t) -> R {
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (k8) return v8 ? by_dim(t, Yes{}, Yes{}) : by_dim(t, Yes{}, No{});
+    return v8 ? by_dim(t, No{}, Yes{}) : by_dim(t, No{}, No{});
+  };
+  return dtype == DType::kBFloat16 ? by_kinds(TypeTag<__nv_bfloat16>{}) : by_kinds(TypeTag<__half>{});
+}
+
+template <typename T, bool K8, bool V8, int D>
+struct RunDecode {
+  static cudaError_t call(const DecodeArgs& a, cudaStream_t stream) { return run_decode<T, K8, V8, D>(a, stream); }
+};
+
+template <typename T, bool K8, bool V8, int D>
+struct BlocksPerSm {
+  static int call(int group) { return blocks_per_sm<T, K8, V8, D>(group); }
+};
 
 }  // namespace
 
@@ -329,22 +450,13 @@ cudaError_t paged_decode(const DecodeArgs& a, DType dtype, cudaStream_t stream) 
       a.num_splits < 1 || a.num_splits > a.max_splits || a.max_len < 1 || a.window < 0 || !(a.softcap >= 0.f))
     return cudaErrorInvalidValue;
   if (a.batch == 0) return cudaSuccess;
-  const bool bf16 = dtype == DType::kBFloat16;
-  switch (a.head_dim) {
-    case 64: return bf16 ? run_decode<__nv_bfloat16, 64>(a, stream) : run_decode<__half, 64>(a, stream);
-    case 128: return bf16 ? run_decode<__nv_bfloat16, 128>(a, stream) : run_decode<__half, 128>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch<RunDecode>(dtype, a.k_scale != nullptr, a.v_scale != nullptr, a.head_dim, cudaErrorInvalidValue,
+                             a, stream);
 }
 
-int paged_decode_blocks_per_sm(DType dtype, int head_dim, int group) {
+int paged_decode_blocks_per_sm(DType dtype, int head_dim, int group, bool k8, bool v8) {
   if (group < 1 || group > kMaxDecodeGroup) return 0;
-  const bool bf16 = dtype == DType::kBFloat16;
-  switch (head_dim) {
-    case 64: return bf16 ? blocks_per_sm<__nv_bfloat16, 64>(group) : blocks_per_sm<__half, 64>(group);
-    case 128: return bf16 ? blocks_per_sm<__nv_bfloat16, 128>(group) : blocks_per_sm<__half, 128>(group);
-    default: return 0;
-  }
+  return dispatch<BlocksPerSm>(dtype, k8, v8, head_dim, 0, group);
 }
 
 }  // namespace astrai

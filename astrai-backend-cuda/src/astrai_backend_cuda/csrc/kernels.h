@@ -22,6 +22,11 @@ constexpr int kDecodeTile = 32;
 inline bool head_dim_supported(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 // Strides are in elements; a row (one token and head) is head_dim contiguous, 16-byte aligned elements.
+//
+// A quantized pool (astrai.kvcache.quant): K (V) of this layer is int8 [size, Hkv, D] with one float32
+// scale per slot and head in k_scale (v_scale) [size, Hkv], contiguous; a null scale pointer means K (V)
+// is kept in the model's dtype. Values are read as q * scale in float32; decode quantizes the new
+// token's K/V as the reference does (round(x * (127 / amax)), scale amax / 127).
 struct DecodeArgs {
   const void* q;  // [B, Hq, D]
   int64_t q_stride_t, q_stride_h;
@@ -46,12 +51,15 @@ struct DecodeArgs {
   float scale;
   int window;     // > 0: request b attends positions seq_len - window .. seq_len - 1 only (sliding window)
   float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
+  float* k_scale;  // non-null: k_cache is int8 (its new rows written with their scales here)
+  float* v_scale;
 };
 
 cudaError_t paged_decode(const DecodeArgs& args, DType dtype, cudaStream_t stream);
 
-// Thread blocks of the decode kernel one SM can hold for this shape (0 if unsupported).
-int paged_decode_blocks_per_sm(DType dtype, int head_dim, int group);
+// Thread blocks of the decode kernel one SM can hold for this shape (0 if unsupported); k8/v8: an
+// int8 K/V pool.
+int paged_decode_blocks_per_sm(DType dtype, int head_dim, int group, bool k8 = false, bool v8 = false);
 
 struct PrefillArgs {
   const void* q;  // [T, Hq, D]
@@ -71,6 +79,8 @@ struct PrefillArgs {
   float scale;
   int window;     // > 0: the row at position p sees positions p - window + 1 .. p only (sliding window)
   float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
+  const float* k_scale;  // non-null: k_cache is int8 (see DecodeArgs)
+  const float* v_scale;
 };
 
 cudaError_t paged_prefill(const PrefillArgs& args, DType dtype, cudaStream_t stream);

@@ -11,6 +11,9 @@
 // (mma.m16n8k16 with ldmatrix), the online softmax in float32 registers (FlashAttention-2 style).
 // Heads are the fastest grid dimension, so the heads of a GQA group, which read the same K/V
 // rows, run side by side and share them through L2.
+// An int8 pool (K, V or both; PrefillArgs): its rows are staged raw, then converted to T integers
+// (exact) for the tensor cores; S is multiplied by each position's K scale before the softmax, P by
+// its V scale before P V.
 #include "common.cuh"
 #include "kernels.h"
 #include "ptx.cuh"
@@ -30,7 +33,8 @@ struct PrefillShape {
   static constexpr int kPassesQ = kTileQ / kRowsPerPass;
   static constexpr int kPassesK = kTileK / kRowsPerPass;
   static constexpr int kTileElems = kTileK * D;
-  static constexpr size_t kSmemBytes = size_t(kTileQ * D + 4 * kTileElems) * 2;  // Q, 2 x K, 2 x V
+  // Q, 2 x K, 2 x V (of T: int8 rows are converted as they are stored), then 2 x K scales, 2 x V scales
+  static constexpr size_t kSmemBytes = size_t(kTileQ * D + 4 * kTileElems) * 2 + 4 * kTileK * sizeof(float);
   static_assert(kTileQ == kTileK, "Q and K/V tiles share the swizzled [64][D] layout");
   static_assert(kChunks >= 8, "the swizzle permutes 8 chunks");
 };
@@ -42,13 +46,23 @@ __device__ __forceinline__ int tile_off(int row, int c) {
   return row * D + ((c ^ (row & 7)) << 3);
 }
 
-template <typename T, int D>
+// 8 int8 values (8 bytes) -> 8 values of T (exact: integers up to 127 fit bf16's and fp16's significands).
+template <typename T>
+__device__ __forceinline__ uint4 int8_to_storage(const uint2& raw) {
+  float f[8];
+  unpack8_i8(raw, f);
+  return pack8<T>(f);
+}
+
+template <typename T, bool K8, bool V8, int D>
 __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillArgs a) {
   using S = PrefillShape<D>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* qs = reinterpret_cast<T*>(smem);
   T* ks = qs + kTileQ * D;
   T* vs = ks + 2 * S::kTileElems;
+  float* k_sc = reinterpret_cast<float*>(vs + 2 * S::kTileElems);  // [2][kTileK] (K8)
+  float* v_sc = k_sc + 2 * kTileK;                                  // [2][kTileK] (V8)
 
   const int hq = blockIdx.x, tile = blockIdx.y;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -66,10 +80,10 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
   const int win = a.window > 0 ? a.window : (1 << 30);
   const int j0 = imax(0, first_pos - win + 1) / kTileK;
   const int hkv = hq / (a.n_heads / a.n_kv_heads);
-  const int64_t slot_stride = int64_t(a.n_kv_heads) * D;
+  const int64_t slot_stride = int64_t(a.n_kv_heads) * D;  // values per slot
   const int32_t* r2t = a.req_to_token + a.req_pool_indices[b] * a.req_to_token_stride;
-  const T* k_cache = static_cast<const T*>(a.k_cache) + hkv * D;
-  const T* v_cache = static_cast<const T*>(a.v_cache) + hkv * D;
+  const void* k_cache = static_cast<const unsigned char*>(a.k_cache) + hkv * D * (K8 ? 1 : sizeof(T));
+  const void* v_cache = static_cast<const unsigned char*>(a.v_cache) + hkv * D * (V8 ? 1 : sizeof(T));
   const int lc = tid % S::kChunks, lr = tid / S::kChunks;  // loader: chunk, first row
 
   {  // Q tile; rows past the request are zero-filled (computed, never stored)
@@ -80,7 +94,15 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
       cp_async_16(qs + tile_off<D>(r, lc), q + int64_t(r < rows ? r : 0) * a.q_stride_t + lc * 8, r < rows);
     }
   }
+  // K/V tiles: a T side is copied with cp.async into its two buffers. An int8 side's rows go by
+  // cp.async (8 bytes a chunk) into two raw int8 buffers, which take the place of its second T
+  // buffer; once a tile has landed, each thread converts the chunks it copied into the side's one T
+  // buffer (exact: integers up to 127 fit bf16's and fp16's significands), before the barrier that
+  // precedes the compute. The scales go by cp.async too. Rows past kv_end are zero-filled.
   int slots[S::kPassesK];
+  auto raw = [&](T* side, int j) {  // an int8 side's raw buffer of tile j
+    return reinterpret_cast<int8_t*>(side + S::kTileElems) + (j & 1) * kTileK * D;
+  };
   auto fetch_slots = [&](int j) {
 #pragma unroll
     for (int p = 0; p < S::kPassesK; ++p) {
@@ -89,15 +111,34 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
     }
   };
   auto issue_kv = [&](int j) {
-    T* kd = ks + (j & 1) * S::kTileElems;
-    T* vd = vs + (j & 1) * S::kTileElems;
 #pragma unroll
     for (int p = 0; p < S::kPassesK; ++p) {
       const int r = p * S::kRowsPerPass + lr;
       const bool valid = j * kTileK + r < kv_end;  // else zero-filled: finite, and masked
       const int64_t off = int64_t(slots[p]) * slot_stride + lc * 8;
-      cp_async_16(kd + tile_off<D>(r, lc), k_cache + off, valid);
-      cp_async_16(vd + tile_off<D>(r, lc), v_cache + off, valid);
+      if constexpr (K8)
+        cp_async_8(raw(ks, j) + r * D + lc * 8, static_cast<const int8_t*>(k_cache) + off, valid);
+      else
+        cp_async_16(ks + (j & 1) * S::kTileElems + tile_off<D>(r, lc), static_cast<const T*>(k_cache) + off, valid);
+      if constexpr (V8)
+        cp_async_8(raw(vs, j) + r * D + lc * 8, static_cast<const int8_t*>(v_cache) + off, valid);
+      else
+        cp_async_16(vs + (j & 1) * S::kTileElems + tile_off<D>(r, lc), static_cast<const T*>(v_cache) + off, valid);
+      const int64_t at = int64_t(slots[p]) * a.n_kv_heads + hkv;
+      if (K8 && lc == 0) cp_async_4(k_sc + (j & 1) * kTileK + r, a.k_scale + at, valid);
+      if (V8 && lc == 0) cp_async_4(v_sc + (j & 1) * kTileK + r, a.v_scale + at, valid);
+    }
+  };
+  auto land_kv = [&](int j) {  // this thread's chunks of the int8 sides' tile j, into their T buffers
+#pragma unroll
+    for (int p = 0; p < S::kPassesK; ++p) {
+      const int r = p * S::kRowsPerPass + lr;
+      if constexpr (K8)
+        *reinterpret_cast<uint4*>(ks + tile_off<D>(r, lc)) =
+            int8_to_storage<T>(*reinterpret_cast<const uint2*>(raw(ks, j) + r * D + lc * 8));
+      if constexpr (V8)
+        *reinterpret_cast<uint4*>(vs + tile_off<D>(r, lc)) =
+            int8_to_storage<T>(*reinterpret_cast<const uint2*>(raw(vs, j) + r * D + lc * 8));
     }
   };
   fetch_slots(j0);
@@ -126,14 +167,17 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
     }
     cp_async_commit();
     cp_async_wait<1>();  // Q and K/V tile j have landed
+    if constexpr (K8 || V8) land_kv(j);  // the T buffer of an int8 side was freed by the last barrier
     __syncthreads();
     if (j == j0) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
         ldmatrix_x4(qf[kk], qs + tile_off<D>(wrow + (lane % 8) + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
     }
-    const T* kt = ks + (j & 1) * S::kTileElems;
-    const T* vt = vs + (j & 1) * S::kTileElems;
+    const T* kt = ks + (K8 ? 0 : (j & 1) * S::kTileElems);
+    const T* vt = vs + (V8 ? 0 : (j & 1) * S::kTileElems);
+    const float* kst = k_sc + (j & 1) * kTileK;  // int8 sides: each position's scale
+    const float* vst = v_sc + (j & 1) * kTileK;
 
     float s[kTileK / 8][4];  // S = Q K^T: 8 column blocks of 8 positions
 #pragma unroll
@@ -161,7 +205,7 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
       for (int e = 0; e < 4; ++e) {
         const int kv = j * kTileK + n * 8 + 2 * t4 + (e & 1);
         const int pos = first_pos + wrow + g + 8 * (e >> 1);
-        const float x = s[n][e] * sl2;
+        const float x = (K8 ? s[n][e] * kst[n * 8 + 2 * t4 + (e & 1)] : s[n][e]) * sl2;
         s[n][e] = (masked && (kv > pos || kv >= kv_end || kv <= pos - win)) ? -INFINITY
                   : inv_cap > 0.f                                          ? cap * tanhf(x * inv_cap)
                                                                            : x;
@@ -194,7 +238,14 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
       }
     }
 
-    // O += P V: the accumulators of two column blocks form one A fragment (P in T precision).
+    // O += P V: the accumulators of two column blocks form one A fragment (P in T precision; times
+    // each position's scale for an int8 V, whose tile holds the integers).
+    if constexpr (V8) {
+#pragma unroll
+      for (int n = 0; n < kTileK / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] *= vst[n * 8 + 2 * t4 + (e & 1)];
+    }
 #pragma unroll
     for (int kt2 = 0; kt2 < kTileK / 16; ++kt2) {
       const uint32_t pa[4] = {pack2<T>(s[2 * kt2][0], s[2 * kt2][1]), pack2<T>(s[2 * kt2][2], s[2 * kt2][3]),
@@ -236,11 +287,27 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(const PrefillAr
   }
 }
 
-template <typename T, int D>
+template <typename T, bool K8, bool V8, int D>
 cudaError_t run_prefill(const PrefillArgs& a, cudaStream_t stream) {
   using S = PrefillShape<D>;
-  return launch(paged_prefill_kernel<T, D>, dim3(a.n_heads, a.num_q_tiles), dim3(kThreads), S::kSmemBytes,
+  return launch(paged_prefill_kernel<T, K8, V8, D>, dim3(a.n_heads, a.num_q_tiles), dim3(kThreads), S::kSmemBytes,
                 S::kSmemBytes, stream, a);
+}
+
+template <typename T, bool K8, bool V8>
+cudaError_t run_prefill(const PrefillArgs& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 64: return run_prefill<T, K8, V8, 64>(a, stream);
+    case 128: return run_prefill<T, K8, V8, 128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t run_prefill(const PrefillArgs& a, cudaStream_t stream) {
+  const bool k8 = a.k_scale != nullptr, v8 = a.v_scale != nullptr;
+  if (k8) return v8 ? run_prefill<T, true, true>(a, stream) : run_prefill<T, true, false>(a, stream);
+  return v8 ? run_prefill<T, false, true>(a, stream) : run_prefill<T, false, false>(a, stream);
 }
 
 }  // namespace
@@ -248,12 +315,7 @@ cudaError_t run_prefill(const PrefillArgs& a, cudaStream_t stream) {
 cudaError_t paged_prefill(const PrefillArgs& a, DType dtype, cudaStream_t stream) {
   if (a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads || a.window < 0 || !(a.softcap >= 0.f)) return cudaErrorInvalidValue;
   if (a.num_q_tiles == 0) return cudaSuccess;
-  const bool bf16 = dtype == DType::kBFloat16;
-  switch (a.head_dim) {
-    case 64: return bf16 ? run_prefill<__nv_bfloat16, 64>(a, stream) : run_prefill<__half, 64>(a, stream);
-    case 128: return bf16 ? run_prefill<__nv_bfloat16, 128>(a, stream) : run_prefill<__half, 128>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dtype == DType::kBFloat16 ? run_prefill<__nv_bfloat16>(a, stream) : run_prefill<__half>(a, stream);
 }
 
 }  // namespace astrai

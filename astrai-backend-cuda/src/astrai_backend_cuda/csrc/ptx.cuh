@@ -21,6 +21,19 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_size));
 }
 
+// Copy 4 bytes global -> shared without blocking (through L1: the .cg form takes 16 bytes only);
+// zero-filled when !valid, as cp_async_16.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+  const int src_size = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_size));
+}
+
+// Copy 8 bytes global -> shared without blocking (the .ca form); zero-filled when !valid.
+__device__ __forceinline__ void cp_async_8(void* dst, const void* src, bool valid) {
+  const int src_size = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_size));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most N committed groups of this thread are still in flight.

@@ -6,8 +6,8 @@ extension library (``astrai_backend_cuda.load_kernels()``, which
 op raises ``KernelUnavailable``. Use them for kernel tests or where failing on a
 missing kernel is intended; inference code calls ``astrai.extension.attention``.
 
-All tensors are on one CUDA device; bfloat16 or float16 storage, head_dim 64 or
-128. ``k_buffer``/``v_buffer`` are the whole pool, ``[n_layers, size, n_kv_heads,
+All tensors are on one CUDA device; bfloat16 or float16 storage (the KV pool's K and V
+each that, or int8 with float32 scales), head_dim 64 or 128. ``k_buffer``/``v_buffer`` are the whole pool, ``[n_layers, size, n_kv_heads,
 head_dim]`` (contiguous); ``layer_id`` picks the layer. The index tensors are the
 ``KVCache`` fields of the same name (see its docstring). The ops mutate only the
 tensors documented as written, never synchronise the device and allocate nothing
@@ -57,6 +57,8 @@ def attn_paged_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention (one new token per request) straight from the paged pool, split-K.
 
@@ -82,6 +84,9 @@ def attn_paged_decode(
     ``seq_lens[b] - window .. seq_lens[b] - 1`` (those from 0 when shorter); the splits then cut
     that range, so ``max_len`` is best ``min(max(seq_lens), window)``. ``softcap > 0``: each scaled
     score ``s`` becomes ``softcap * tanh(s / softcap)`` (``ml_part`` is over the capped scores).
+    ``k_scale`` (``v_scale``) given: ``k_buffer`` (``v_buffer``) is an int8 pool with these float32
+    scales ``[n_layers, size, n_kv_heads]`` (``astrai.kvcache.quant``); the new K (V) is written
+    quantized, its scale beside it, and the pool is read as ``q * scale``.
     Raises ``KernelUnavailable`` when the op is not registered.
     """
     op = _op("attn_paged_decode")
@@ -104,6 +109,8 @@ def attn_paged_decode(
         scale,
         window,
         softcap,
+        k_scale,
+        v_scale,
     )
     return out
 
@@ -123,6 +130,8 @@ def attn_paged_prefill(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged-batch causal attention over the paged pool (prefill, or mixed steps).
 
@@ -139,6 +148,7 @@ def attn_paged_prefill(
     returns ``out [T, Hq, D]`` (q's dtype; allocated when None). ``window > 0`` (a
     sliding-window layer): the row at position ``p`` sees positions ``p - window + 1 .. p``
     only; ``softcap > 0``: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``.
+    ``k_scale``/``v_scale``: an int8 K/V pool's scales, as in ``attn_paged_decode``.
     Raises ``KernelUnavailable`` when the op is not registered.
     """
     op = _op("attn_paged_prefill")
@@ -158,6 +168,8 @@ def attn_paged_prefill(
         out,
         window,
         softcap,
+        k_scale,
+        v_scale,
     )
     return out
 
