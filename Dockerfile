@@ -70,7 +70,7 @@ WORKDIR /home/astrai
 # The kernels' cache lives under ~/.cache/astrai/cpu-kernels/<torch>-<machine>-<CPU flags>:
 # this build's CPU finds them there, another CPU builds its own beside them.
 RUN if [ "$CPU_KERNELS" = 1 ]; then \
-      python -c "from astrai_backend_cpu.build import load_kernels; print('CPU kernels in', load_kernels())"; \
+      python -m astrai_backend_cpu --strict; \
     fi
 EXPOSE 8000
 # /health is 503 until the model has loaded (and, on a new CPU, the kernels are built).

@@ -42,12 +42,15 @@ def real_model(default_model_path):
 def hf_oracle(default_model_path):
     """HF transformers' own import of the same GGUF, float32, eval mode: the independent reference."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_model_path.parent),
-        gguf_file=default_model_path.name,
-        dtype=torch.float32,
-        local_files_only=True,
-    )
+    from hf_gguf import reading_once
+
+    with reading_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(default_model_path.parent),
+            gguf_file=default_model_path.name,
+            dtype=torch.float32,
+            local_files_only=True,
+        )
     return model.eval()
 
 

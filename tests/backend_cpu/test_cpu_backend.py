@@ -162,6 +162,26 @@ def test_unavailable_without_a_compiler(monkeypatch):
     assert not ok and "astrai-no-such-compiler" in reason
 
 
+def test_python_m_builds_ahead_and_says_where_or_why_not(monkeypatch, capsys):
+    """``python -m astrai_backend_cpu`` (the test command runs it before pytest): the build's folder
+    and exit 0; without a compiler the reason and exit 0 (serving falls back), or 1 with --strict."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "astrai_backend_cpu"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout == f"astrai CPU kernels in {build.load_kernels()}\n", (
+        done.stderr
+    )
+    monkeypatch.setattr(build, "_loaded", None)
+    monkeypatch.setenv("CXX", "astrai-no-such-compiler")
+    assert build.main([]) == 0
+    assert build.main(["--strict"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("astrai CPU kernels unavailable: no C++ compiler ('astrai-no-such-compiler'") == 2
+
+
 def test_the_wheel_ships_every_source_and_header():
     """The kernels compile on the user's machine from the installed package: a file under csrc/
     that package-data misses would leave them unbuildable (and the backend silently unavailable)."""

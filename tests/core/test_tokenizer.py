@@ -55,11 +55,13 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 
 @pytest.mark.slow
 def test_matches_transformers_autotokenizer(tok, gguf_path):
+    from hf_gguf import reading_once
     from transformers import AutoTokenizer
 
-    ref = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
+    with reading_once():
+        ref = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+        )
     for text in TEXTS:
         ids = tok.encode(text)
         assert ids == ref.encode(text, add_special_tokens=False), text

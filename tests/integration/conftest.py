@@ -54,9 +54,12 @@ def hf_model_dir(hf_oracle, default_model_path, tmp_path_factory) -> Path:
         hf_oracle.save_pretrained(dest)
     finally:
         hf_oracle.hf_quantizer, hf_oracle.config.quantization_config = quantizer, quant_config
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        str(default_model_path.parent), gguf_file=default_model_path.name, local_files_only=True
-    )
+    from hf_gguf import reading_once
+
+    with reading_once():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(default_model_path.parent), gguf_file=default_model_path.name, local_files_only=True
+        )
     tokenizer.save_pretrained(dest)
     return dest
 

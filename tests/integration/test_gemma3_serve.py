@@ -79,10 +79,13 @@ def hf_gemma() -> Any:
     from astrai.model.resolve import resolve_model
 
     _installed()
+    from hf_gguf import reading_once
+
     path = resolve_model(MODEL)[1]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
-    )
+    with reading_once():  # the 262k-token vocabulary's metadata parsed once, not twice
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+        )
     assert model.config.sliding_window == WINDOW
     return model.eval()
 

@@ -11,15 +11,21 @@ install) keep a build each rather than rebuilding over one another. The cache is
 another. The build and load run under ``build_lock`` (``astrai.extension.api``): processes sharing a
 cache (replicas on one volume) build one at a time, and a build killed half-way (its torch
 ``lock`` file left behind) holds up no later start.
+
+``python -m astrai_backend_cpu`` (``main``) builds them ahead of the first start (an image build, an
+install step, the test command before pytest) and says where they are; it exits 0 when they cannot
+be built (the reason printed: the server then runs on torch_native), 1 with ``--strict``.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -143,3 +149,17 @@ def paged_decode(
     return torch.ops.astrai_cpu.paged_decode(
         q, k_buffer, v_buffer, req_to_token, rows, seq_lens, scale, starts, k_scale, v_scale
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (or find) this machine's kernels and print where they are; see the module doc."""
+    parser = argparse.ArgumentParser(prog="python -m astrai_backend_cpu", description=main.__doc__)
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the kernels cannot be built")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(f"astrai CPU kernels in {load_kernels()}")
+    except KernelUnavailable as err:
+        print(f"astrai CPU kernels unavailable: {err}", file=sys.stderr)
+        return 1 if args.strict else 0
+    return 0
