@@ -11,12 +11,11 @@ mixtures of experts of Qwen3-MoE and Mixtral, and Qwen2-MoE's shared expert).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import pytest
-import torch
 from families import load_astrai, prompts
+from stack_spy import counted, cpu_kernels, without_stack
 
 from astrai.sampling import SamplingParams
 
@@ -25,42 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 #: the families whose layers ``astrai.model.stack`` describes (Gemma 2 soft-caps, Phi-3 turns half
 #: of each head: their layers run from Python)
 STACKED = ["qwen3", "gemma3", "mistral", "ministral", "llama3", "qwen3_moe", "mixtral", "qwen2_moe"]
-
-
-def _cpu_kernels() -> dict:
-    from astrai.extension.backend.policy import get_registry
-    from astrai.model import quantized_kernels
-
-    why = quantized_kernels("cpu", torch.float32)
-    if why is not None:
-        pytest.skip(why)
-    return get_registry().kernels.for_device("cpu")
-
-
-@contextlib.contextmanager
-def counted(kernels: dict, ran: list[bool]):
-    """The ``decoder_layers`` kernel wrapped to record whether each call ran the step."""
-    real = kernels["decoder_layers"]
-
-    def kernel(*args):
-        out = real(*args)
-        ran.append(out is not None)
-        return out
-
-    kernels["decoder_layers"] = kernel
-    try:
-        yield
-    finally:
-        kernels["decoder_layers"] = real
-
-
-@contextlib.contextmanager
-def without_stack(kernels: dict):
-    real = kernels.pop("decoder_layers")
-    try:
-        yield
-    finally:
-        kernels["decoder_layers"] = real
 
 
 def _greedy(engine, batch):
@@ -96,7 +59,7 @@ def test_decode_steps_on_the_stack_are_the_layers_to_the_bit(
     layers do)."""
     path, _ = family_gguf(family, "Q4_0")
     model = load_astrai(path, quantized=True)
-    kernels = _cpu_kernels()
+    kernels = cpu_kernels()
     assert model.decoder_stack() is not None
     # pages of 4 and prompts of 20-40 tokens: Gemma 3's and Ministral's windowed groups drop pages;
     # no prefix cache, so that the second run prefills as the first did

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from concurrent import futures
 
 import pytest
@@ -109,6 +110,46 @@ def test_one_batch_mixing_three_adapters_and_the_base(engine, expected):
     for name, result in results.items():
         check(result, *expected[name])
     assert engine.get_stats()["preemptions"] > before["preemptions"]
+
+
+def test_adapter_rows_decode_on_the_whole_step_kernel_to_the_bit(default_model_path, oracle, expected):
+    """A decode step with adapter rows runs on the cpu backend's whole-step kernel, each projection's
+    updates added in it: a batch of three adapters and the base gives the tokens and log-probs of
+    the layers run one by one with their LoRA wrappers, to the bit (and peft's)."""
+    from stack_spy import counted, cpu_kernels, without_stack
+
+    from astrai.engine import EngineConfig, InferenceEngine
+
+    kernels = cpu_kernels()
+    config = EngineConfig(
+        enable_lora=True, max_loras=4, max_lora_rank=32, max_seq_len=256, prefix_caching=False
+    )
+    with InferenceEngine.from_model(
+        str(default_model_path), torch.float32, config=config, weights="gguf"
+    ) as eng:
+        for name, folder in oracle.folders.items():
+            eng.loras.load(name, folder)
+
+        def batch() -> dict:
+            held, go = threading.Event(), threading.Event()  # queued while the scheduler waits: the
+            eng.scheduler.call_soon(lambda: (held.set(), go.wait(30)))  # same steps in both runs
+            assert held.wait(30)
+            results = {name: submit(eng, name) for name in [*SPECS, None]}
+            go.set()
+            for result in results.values():
+                assert result.wait_completion(120) and result.error is None
+            return {name: (r.output_ids, [e.logprob for e in r.logprobs]) for name, r in results.items()}
+
+        ran: list[bool] = []
+        with counted(kernels, ran):
+            stacked = batch()
+        assert ran.count(True) >= N - 1, "the decode steps with adapter rows did not run on the stack"
+        with without_stack(kernels):
+            layered = batch()
+        assert stacked == layered
+        for name, (tokens, logprobs) in stacked.items():
+            assert tokens == expected[name][0]
+            assert logprobs == pytest.approx(expected[name][1], abs=LOGPROB_TOL)
 
 
 def test_prefix_cache_is_per_adapter(engine, oracle, expected, tmp_path):

@@ -48,6 +48,10 @@ class DecoderLayersKernel:
     (16 on an AMX CPU, where oneDNN's tile GEMMs then win), ``quant_linear``'s for quantized ones.
     """
 
+    #: It takes a step's LoRA rows (``model.stack_lora()``): each projection's updates added after
+    #: it by ``astrai_cpu::lora_apply``, as the layers' LoRA wrappers add them.
+    lora = True
+
     def __init__(self, linear, quant, backend: type, experts=None) -> None:
         self._linear = linear
         self._quant = quant
@@ -95,6 +99,8 @@ class DecoderLayersKernel:
             return None
         groups = getattr(kv_cache, "groups", None) or (kv_cache,)  # layer groups (astrai.kvcache.layout)
         slots = [i for slot in getattr(kv_cache, "layer_slots", None) or () for i in slot]
+        adapters = model.stack_lora() if hasattr(model, "stack_lora") else None
+        lora_rows, lora_lists = (None, ([], [], [])) if adapters is None else (adapters[0], adapters[1:])
         return stack.forward(
             x,
             [f.reshape(t, -1, 2) for f in freqs],
@@ -107,6 +113,8 @@ class DecoderLayersKernel:
             slots,
             kv_cache.k_scale,
             kv_cache.v_scale,
+            lora_rows,
+            *lora_lists,
         )
 
     def _row_limits(self, kinds: frozenset[str]) -> list[int | None]:

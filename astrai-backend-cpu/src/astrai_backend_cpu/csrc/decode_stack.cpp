@@ -196,11 +196,14 @@ struct DecodeStack : torch::CustomClassHolder {
   // the MLP of layer l (linears 4l + 2 and 4l + 3) on h: dense, or its experts (SparseMoE.forward:
   // route, the (token, choice) pairs sorted by expert, each projection of every chosen expert in one
   // quant_experts call, the outputs weighted and added back at their tokens; the shared expert's)
-  at::Tensor mlp(int64_t l, const at::Tensor& h) const {
+  // A dense MLP's projections take their rows' LoRA updates (lora(i, y, x): astrai.lora's LoraLinear).
+  template <typename Lora>
+  at::Tensor mlp(int64_t l, const at::Tensor& h, const Lora& lora) const {
     const size_t w = 4 * l;
     if (experts.empty() || !experts[l].router.defined()) {
-      return linear(w + 3, activation(linear(w + 2, h, 2 * intermediate, c10::nullopt), intermediate), hidden(),
-                    c10::nullopt);
+      const at::Tensor gate_up = lora(w + 2, linear(w + 2, h, 2 * intermediate, c10::nullopt), h);
+      const at::Tensor act = activation(gate_up, intermediate);
+      return lora(w + 3, linear(w + 3, act, hidden(), c10::nullopt), act);
     }
     const Experts& x = experts[l];
     const int64_t E = x.router.size(0);
@@ -264,12 +267,15 @@ struct DecodeStack : torch::CustomClassHolder {
   // out_loc [B] int64; slots: per layer its group and its index in k_buffer (empty: group 0, the
   // layer's own index). An int8 K (V) pool comes with its float32 scales k_scale [slots, size, Hkv]
   // (astrai.kvcache.quant): the step's rows are quantized into it (store_kv) and read back by
-  // paged_decode, as the layers do.
+  // paged_decode, as the layers do. LoRA rows (lora_rows given): after each projection the rows'
+  // adapter updates are added (lora_apply), as astrai.lora's wrappers add them.
   at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& freqs, const at::Tensor& k_buffer,
                      const at::Tensor& v_buffer, const std::vector<at::Tensor>& req_to_token, const at::Tensor& rows,
                      const at::Tensor& seq_lens, const std::vector<at::Tensor>& out_loc,
                      const std::vector<int64_t>& slots, const c10::optional<at::Tensor>& k_scale,
-                     const c10::optional<at::Tensor>& v_scale) {
+                     const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lora_rows,
+                     const std::vector<at::Tensor>& lora_a, const std::vector<at::Tensor>& lora_bt,
+                     const std::vector<at::Tensor>& lora_spans) {
     const int64_t B = x.size(0), Hq = n_heads, Hkv = n_kv_heads, D = head_dim;
     const int64_t width = qkv_width(), n_qk = (Hq + Hkv) * D, kv_row = Hkv * D;
     const at::ScalarType dtype = norms.front().scalar_type();
@@ -300,6 +306,26 @@ struct DecodeStack : torch::CustomClassHolder {
       const int64_t* lp = locs.back().data_ptr<int64_t>();
       for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lp[b] >= 0 && lp[b] < size, "DecodeStack.forward: out_loc outside the pool");
     }
+    // LoRA rows (astrai.lora): each row's index among the step's adapters (-1: none), and per linear
+    // (4 a layer) the adapters' a, bt and spans side by side (empty tensors: that linear has none)
+    const int64_t n_lora = static_cast<int64_t>(lora_a.size()) / (4 * n_layers);
+    if (lora_rows.has_value()) {
+      TORCH_CHECK(lora_rows->scalar_type() == at::kInt && lora_rows->numel() == B && n_lora >= 1 &&
+                      lora_a.size() == static_cast<size_t>(4 * n_layers * n_lora) && lora_bt.size() == lora_a.size() &&
+                      lora_spans.size() == lora_a.size(),
+                  "DecodeStack.forward: LoRA rows int32 [B] and each linear's a, bt, spans per adapter");
+    }
+    const auto lora = [&](size_t i, const at::Tensor& y, const at::Tensor& in) -> at::Tensor {
+      if (!lora_rows.has_value()) return y;
+      const auto part = [&](const std::vector<at::Tensor>& v) {
+        return std::vector<at::Tensor>(v.begin() + i * n_lora, v.begin() + (i + 1) * n_lora);
+      };
+      traced("astrai_cpu::lora_apply", [&] {
+        lora_apply(y, in, *lora_rows, part(lora_a), part(lora_bt), part(lora_spans));
+        return 0;
+      });
+      return y;
+    };
     x = x.contiguous();
     // each window's first positions (seq_len - window, from 0), made once per step and window
     std::vector<std::pair<int64_t, at::Tensor>> starts;
@@ -326,7 +352,7 @@ struct DecodeStack : torch::CustomClassHolder {
       const c10::optional<at::Tensor> bias = qkv_bias.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_bias[l]);
       // attention: norm, QKV, (q/k norms,) RoPE, this step's K/V into the pool, paged decode, output projection
       const at::Tensor normed = norm_rows(x, norm(l, 0));
-      const at::Tensor qkv = linear(w, normed, width, bias);
+      const at::Tensor qkv = lora(w, linear(w, normed, width, bias), normed);
       at::Tensor q, k;
       if (qk_norm) {
         const int64_t qn = norms_per_layer - 2;
@@ -345,7 +371,8 @@ struct DecodeStack : torch::CustomClassHolder {
       const at::Tensor o = traced("astrai_cpu::paged_decode", [&] {
         return paged_decode(q.contiguous(), k_buf, v_buf, req_to_token[group], rows, seq_lens, scale, start, ks, vs);
       });
-      const at::Tensor attn = linear(w + 1, o.view({B, Hq * D}), hidden(), c10::nullopt);
+      const at::Tensor o_rows = o.view({B, Hq * D});
+      const at::Tensor attn = lora(w + 1, linear(w + 1, o_rows, hidden(), c10::nullopt), o_rows);
       at::Tensor h;
       if (sandwich) {  // x + post_norm(attn), then the pre-feed-forward norm
         x = at::add(x, norm_rows(attn, norm(l, 1)));
@@ -353,7 +380,7 @@ struct DecodeStack : torch::CustomClassHolder {
       } else {  // the residual add fused with the next norm
         std::tie(x, h) = traced("astrai_cpu::add_rms_norm", [&] { return add_rms_norm(x, attn, norm(l, 1), eps); });
       }
-      const at::Tensor down = mlp(l, h);
+      const at::Tensor down = mlp(l, h, lora);
       x = at::add(x, sandwich ? norm_rows(down, norm(l, 3)) : down);
     }
     return x;

@@ -37,6 +37,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
 at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& offsets, const std::vector<at::Tensor>& packed,
                          const std::vector<int64_t>& layout);
 
+// lora.cpp: each row's adapter update added in place to y (rows: the row's index in a/bt/spans, -1 none)
+void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
+                const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans);
+
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                         const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& seq_lens,

@@ -17,6 +17,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -159,6 +161,8 @@ void row(const at::Tensor& x, at::Tensor& y, int64_t r, const Slot& s, bool spli
   one_row(x.data_ptr<T>() + r * x.size(1), y.data_ptr<T>() + r * y.size(1), s, x.size(1), split);
 }
 
+}  // namespace
+
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
                 const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_apply: x [T, in], y [T, out]");
@@ -232,7 +236,6 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
   }
 }
 
-}  // namespace
 }  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {

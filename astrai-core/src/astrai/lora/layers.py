@@ -17,8 +17,9 @@ that slot (``astrai.lora.manager`` sees to it).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,8 @@ class LoraSet:
         # step with adapter rows; the model holds its own projections the rest of the time
         self.swaps: list[tuple[nn.Module, str, LoraLinear]] = []
         self._swapped = False
+        self.version = 0  # counts ``put``s: a whole-stack kernel's weight lists (``stacked``) follow it
+        self._stacked: tuple[tuple, tuple[list, list, list]] | None = None
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -90,8 +93,44 @@ class LoraSet:
                 owner._modules[attr] = mod if wrapped else mod.base
             self._swapped = wrapped
 
+    @contextlib.contextmanager
+    def unwrapped(self) -> Iterator[None]:
+        """The model's own projections in place for the block (a step's wrappers back after it)."""
+        was = self._swapped
+        self._swap(False)
+        try:
+            yield
+        finally:
+            self._swap(was)
+
+    def stacked(self, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, list, list, list]:
+        """The step's adapter rows for a whole-stack kernel: ``(compact, a, bt, spans)``, each token's
+        index among the step's adapters (``present``; -1: none) and, for each layer's ``qkv_proj``,
+        ``o_proj``, ``gate_up_proj`` and ``down_proj`` in turn, every present adapter's ``a``, ``bt``
+        and ``spans`` (empty where a projection has no wrapper: a mixture of experts' MLP). The lists
+        are made once per set of present adapters until the next ``put``."""
+        key = (self.version, tuple(self.present), len(layers))
+        if self._stacked is None or self._stacked[0] != key:
+            wrappers = {(id(owner), attr): mod for owner, attr, mod in self.swaps}
+            a, bt, spans = [], [], []
+            for layer in layers:
+                for owner, attr in (
+                    (layer.self_attn, "qkv_proj"),
+                    (layer.self_attn, "o_proj"),
+                    (layer.mlp, "gate_up_proj"),
+                    (layer.mlp, "down_proj"),
+                ):
+                    mod = wrappers.get((id(owner), attr))
+                    for slot in self.present:
+                        a.append(_EMPTY if mod is None else mod.a[slot])
+                        bt.append(_EMPTY if mod is None else mod.bt[slot])
+                        spans.append(_EMPTY.long() if mod is None else mod.spans[slot])
+            self._stacked = (key, (a, bt, spans))
+        return (self.compact, *self._stacked[1])
+
     def put(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Write ``adapter``'s weights into ``slot`` of every projection (None: empty the slot)."""
+        self.version += 1
         by_module: dict[LoraLinear, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
         for name, (a, b) in (adapter.modules if adapter is not None else {}).items():
             mod, o0, o1 = self.targets[name]

@@ -127,16 +127,34 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor | None:
         """The decoder layers on a backend's whole-stack kernel (``decoder_layers``), or None (then
         ``forward`` runs them one by one): ``freqs`` is ``_freqs``'s, by "is a local layer"."""
-        lora = getattr(self, "lora", None)
-        if lora is not None and lora.rows is not None:  # adapter rows: the layers' LoRA wrappers run them
-            return None
         stack = kernel_for("decoder_layers", x)  # a plugin's whole-stack kernel (astrai.extension.fused)
-        return stack(self, x, [freqs[False], freqs[True]], kv_cache) if stack is not None else None
+        if stack is None:
+            return None
+        lora = getattr(self, "lora", None)
+        if lora is not None and lora.rows is not None and not getattr(stack, "lora", False):
+            return (
+                None  # adapter rows, on a kernel that does not take them: the layers' LoRA wrappers run them
+            )
+        return stack(self, x, [freqs[False], freqs[True]], kv_cache)
 
     def decoder_stack(self) -> DecoderStack | None:
         """The decoder layers as a whole-stack kernel may run them in place of ``forward``'s loop
-        (``astrai.model.stack.describe``: ``None`` unless that computes exactly what they do)."""
-        return describe(self)
+        (``astrai.model.stack.describe``: ``None`` unless that computes exactly what they do), with the
+        model's own projections (not a step's LoRA wrappers)."""
+        lora = getattr(self, "lora", None)
+        if lora is None:
+            return describe(self)
+        with lora.unwrapped():
+            return describe(self)
+
+    def stack_lora(self) -> tuple[torch.Tensor, list, list, list] | None:
+        """The step's LoRA rows for a whole-stack kernel that takes them (``decoder_layers`` with
+        ``lora = True``): ``None`` without adapter rows, else ``astrai.lora.LoraSet.stacked``'s
+        ``(rows, a, bt, spans)``, the projections in ``decoder_stack().linears``'s order."""
+        lora = getattr(self, "lora", None)
+        if lora is None or lora.rows is None:
+            return None
+        return lora.stacked(self.model.layers)
 
     def fuse_projections(self) -> None:
         """Merge q/k/v and gate/up projections for inference; call once weights are final.

@@ -129,7 +129,9 @@ class AttentionBackend(ABC):
           layer) and the step's ``KVCache`` (its layer groups, if any, in ``groups``): runs
           all of ``model``'s decoder layers (writing the step's K/V as they would) and returns the
           hidden states after the last one, bit for bit the layers' own on the same kernels; or
-          ``None``, without side effects, when it cannot run this model or step.
+          ``None``, without side effects, when it cannot run this model or step. A step with LoRA
+          rows (``astrai.lora``) reaches it only if it has ``lora = True``: it then adds
+          ``model.stack_lora()``'s updates after each projection, as the layers' wrappers do.
         """
         return {}
 
