@@ -11,8 +11,9 @@
 // A run of at least GEMM_ROWS consecutive rows of one slot (a prefill chunk) goes through ATen's
 // GEMMs; other rows (decode, speculative verification) are done row by row here, each row's update
 // summed in float32 and added to y with one rounding. With at least as many rows as threads the
-// rows are spread over the threads; with fewer (a lone stream), each row's work is: A's rows, then
-// the output columns (its bytes are read at the bandwidth of every core, not one's).
+// rows are spread over the threads; with fewer (a lone stream), each row's work is split over them in
+// one parallel region: A's rows, a barrier, then the output columns of every part (its bytes are read
+// at the bandwidth of every core, not one's, at the cost of one fork and join a module).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +24,10 @@
 #include <immintrin.h>
 #endif
 
+#include <omp.h>
+
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -133,26 +138,39 @@ void expand(const float* b, int64_t cols, int64_t R, const float* sv, int64_t lo
   }
 }
 
-// one row's update: with ``split``, A's rows and then each part's columns spread over the threads
+// one row's update: with ``split``, in one parallel region of the intra-op threads: each its share of
+// A's rows (blocks of 4), a barrier, then its share of every part's output columns (units of 32): the
+// same sums as without, in the same order (a row of A, a column of the output: one thread each)
 template <typename T>
 void one_row(const T* x, T* y, const Slot& s, int64_t in, bool split) {
   std::vector<float> xf(in), sv(s.parts * s.rank);
   for (int64_t k = 0; k < in; ++k) xf[k] = load(x, k);
   const int64_t PR = s.parts * s.rank;
-  if (split)
-    at::parallel_for(0, PR, 4, [&](int64_t j0, int64_t j1) { shrink(s.a, xf.data(), in, sv.data(), j0, j1); });
-  else
+  const auto columns = [&](int64_t u0, int64_t u1) {  // output units [u0, u1) of all parts, in order
+    int64_t first = 0;
+    for (int64_t p = 0; p < s.parts; ++p) {
+      const int64_t o0 = s.spans[3 * p], n = s.spans[3 * p + 1] - o0, units = (n + 31) / 32;
+      const int64_t lo = std::max(u0, first) - first, hi = std::min(u1, first + units) - first;
+      if (lo < hi)
+        expand(s.bt + s.spans[3 * p + 2], s.cols, s.rank, sv.data() + p * s.rank, lo * 32, std::min(n, hi * 32), y + o0);
+      first += units;
+    }
+    return first;
+  };
+  if (!split) {
     shrink(s.a, xf.data(), in, sv.data(), 0, PR);
-  for (int64_t p = 0; p < s.parts; ++p) {
-    const int64_t o0 = s.spans[3 * p], n = s.spans[3 * p + 1] - o0;
-    const float* b = s.bt + s.spans[3 * p + 2];
-    const float* svp = sv.data() + p * s.rank;
-    if (split)
-      at::parallel_for(0, n / 32, 4, [&](int64_t lo, int64_t hi) {
-        expand(b, s.cols, s.rank, svp, lo * 32, hi == n / 32 ? n : hi * 32, y + o0);
-      });
-    else
-      expand(b, s.cols, s.rank, svp, 0, n, y + o0);
+    columns(0, INT64_MAX);
+    return;
+  }
+  int64_t units = 0;
+  for (int64_t p = 0; p < s.parts; ++p) units += (s.spans[3 * p + 1] - s.spans[3 * p] + 31) / 32;
+  const int64_t blocks = (PR + 3) / 4;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    shrink(s.a, xf.data(), in, sv.data(), std::min(PR, blocks * t / nt * 4), std::min(PR, blocks * (t + 1) / nt * 4));
+#pragma omp barrier
+    columns(units * t / nt, units * (t + 1) / nt);
   }
 }
 
