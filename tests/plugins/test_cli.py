@@ -93,6 +93,28 @@ def test_bad_sampling_configuration_stops_serve() -> None:
     assert done.returncode == 2 and "astrai-broken-plugin 0.1.0" in done.stderr
 
 
+def test_an_attention_backend_named_but_unusable_here_stops_serve(monkeypatch) -> None:
+    """Unavailable on this machine, misspelled (from ASTR_BACKEND too): exit 2 with the registry's
+    reason, before any model loads, rather than a server whose every request fails."""
+    from astrai.extension.backend.policy import get_registry
+
+    if get_registry().availability("flash")[0]:
+        pytest.skip("flash is available here")
+    done = astrai("serve", "--attention-backend", "flash", "--port", "0")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert (
+        "astrai serve: error: attention backend 'flash' (from EngineConfig.attention_backend) is unavailable: "
+        in (done.stderr)
+    )
+    monkeypatch.setenv("ASTR_BACKEND", "tourch")
+    done = astrai("serve", "--port", "0")
+    assert done.returncode == 2
+    assert (
+        "invalid attention backend 'tourch' (from ASTR_BACKEND=tourch); valid values: cpu, cuda, flash"
+        in (done.stderr)
+    )
+
+
 def test_explicitly_selected_broken_protocol_stops_serve() -> None:
     done = astrai("serve", "--protocols", "openai,broken", "--port", "0")
     assert done.returncode == 2

@@ -413,6 +413,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
 
         choose_tool_parser(settings.tool_call_parser)
     _check_kv_cache(settings)
+    _check_attention_backend(settings)
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
         from astrai.model import read_config
@@ -454,6 +455,20 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
         raise ModelLoadFailed(loader.failure)
     if settings.tensor_parallel_size > 1:  # its process group's threads: as on the other ranks
         _exit_now(0, "tensor-parallel rank 0 stopped")
+
+
+def _check_attention_backend(settings: ServerSettings) -> None:
+    """An attention backend chosen by name (``--attention-backend``, else ``ASTR_BACKEND``) that is
+    misspelled, not installed, broken or unavailable on this machine stops the start (ConfigError:
+    exit 2) with the registry's reason, rather than failing every request once loaded."""
+    from astrai.errors import BackendUnavailable
+    from astrai.extension.backend.policy import get_registry
+    from astrai.extension.backend.selection import requested_backend
+
+    try:
+        get_registry().check_choice(requested_backend(settings.attention_backend))
+    except BackendUnavailable as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_kv_cache(settings: ServerSettings) -> None:

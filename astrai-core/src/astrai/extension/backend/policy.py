@@ -139,7 +139,18 @@ class BackendRegistry:
             self._auto = [self.instance(n) for n in self._order if self.availability(n)[0]]
         return self._auto
 
+    def check_choice(self, choice: BackendChoice) -> None:
+        """Raise ``BackendUnavailable`` with ``resolve``'s reason when an explicit ``choice`` cannot
+        be used on this machine (misspelled, not installed, broken, unavailable); nothing for
+        automatic selection. Loads nothing."""
+        if choice.name is not None:
+            self._usable(choice.name, choice.source)
+
     def _explicit(self, name: str, source: str) -> AttentionBackend:
+        self._usable(name, source)
+        return self.instance(name)
+
+    def _usable(self, name: str, source: str) -> None:
         if name in self._failures:
             failure = self._failures[name]
             raise failure.as_error() from failure.error
@@ -158,7 +169,6 @@ class BackendRegistry:
         ok, reason = self.availability(name)
         if not ok:
             raise BackendUnavailable(f"attention backend {name!r} (from {source}) is unavailable: {reason}")
-        return self.instance(name)
 
     def resolve(self, choice: BackendChoice, q: torch.Tensor, kv_cache: KVCache) -> AttentionBackend:
         """The backend that runs this step for ``choice``; raises ``BackendUnavailable`` (see module doc).
