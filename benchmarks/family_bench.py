@@ -22,7 +22,7 @@ is ``../shared/peers/start.sh llamacpp`` (2 threads, 8 slots of 2,048 tokens, co
 the file's own quantization), with ``PEER_GGUF`` set to the model's file.
 
 Usage: python benchmarks/family_bench.py [--quick] [--models gemma3-270m,smollm2-135m]
-       [--workloads gemma3-270m] [--no-peer] [--peers DIR] [--llama-arg=ARG ...]
+       [--workloads gemma3-270m] [--no-peer] [--peers DIR] [--llama-arg=ARG ...] [--astrai-arg=ARG ...]
 
 Reuses serve_bench.py and quant_bench.py, which must sit beside it.
 """
@@ -133,6 +133,9 @@ def main() -> int:
     ap.add_argument(
         "--llama-arg", action="append", default=[], help="an extra llama-server argument, repeatable"
     )
+    ap.add_argument(
+        "--astrai-arg", action="append", default=[], help="an extra astrai serve argument, repeatable"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -169,7 +172,7 @@ def main() -> int:
         systems = {
             "astrai": lambda port, model=model, label=label: bench.System(
                 f"astrai-{label}",
-                [*astrai, model, "--host", "127.0.0.1", "--port", str(port)],
+                [*astrai, model, "--host", "127.0.0.1", "--port", str(port), *args.astrai_arg],
                 "astrai",
                 {"ignore_eos": True},
                 port,

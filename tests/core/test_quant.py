@@ -67,6 +67,7 @@ def test_pack_and_the_reference_dequantize_round_trip(qtype, rows):
         int(NATIVE[qtype].has_min),
         int(NATIVE[qtype].f16_scales),
         int(NATIVE[qtype].signed),
+        0,  # int8_rows: float32 activations unless switched (astrai.model.activations)
     ]
     expected = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, k)
     np.testing.assert_array_equal(dequantize(packed, layout).numpy(), expected)

@@ -47,6 +47,7 @@ SOURCES = [
         "decode_stack.cpp",
         "quant.cpp",
         "quant_avx2.cpp",
+        "quant_q8_avx2.cpp",
         "experts.cpp",
         "lora.cpp",
         "kv_store.cpp",

@@ -144,7 +144,7 @@ class DecoderLayersKernel:
                 and self._linear is not None
             ):
                 packed.append(lin.packed_for(self._linear)[0])
-                layouts += [0] * 7
+                layouts += [0] * 8
                 segments.append(1)
                 kinds.add("dense")
             elif isinstance(lin, QuantizedLinear) and self._quant is not None and dtype in self._quant.dtypes:

@@ -69,6 +69,8 @@ class EngineConfig:
     (that many bytes) and to files in that folder (at most ``kv_cache_dir_bytes``), and a later
     prompt with their prefix loads them back (``astrai.kvcache.tier``); the folder's pages outlive
     the process.
+    ``activations``: "int8" multiplies a GGUF model's quantized weights by activations quantized to
+    8 bits per group, as llama.cpp does (``astrai.model.activations``; "auto": the model's dtype).
     """
 
     max_batch_size: int = 64
@@ -114,6 +116,7 @@ class EngineConfig:
     )
     kv_cache_dir: str | None = None  # a folder the evicted pages are written to, found again on restart
     kv_cache_dir_bytes: int = 8 * 2**30  # what the folder may hold
+    activations: str = "auto"  # "auto" (the model's dtype) or "int8" (astrai.model.activations)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -150,6 +153,8 @@ class EngineConfig:
                 "kv_cache_host_memory_bytes must be >= 0 and kv_cache_dir_bytes >= 1, got "
                 f"{self.kv_cache_host_memory_bytes}, {self.kv_cache_dir_bytes}"
             )
+        if self.activations not in ("auto", "int8"):  # astrai.model.activations.ACTIVATIONS
+            raise ValueError(f"activations must be auto or int8, got {self.activations!r}")
         for kind in self.kv_kinds:
             if kind not in KV_CACHE_DTYPES:
                 raise ValueError(f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kind!r}")

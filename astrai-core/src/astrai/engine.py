@@ -112,6 +112,10 @@ class InferenceEngine:
             else None
         )
         load_backends()
+        if self.config.activations == "int8":  # before the first forward (the warm-up's)
+            from astrai.model.activations import use_int8_activations
+
+            use_int8_activations(model)
         # a quantized pool needs a backend that reads it: the one chosen, or (automatic) any
         check_features(self.pool.storage.features, _KV_INT8, self.config.attention_backend)
         self.loras = self._loras() if self.config.enable_lora else None

@@ -105,6 +105,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "gguf", "dense"],
     )
     _flag(
+        p,
+        "activations",
+        "int8: multiply a GGUF model's quantized weights by activations quantized to 8 bits per group of "
+        "32, as llama.cpp does (faster, not exact); auto: the model's dtype",
+        choices=["auto", "int8"],
+    )
+    _flag(
         p, "attention_backend", "attention backend entry point, strict for every request (beats ASTR_BACKEND)"
     )
     _flag(p, "max_batch_size", "concurrent requests", type=int)
@@ -413,6 +420,7 @@ def serve(settings: ServerSettings, pm: PluginManager | None = None) -> None:
 
         choose_tool_parser(settings.tool_call_parser)
     _check_kv_cache(settings)
+    _check_activations(settings)
     _check_attention_backend(settings)
     if settings.tensor_parallel_size > 1:
         from astrai.distributed.sharding import check_tp_size
@@ -469,6 +477,19 @@ def _check_attention_backend(settings: ServerSettings) -> None:
         get_registry().check_choice(requested_backend(settings.attention_backend))
     except BackendUnavailable as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_activations(settings: ServerSettings) -> None:
+    """``--activations int8`` where nothing could take it stops the start (ConfigError: exit 2):
+    under tensor parallelism (whose ranks shard dense weights) or with ``--weights dense``. The
+    model and kernel checks (``astrai.model.activations``) fail the load with their reason."""
+    if settings.activations == "auto":
+        return
+    what = "--activations int8 applies to a GGUF model's weights kept quantized"
+    if settings.tensor_parallel_size > 1:
+        raise ConfigError(f"{what}: tensor parallelism shards dense weights (--tensor-parallel-size 1)")
+    if settings.weights == "dense":
+        raise ConfigError(f"{what}: --weights dense dequantizes them (use --weights gguf or auto)")
 
 
 def _check_kv_cache(settings: ServerSettings) -> None:

@@ -112,6 +112,8 @@ class ServerSettings(BaseModel):
     kv_cache_host_memory: int = Field(0, ge=0)
     kv_cache_dir: str | None = None  # a folder those pages (and, at shutdown, the cached ones) go to
     kv_cache_dir_size: int = Field(_ENGINE.kv_cache_dir_bytes, ge=1)  # what the folder may hold ("8GiB")
+    # "int8": a GGUF model's quantized linears take activations quantized to 8 bits (astrai.model.activations)
+    activations: Literal["auto", "int8"] = "auto"
     max_prefill_tokens: int = Field(_ENGINE.max_prefill_tokens, ge=1)
     max_request_bytes: int = Field(
         32 * 2**20, ge=1
@@ -325,6 +327,7 @@ class ServerSettings(BaseModel):
             kv_cache_host_memory_bytes=self.kv_cache_host_memory,
             kv_cache_dir=self.kv_cache_dir,
             kv_cache_dir_bytes=self.kv_cache_dir_size,
+            activations=self.activations,
             prefix_caching=self.prefix_caching,
             max_prefill_tokens=self.max_prefill_tokens,
             attention_backend=self.attention_backend,

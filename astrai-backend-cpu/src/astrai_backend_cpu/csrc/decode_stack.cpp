@@ -76,8 +76,8 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<at::Tensor> packed;
   std::vector<int64_t> first;
   std::vector<at::Tensor> qkv_bias;  // none, or 1 per layer [(Hq + 2 Hkv) D]
-  // per segment, 7 integers: zeros for the linear_pack layout (bf16), else the quant_linear layout
-  // (quant.cpp: n, k, bits, group, has_min, f16_scales, signed) of GGUF weights kept quantized
+  // per segment, 8 integers: zeros for the linear_pack layout (bf16), else the quant_linear layout
+  // (quant.h: n, k, bits, group, has_min, f16_scales, signed, int8_rows) of GGUF weights kept quantized
   std::vector<std::vector<int64_t>> layouts;
   // per layer: its sliding window (0: every position), a request attending from seq_len - window;
   // empty: no layer has one
@@ -111,13 +111,13 @@ struct DecodeStack : torch::CustomClassHolder {
       first.push_back(first.back() + segments[i]);
     }
     TORCH_CHECK(packed.size() == static_cast<size_t>(first.back()), "DecodeStack: one packed tensor per segment");
-    TORCH_CHECK(layouts_.empty() || layouts_.size() == 7 * packed.size(),
-                "DecodeStack: no layouts, or 7 integers per packed segment");
+    TORCH_CHECK(layouts_.empty() || layouts_.size() == 8 * packed.size(),
+                "DecodeStack: no layouts, or 8 integers per packed segment");
     const at::ScalarType dtype = norms.front().scalar_type();
     TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "DecodeStack: a bf16 or float32 model");
     for (size_t i = 0; i < packed.size(); ++i) {
-      layouts.emplace_back(layouts_.empty() ? std::vector<int64_t>(7, 0)
-                                            : std::vector<int64_t>(layouts_.begin() + 7 * i, layouts_.begin() + 7 * i + 7));
+      layouts.emplace_back(layouts_.empty() ? std::vector<int64_t>(8, 0)
+                                            : std::vector<int64_t>(layouts_.begin() + 8 * i, layouts_.begin() + 8 * i + 8));
       if (layouts.back()[0] == 0) {
         TORCH_CHECK(has_linear_packed() && dtype == at::kBFloat16,
                     "DecodeStack: dense (linear_pack) weights need AVX512-BF16 and a bf16 model");
@@ -152,7 +152,7 @@ struct DecodeStack : torch::CustomClassHolder {
   // moe_tensors: per mixture, its router [experts, hidden], the shared expert's gate [1, hidden] (or
   // an empty tensor), then every expert's packed gate_up, then every expert's packed down.
   // moe_ints: (experts, top_k, norm_topk, expert intermediate, shared intermediate), then per
-  // mixture the 7 layout integers of its gate_up and of its down.
+  // mixture the 8 layout integers of its gate_up and of its down.
   void init_experts(const std::vector<int64_t>& moe_layers, const std::vector<at::Tensor>& moe_tensors,
                     const std::vector<int64_t>& moe_ints, at::ScalarType dtype) {
     if (moe_layers.empty()) return;
@@ -166,7 +166,7 @@ struct DecodeStack : torch::CustomClassHolder {
     size_t t = 0, i = 5;
     for (int64_t l = 0; l < n_layers; ++l) {
       if (!moe_layers[l]) continue;
-      TORCH_CHECK(moe_tensors.size() >= t + 2 + 2 * E && moe_ints.size() >= i + 14,
+      TORCH_CHECK(moe_tensors.size() >= t + 2 + 2 * E && moe_ints.size() >= i + 16,
                   "DecodeStack: each mixture's tensors and layouts");
       Experts& x = experts[l];
       x.router = moe_tensors[t];
@@ -179,11 +179,11 @@ struct DecodeStack : torch::CustomClassHolder {
                   "DecodeStack: a shared expert's gate and its projections, or neither");
       x.gate_up.assign(moe_tensors.begin() + t + 2, moe_tensors.begin() + t + 2 + E);
       x.down.assign(moe_tensors.begin() + t + 2 + E, moe_tensors.begin() + t + 2 + 2 * E);
-      x.gate_up_layout.assign(moe_ints.begin() + i, moe_ints.begin() + i + 7);
-      x.down_layout.assign(moe_ints.begin() + i + 7, moe_ints.begin() + i + 14);
+      x.gate_up_layout.assign(moe_ints.begin() + i, moe_ints.begin() + i + 8);
+      x.down_layout.assign(moe_ints.begin() + i + 8, moe_ints.begin() + i + 16);
       TORCH_CHECK(x.gate_up_layout[0] == 2 * expert_intermediate && x.down_layout[0] == hidden(),
                   "DecodeStack: an expert's gate_up gives 2 x its intermediate rows, its down hidden ones");
-      t += 2 + 2 * E, i += 14;
+      t += 2 + 2 * E, i += 16;
     }
   }
 

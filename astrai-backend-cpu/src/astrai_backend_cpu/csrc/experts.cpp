@@ -32,7 +32,7 @@ at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& offsets, const s
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_experts: x must be rows [R, k] on the CPU");
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.numel() == E + 1,
               "quant_experts: offsets must be int64 [experts + 1]");
-  TORCH_CHECK(layout.size() == 7, "quant_experts: layout must be quant_linear's 7 integers");
+  TORCH_CHECK(layout.size() == 7 || layout.size() == 8, "quant_experts: layout must be quant_linear's integers");
   const at::Tensor off_t = offsets.contiguous();
   const int64_t* off = off_t.const_data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[E] == x.size(0), "quant_experts: offsets must run from 0 to x's rows");

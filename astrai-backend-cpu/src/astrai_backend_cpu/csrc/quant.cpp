@@ -16,7 +16,8 @@
 // path), and a row's result never depends on the other rows. On float32 rows the same with the
 // codes expanded to float32 and fused multiply-adds (the float32 model, for the oracle tests).
 // A build for AVX2 + FMA without AVX512-BF16 has the float32 rows only, quant_avx2.cpp's kernels
-// (bf16 rows are refused; has_quant_linear_bf16 says which build this is).
+// (bf16 rows are refused; has_quant_linear_bf16 says which build this is), and, where the layout's
+// int8_rows says so, quant_q8_avx2.cpp's: the rows quantized to 8 bits first (llama.cpp's way).
 //
 // quant_dequant writes rows of the weights out (scale * code + min in float32, as gguf-py
 // dequantizes, then rounded to the output dtype): the embedding rows, and the tests.
@@ -53,8 +54,9 @@ using astrai_cpu::quant::PF_FAR_BYTES;
 using astrai_cpu::quant::TILE;
 
 Layout parse(const std::vector<int64_t>& v, const at::Tensor& packed) {
-  TORCH_CHECK(v.size() == 7, "quant: the layout is 7 integers (n, k, bits, group, has_min, f16_scales, signed)");
-  Layout L{v[0], v[1], v[2], v[3], v[4], v[5], v[6]};
+  TORCH_CHECK(v.size() == 7 || v.size() == 8,
+              "quant: the layout is 7 or 8 integers (n, k, bits, group, has_min, f16_scales, signed[, int8_rows])");
+  Layout L{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v.size() == 8 ? v[7] : 0};
   TORCH_CHECK(L.n > 0 && L.k > 0 && (L.bits == 4 || L.bits == 8) && (L.group == 16 || L.group == 32) &&
                   L.k % L.group == 0,
               "quant: a layout of 4- or 8-bit codes in groups of 16 or 32 columns that divide k");
@@ -553,9 +555,19 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   const float* sp = L.has_min ? xsum.data() : nullptr;
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
 #if defined(ASTRAI_QUANT_AVX2)
-  quant::linear_f32_avx2(xs.const_data_ptr<float>(), M, sp, wp, L, b.defined() ? b.const_data_ptr<float>() : nullptr,
-                         out.data_ptr<float>());
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  if (L.int8_rows) {
+    std::vector<int16_t> q(M * L.k);
+    std::vector<int8_t> q8(M * L.k);
+    std::vector<float> d(M * G);
+    std::vector<int32_t> isum(M * G);
+    quant::quantize_rows_q8(xs.const_data_ptr<float>(), M, L.k, L.group, q.data(), q8.data(), d.data(), isum.data());
+    quant::linear_q8_avx2(q.data(), q8.data(), d.data(), isum.data(), M, sp, wp, L, bp, out.data_ptr<float>());
+  } else {
+    quant::linear_f32_avx2(xs.const_data_ptr<float>(), M, sp, wp, L, bp, out.data_ptr<float>());
+  }
 #elif defined(__AVX512BF16__)
+  TORCH_CHECK(!L.int8_rows, "quant_linear: 8-bit activations are built for AVX2 CPUs without AVX512-BF16 only");
   if (x.scalar_type() == at::kBFloat16) {
     const at::BFloat16* bp = b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr;
     if (float_out) {
@@ -737,7 +749,7 @@ bool has_quant_linear_amx() {
 at::Tensor quant_linear_amx(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_quant_linear_amx(), "quant_linear_amx: built without AMX, or the OS refused its tile registers");
-  TORCH_CHECK(layout.size() == 7 && layout[1] % 32 == 0, "quant_linear_amx: k must be a multiple of 32");
+  TORCH_CHECK(layout.size() >= 7 && layout[1] % 32 == 0, "quant_linear_amx: k must be a multiple of 32");
   return wide("quant_linear_amx", x, packed, layout, bias, true);
 }
 

@@ -4,8 +4,14 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 // The float32 kernels of quant_avx2.cpp: compiled where the compiler targets AVX2, FMA and F16C
 // but not AVX512-BF16 (which has kernels of its own, for bf16 and float32 rows).
@@ -24,9 +30,11 @@ constexpr int64_t PF_BYTES = 3072;
 constexpr int64_t PF_FAR_BYTES = 12288;
 
 // The layout's parameters, as astrai.model.quant.QuantLayout.ints(): n, k, bits, group, has_min,
-// f16_scales, signed (4-bit codes read as -8..7 instead of 0..15; 8-bit codes are always int8).
+// f16_scales, signed (4-bit codes read as -8..7 instead of 0..15; 8-bit codes are always int8),
+// and int8_rows (float32 rows quantized to 8 bits per group for the products: quant_q8_avx2.cpp;
+// an optional eighth integer, 0 where it is left out).
 struct Layout {
-  int64_t n, k, bits, group, has_min, f16, sign;
+  int64_t n, k, bits, group, has_min, f16, sign, int8_rows = 0;
   int64_t groups() const { return k / group; }
   int64_t scale_bytes() const { return TILE * (f16 ? 2 : 4); }
   int64_t code_bytes() const { return TILE * group * bits / 8; }
@@ -36,12 +44,76 @@ struct Layout {
 };
 
 #if defined(ASTRAI_QUANT_AVX2)
+// 8 scales (or mins) of rows 8h .. 8h + 7 of a record's 16
+inline __m256 load8(const uint8_t* p, bool f16, int h) {
+  return f16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)))
+             : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
+}
+
+// Group g's record of tile t, its stream prefetched PF_BYTES (L1) and PF_FAR_BYTES (L2) ahead.
+inline const uint8_t* record_at(const uint8_t* packed, const Layout& L, int64_t t, int64_t g) {
+  const uint8_t* r = packed + t * L.tile_bytes() + g * L.record();
+  for (int64_t line = 0; line < L.record(); line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(r + PF_BYTES + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(r + PF_FAR_BYTES + line), _MM_HINT_T1);
+  }
+  return r;
+}
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// The AVX2 kernels' work: blocks of four tiles (64 outputs) shared out over the threads, each
+// thread's share of the weight read once per step and once from memory whatever the rows (the
+// block stays in L2 while the row blocks pass over it); rows in blocks of up to 4. For each, in
+// order, tiles(Int<M>, Int<U>, r, t): rows r .. r + M - 1 against tiles t .. t + U - 1, U = 4, 2,
+// 1 for M = 1, 2, 3-4 (so that eight dependency chains hide the latency whatever the rows).
+template <typename Tiles>
+void for_tiles(int64_t M, const Layout& L, Tiles&& tiles) {
+  const int64_t n_tiles = L.tiles();
+  at::parallel_for(0, (n_tiles + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin * 4; t0 < std::min(n_tiles, end * 4); t0 += 4) {
+      const int64_t t1 = std::min(n_tiles, t0 + 4);
+      for (int64_t r = 0; r < M; r += 4) {
+        const int64_t m = std::min<int64_t>(4, M - r);
+        for (int64_t t = t0; t < t1;) {
+          const int64_t left = t1 - t;
+          if (m == 1 && left == 4) {
+            tiles(Int<1>{}, Int<4>{}, r, t), t += 4;
+          } else if (m <= 2 && left >= 2) {
+            if (m == 1) tiles(Int<1>{}, Int<2>{}, r, t);
+            else tiles(Int<2>{}, Int<2>{}, r, t);
+            t += 2;
+          } else {
+            switch (m) {
+              case 1: tiles(Int<1>{}, Int<1>{}, r, t); break;
+              case 2: tiles(Int<2>{}, Int<1>{}, r, t); break;
+              case 3: tiles(Int<3>{}, Int<1>{}, r, t); break;
+              default: tiles(Int<4>{}, Int<1>{}, r, t); break;
+            }
+            t += 1;
+          }
+        }
+      }
+    }
+  });
+}
+
 // quant_linear on float32 rows: x [M, k] (contiguous), xsum [M, groups] the groups' sums of x
 // (nullptr without mins), bias [n] or nullptr -> out [M, n] float32.
 void linear_f32_avx2(const float* x, int64_t M, const float* xsum, const uint8_t* packed, const Layout& L,
                      const float* bias, float* out);
 // quant_weight_t in float32: the weight dequantized, transposed, out [k, n].
 void weight_t_f32_avx2(const uint8_t* packed, const Layout& L, float* out);
+
+// quant_q8_avx2.cpp: x [M, k] float32 -> per row and group of `group` columns, 8-bit codes as
+// int16 (q) and int8 (q8) [M, k], their scales d [M, k / group] and code sums isum [M, k / group].
+void quantize_rows_q8(const float* x, int64_t M, int64_t k, int64_t group, int16_t* q, int8_t* q8, float* d,
+                      int32_t* isum);
+// quant_linear on rows quantized by quantize_rows_q8 (xsum as linear_f32_avx2 takes it).
+void linear_q8_avx2(const int16_t* q, const int8_t* q8, const float* d, const int32_t* isum, int64_t M, const float* xsum,
+                    const uint8_t* packed, const Layout& L, const float* bias, float* out);
 #endif
+
 
 }  // namespace astrai_cpu::quant

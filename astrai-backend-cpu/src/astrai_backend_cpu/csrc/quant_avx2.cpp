@@ -17,12 +17,6 @@
 namespace astrai_cpu::quant {
 namespace {
 
-// 8 scales (or mins) of rows 8h .. 8h + 7 of a record's 16
-inline __m256 load8(const uint8_t* p, bool f16, int h) {
-  return f16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)))
-             : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
-}
-
 // A 4-bit chunk's bytes of 8 rows widened (dword j = byte 2j | byte 2j+1 << 16), column C (0-3) of
 // its four: the nibble at bit 0, 16, 4 or 20 of each dword, as float32.
 template <bool SIGNED, int C>
@@ -52,19 +46,13 @@ inline __m256i widen(const uint8_t* p, bool bits8) {
 template <int M, int U, int BITS, bool SIGNED>
 void tiles(const float* x, int64_t ldx, const float* xsum, const uint8_t* packed, const Layout& L,
            const float* bias, float* out, int64_t ldo, int64_t t) {
-  const int64_t G = L.group, n_groups = L.groups(), rec = L.record(), sb = L.scale_bytes();
+  const int64_t G = L.group, n_groups = L.groups(), sb = L.scale_bytes();
   const int64_t code_off = sb * (1 + L.has_min);
   const bool f16 = L.f16 != 0;
   alignas(32) float acc[U][M][TILE] = {};
   for (int64_t g = 0; g < n_groups; ++g) {
     const uint8_t* r[U];
-    for (int u = 0; u < U; ++u) {
-      r[u] = packed + (t + u) * L.tile_bytes() + g * rec;
-      for (int64_t line = 0; line < rec; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(r[u] + PF_BYTES + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(r[u] + PF_FAR_BYTES + line), _MM_HINT_T1);
-      }
-    }
+    for (int u = 0; u < U; ++u) r[u] = record_at(packed, L, t + u, g);
     __m256 s[U][M][2];
     for (int u = 0; u < U; ++u)
       for (int m = 0; m < M; ++m) s[u][m][0] = s[u][m][1] = _mm256_setzero_ps();
@@ -122,37 +110,10 @@ void tiles(const float* x, int64_t ldx, const float* xsum, const uint8_t* packed
 template <int BITS, bool SIGNED>
 void run(const float* x, int64_t M, const float* xsum, const uint8_t* packed, const Layout& L, const float* bias,
          float* out) {
-  const int64_t n_tiles = L.tiles(), ldx = L.k, G = L.groups();
-  // blocks of four tiles (64 outputs): each thread's share of the weight is read once per step,
-  // and once from memory whatever the rows (the block stays in L2 while the row blocks pass over it)
-  at::parallel_for(0, (n_tiles + 3) / 4, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = begin * 4; t0 < std::min(n_tiles, end * 4); t0 += 4) {
-      const int64_t t1 = std::min(n_tiles, t0 + 4);
-      for (int64_t r = 0; r < M; r += 4) {
-        const int64_t m = std::min<int64_t>(4, M - r);
-        const float* xr = x + r * ldx;
-        const float* sr = xsum == nullptr ? nullptr : xsum + r * G;
-        float* orow = out + r * L.n;
-        for (int64_t t = t0; t < t1;) {
-          const int64_t left = t1 - t;
-          if (m == 1 && left == 4) {
-            tiles<1, 4, BITS, SIGNED>(xr, ldx, sr, packed, L, bias, orow, L.n, t), t += 4;
-          } else if (m <= 2 && left >= 2) {
-            if (m == 1) tiles<1, 2, BITS, SIGNED>(xr, ldx, sr, packed, L, bias, orow, L.n, t);
-            else tiles<2, 2, BITS, SIGNED>(xr, ldx, sr, packed, L, bias, orow, L.n, t);
-            t += 2;
-          } else {
-            switch (m) {
-              case 1: tiles<1, 1, BITS, SIGNED>(xr, ldx, sr, packed, L, bias, orow, L.n, t); break;
-              case 2: tiles<2, 1, BITS, SIGNED>(xr, ldx, sr, packed, L, bias, orow, L.n, t); break;
-              case 3: tiles<3, 1, BITS, SIGNED>(xr, ldx, sr, packed, L, bias, orow, L.n, t); break;
-              default: tiles<4, 1, BITS, SIGNED>(xr, ldx, sr, packed, L, bias, orow, L.n, t); break;
-            }
-            t += 1;
-          }
-        }
-      }
-    }
+  const int64_t ldx = L.k, G = L.groups();
+  for_tiles(M, L, [&](auto m, auto u, int64_t r, int64_t t) {
+    tiles<decltype(m)::value, decltype(u)::value, BITS, SIGNED>(
+        x + r * ldx, ldx, xsum == nullptr ? nullptr : xsum + r * G, packed, L, bias, out + r * L.n, L.n, t);
   });
 }
 

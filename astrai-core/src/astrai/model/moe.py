@@ -100,6 +100,10 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    def forget_layouts(self) -> None:
+        """Drop the grouped experts' layouts ``_grouped`` kept (their layouts changed)."""
+        self._packed = False
+
     def _grouped(self) -> tuple[list, list[int], list, list[int]] | None:
         """The experts' packed gate_up and down weights and their layouts, when every expert holds
         its fused projections as one quantized block of the same layout (``quant_experts``)."""

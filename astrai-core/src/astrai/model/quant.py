@@ -34,7 +34,7 @@ and the modules that hold it document one another and change together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -82,6 +82,8 @@ class QuantLayout:
     n: int
     k: int
     spec: QuantSpec
+    #: float32 rows quantized to int8 per group for the products (``use_int8_activations``)
+    int8_rows: bool = False
 
     @property
     def tiles(self) -> int:
@@ -98,7 +100,16 @@ class QuantLayout:
 
     def ints(self) -> list[int]:
         s = self.spec
-        return [self.n, self.k, s.bits, s.group, int(s.has_min), int(s.f16_scales), int(s.signed)]
+        return [
+            self.n,
+            self.k,
+            s.bits,
+            s.group,
+            int(s.has_min),
+            int(s.f16_scales),
+            int(s.signed),
+            int(self.int8_rows),
+        ]
 
 
 class QuantWeight(NamedTuple):
@@ -300,10 +311,11 @@ class QuantizedLinear(nn.Module):
                     merged
                     and merged[-1][1].spec == lay.spec
                     and merged[-1][1].k == lay.k
+                    and merged[-1][1].int8_rows == lay.int8_rows
                     and merged[-1][1].n % TILE == 0
                 ):
                     prev, prev_lay = merged[-1]
-                    merged[-1] = (torch.cat([prev, packed]), QuantLayout(prev_lay.n + lay.n, lay.k, lay.spec))
+                    merged[-1] = (torch.cat([prev, packed]), replace(prev_lay, n=prev_lay.n + lay.n))
                 else:
                     merged.append((packed, lay))
         biases = [p.bias for p in parts]
@@ -330,7 +342,9 @@ class QuantizedLinear(nn.Module):
             if kernel is not None and self.float_out:
                 outs.append(kernel(rows, packed, lay.ints(), bias, float_out=True))
                 continue
-            if kernel is not None and rows.shape[0] <= kernel.max_rows:
+            # int8 rows (astrai.model.activations) stay on the kernel at any width: a row's
+            # quantized product must not change with the rows beside it
+            if kernel is not None and (rows.shape[0] <= kernel.max_rows or lay.int8_rows):
                 outs.append(kernel(rows, packed, lay.ints(), bias))  # the bias added before the one rounding
                 continue
             wide = getattr(kernel, "wide", None) if kernel is not None else None

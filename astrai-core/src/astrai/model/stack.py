@@ -47,7 +47,7 @@ class Experts:
 
     router: torch.Tensor  # [experts, hidden], the model's dtype
     gate_up: tuple[torch.Tensor, ...]  # per expert, packed
-    gate_up_layout: tuple[int, ...]  # quant_linear's 7 integers
+    gate_up_layout: tuple[int, ...]  # quant_linear's 8 integers
     down: tuple[torch.Tensor, ...]
     down_layout: tuple[int, ...]
     shared_gate: torch.Tensor | None  # [1, hidden]: the shared expert's gate (its projections: linears 2, 3)
