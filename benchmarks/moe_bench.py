@@ -16,6 +16,7 @@ JSON object. astrai keeps the file's blocks (``--weights auto``: quantized on AV
 machines) and runs each chosen expert on its rows (``astrai.model.moe``).
 
 Usage: python benchmarks/moe_bench.py [--size small|large] [--qtype Q4_0|Q8_0] [--quick] [--no-peer] [--out DIR]
+       [--astrai-arg=ARG ...]
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny workloads (smoke run)")
     ap.add_argument("--no-peer", action="store_true", help="without llama-server")
     ap.add_argument("--out", type=Path, default=None, help="where the GGUF is written (default: a temp dir)")
+    ap.add_argument(
+        "--astrai-arg", action="append", default=[], help="an extra astrai serve argument, repeatable"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     out = args.out or Path(tempfile.mkdtemp(prefix="moe-bench-"))
@@ -178,6 +182,7 @@ def main() -> int:
         model = write_moe_gguf(path, SIZES[args.size], args.qtype)
     argv = ["family_bench.py", "--models", str(path), "--workloads", str(path)]
     argv += ["--quick"] * args.quick + ["--no-peer"] * args.no_peer
+    argv += [f"--astrai-arg={arg}" for arg in args.astrai_arg]
     import family_bench  # beside this file
 
     sys.argv = argv

@@ -217,3 +217,22 @@ def test_a_stream_callback_that_raises_fails_only_its_request(make):
     plan = policy.schedule()
     assert plan.finished == ("bad",) and plan.request_ids == ("good",)
     run(policy, plan)
+
+
+def test_with_a_prefill_step_ratio_prefill_is_cut_beside_decode_rows_only(make):
+    """``prefill_step_ratio`` (``astrai.pacing``): the pacer's budget, from the step times it was
+    shown, bounds a step's prefill tokens while a request decodes; alone, a prompt takes them all."""
+    policy = make(pool(n_tokens=256), max_prefill_tokens=64, prefill_step_ratio=3.0)
+    policy.pacer.min_tokens = 4
+    policy.pacer.observe(1, 0, 0.010)  # a decode step 10 ms, a prompt token 2 ms: 10 tokens fit
+    policy.pacer.observe(1, 100, 0.210)
+    policy.add(request("long", tokens(40, 30)))
+    plan = policy.schedule()
+    assert plan.q_lens == (40,)  # nobody decodes: the whole budget
+    run(policy, plan)
+    policy.add(request("next", tokens(40, 80)))
+    plan = policy.schedule()
+    assert plan.request_ids == ("long", "next") and plan.q_lens == (1, 10)
+    policy.observe(plan, 0.030)  # 1 decode row and 10 tokens in 30 ms: 2 ms a token, unchanged
+    assert policy.pacer.token_s == pytest.approx(0.002)
+    run(policy, plan)

@@ -14,7 +14,8 @@ and hands the ``StepResult`` to ``update()``, which alone changes the requests. 
    cannot grow by a token the newest running request (of the lowest priority, when scheduling by
    priority, and of those preempted the fewest times) is preempted: its computed prefix is recorded,
    it requeues at the front and recomputes later without re-emitting text;
-4. prefill rows: chunks of prefilling requests, in order, under ``max_prefill_tokens``;
+4. prefill rows: chunks of prefilling requests, in order, under ``max_prefill_tokens`` (less beside
+   decode rows with ``prefill_step_ratio``: ``astrai.pacing``);
 5. drafts (with a ``proposer``, ``astrai.speculative``): a greedy decode row may bring the
    tokens its n-gram proposer drafts after its own, on slots the pool has free (never evicting,
    never preempting, after the prefill rows took theirs), when the step is worth verifying;
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from astrai.errors import CapacityExceeded
 from astrai.extension.backend.selection import AUTOMATIC
+from astrai.pacing import StepPacer
 from astrai.request import FinishReason, Request
 from astrai.speculative import NgramState
 from astrai.step import RowInput, StepPlan, StepResult
@@ -97,6 +99,7 @@ class BatchPolicy:
         self.pool = pool
         self.max_batch_size = pool.config.max_batch_size
         self.max_prefill_tokens = config.max_prefill_tokens
+        self.pacer = StepPacer(config.max_prefill_tokens, config.prefill_step_ratio)
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -134,7 +137,7 @@ class BatchPolicy:
         # decode rows are planned first: running requests grow by their one token (preempting if
         # they must) before prefill chunks take pages; both then run in the same forward.
         decode = self._decode()
-        prefill = self._prefill()
+        prefill = self._prefill(self.pacer.budget(decoding=bool(decode)))
         decode_drafts = self._draft(decode, len(prefill))
         rows = [(req, q + len(d), s) for (req, q, s), d in zip(decode, decode_drafts, strict=True)] + prefill
         drafts = decode_drafts + [()] * len(prefill)
@@ -172,6 +175,11 @@ class BatchPolicy:
                 for r in reqs
             ),
         )
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """How long ``plan`` took to run (the pacer's costs, ``astrai.pacing``)."""
+        decode_rows = sum(1 for q, s in zip(plan.q_lens, plan.sample, strict=True) if q == 1 and s)
+        self.pacer.observe(decode_rows, plan.num_tokens - decode_rows, seconds)
 
     def update(self, plan: StepPlan, result: StepResult) -> None:
         """Apply what the runner computed for ``plan`` (the last one scheduled) to its requests.
@@ -358,10 +366,10 @@ class BatchPolicy:
                 out[i] = draft
         return out
 
-    def _prefill(self) -> list[tuple[Request, int, bool]]:
-        """Chunks of prefilling requests, oldest first, under the ``max_prefill_tokens`` budget."""
+    def _prefill(self, budget: int) -> list[tuple[Request, int, bool]]:
+        """Chunks of prefilling requests, oldest first, under ``budget`` tokens (``max_prefill_tokens``,
+        or less beside decoding requests: ``StepPacer``)."""
         rows = []
-        budget = self.max_prefill_tokens
         for req in self.running:
             if budget <= 0:
                 break

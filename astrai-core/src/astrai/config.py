@@ -69,6 +69,9 @@ class EngineConfig:
     (that many bytes) and to files in that folder (at most ``kv_cache_dir_bytes``), and a later
     prompt with their prefix loads them back (``astrai.kvcache.tier``); the folder's pages outlive
     the process.
+    ``prefill_step_ratio``: while requests decode, a step's prefill tokens are cut so that it takes
+    at most this many times a decode-only step (``astrai.pacing``: measured costs; None: every step
+    may prefill ``max_prefill_tokens``).
     ``activations``: "int8" multiplies a GGUF model's quantized weights by activations quantized to
     8 bits per group, as llama.cpp does (``astrai.model.activations``; "auto": the model's dtype).
     """
@@ -81,6 +84,8 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     prefix_caching: bool = True
     max_prefill_tokens: int = 2048
+    # a step that prefills while requests decode may take this many decode steps' time (astrai.pacing); None: off
+    prefill_step_ratio: float | None = None
     # strict selection for every request that made none in an attn_backend() context (beats ASTR_BACKEND)
     attention_backend: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -153,6 +158,8 @@ class EngineConfig:
                 "kv_cache_host_memory_bytes must be >= 0 and kv_cache_dir_bytes >= 1, got "
                 f"{self.kv_cache_host_memory_bytes}, {self.kv_cache_dir_bytes}"
             )
+        if self.prefill_step_ratio is not None and not self.prefill_step_ratio > 1:
+            raise ValueError(f"prefill_step_ratio must be > 1, got {self.prefill_step_ratio}")
         if self.activations not in ("auto", "int8"):  # astrai.model.activations.ACTIVATIONS
             raise ValueError(f"activations must be auto or int8, got {self.activations!r}")
         for kind in self.kv_kinds:

@@ -236,7 +236,10 @@ class InferenceScheduler:
         plan = self.policy.schedule()
         self._complete_all(plan.finished)
         if plan.request_ids:
-            self.policy.update(plan, self.runner.run(plan))
+            started = time.perf_counter()
+            result = self.runner.run(plan)
+            self.policy.observe(plan, time.perf_counter() - started)
+            self.policy.update(plan, result)
         self.iterations += 1
         self._publish_stats()
         return True

@@ -145,6 +145,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "what --kv-cache-dir may hold, e.g. 20GiB (least recently used pages go first)",
     )
     _flag(p, "max_prefill_tokens", "prefill tokens per step (chunked prefill)", type=int)
+    _flag(
+        p,
+        "prefill_step_ratio",
+        "while requests decode, cut a step's prefill so that it takes at most this many decode steps' "
+        "time (measured; e.g. 3); default: off, every step may prefill --max-prefill-tokens",
+        type=float,
+    )
     _flag(p, "max_request_bytes", "largest request body accepted, e.g. 32MiB (413 beyond)")
     _flag(p, "header_timeout", "seconds to send a request head, or a body may stall; then 408", type=float)
     _flag(p, "max_connections", "open connections, then 503; default: descriptor limit - 64", type=int)

@@ -115,6 +115,8 @@ class ServerSettings(BaseModel):
     # "int8": a GGUF model's quantized linears take activations quantized to 8 bits (astrai.model.activations)
     activations: Literal["auto", "int8"] = "auto"
     max_prefill_tokens: int = Field(_ENGINE.max_prefill_tokens, ge=1)
+    # while requests decode, a step may take this many decode steps' time (astrai.pacing); None: off
+    prefill_step_ratio: float | None = Field(_ENGINE.prefill_step_ratio, gt=1)
     max_request_bytes: int = Field(
         32 * 2**20, ge=1
     )  # largest request body (YAML/CLI accept "32MiB"); 413 beyond
@@ -330,6 +332,7 @@ class ServerSettings(BaseModel):
             activations=self.activations,
             prefix_caching=self.prefix_caching,
             max_prefill_tokens=self.max_prefill_tokens,
+            prefill_step_ratio=self.prefill_step_ratio,
             attention_backend=self.attention_backend,
             sampling=dict(self.sampling),
             plugin_options=dict(self.plugin_options),
