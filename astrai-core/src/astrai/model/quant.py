@@ -240,6 +240,18 @@ def pack(
 
 def dequantize(packed: torch.Tensor, layout: QuantLayout) -> torch.Tensor:
     """The reference: the weight ``[n, k]`` in float32 (scale * code, rounded, + min), in torch."""
+    codes, scales, mins = unpack(packed, layout)
+    w = codes.float() * scales.repeat_interleave(layout.spec.group, dim=1)
+    if mins is not None:
+        w = w + mins.repeat_interleave(layout.spec.group, dim=1)
+    return w
+
+
+def unpack(
+    packed: torch.Tensor, layout: QuantLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A packed weight's integer codes ``[n, k]`` (int16, signed formats' as signed), its scales and
+    mins ``[n, k // group]`` (float32; mins ``None`` where the format has none)."""
     s, n, k = layout.spec, layout.n, layout.k
     groups, ssz = k // s.group, 2 if s.f16_scales else 4
     rec = packed.view(layout.tiles, groups, layout.record_bytes)
@@ -261,11 +273,9 @@ def dequantize(packed: torch.Tensor, layout: QuantLayout) -> torch.Tensor:
     else:
         b = raw.view(torch.int8).view(layout.tiles, groups, s.group // 2, TILE, 2)  # [t, g, c, j, e]
         codes = b.permute(0, 3, 1, 2, 4).reshape(layout.tiles * TILE, k).to(torch.int16)
-    scale = scales.permute(0, 2, 1).reshape(-1, groups).repeat_interleave(s.group, dim=1)
-    w = codes.float() * scale
     if mins is not None:
-        w = w + mins.permute(0, 2, 1).reshape(-1, groups).repeat_interleave(s.group, dim=1)
-    return w[:n]
+        mins = mins.permute(0, 2, 1).reshape(-1, groups)[:n]
+    return codes[:n], scales.permute(0, 2, 1).reshape(-1, groups)[:n], mins
 
 
 # ----------------------------------------------------------------- the modules
