@@ -13,6 +13,7 @@ import os
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -88,15 +89,16 @@ def _exit_status(server: Server, timeout: float = FAIL_WITHIN) -> int:
 
 
 def _gguf_with(tmp_path: Path, source: Path, key: str, value: int) -> Path:
-    """A copy of ``source`` whose uint32 metadata ``key`` is ``value`` (rewritten in place)."""
-    from gguf import GGUFReader
-
+    """A copy of ``source`` whose uint32 metadata ``key`` is ``value`` (rewritten in place: the key's
+    length and name, then its value type, uint32, and the value; found in the bytes, as gguf's
+    reader would take seconds to walk the 49k-token vocabulary before it)."""
     path = tmp_path / f"{key.rsplit('.', 1)[-1]}.gguf"
-    shutil.copyfile(source, path)
-    reader = GGUFReader(path, "r+")
-    field = reader.fields[key]
-    field.parts[field.data[0]][0] = value
-    reader.data.flush()
+    data = bytearray(source.read_bytes())
+    name = struct.pack("<Q", len(key)) + key.encode()
+    at = data.index(name) + len(name)
+    assert data.count(name) == 1 and struct.unpack_from("<I", data, at)[0] == 4  # GGUF_TYPE_UINT32
+    struct.pack_into("<I", data, at + 4, value)
+    path.write_bytes(data)
     return path
 
 
