@@ -541,6 +541,23 @@ def test_count_tokens_is_the_input_tokens_of_the_same_messages(served: tuple[str
     assert opened[2] > opened[0] + 10  # tools described, a call opened
 
 
+def test_count_tokens_opens_the_call_of_the_servers_tool_call_parser(fakes: Any) -> None:
+    """A forced call's opening is the ``--tool-call-parser``'s (llama3_json's: none), not the one
+    chosen from the template (hermes' ``<tool_call>``), in the count as in the generation."""
+    parser = "llama3_json"
+    engine = fakes.FakeEngine(ctx=4096)
+    case = {"messages": HI, "tools": [TOOL], "tool_choice": {"type": "tool", "name": TOOL["name"]}}
+    counts = {}
+    for name in (None, parser):
+        with fakes.serve_app(create_app(ServerSettings(tool_call_parser=name), engine)) as url:
+            client = _client(url)
+            counted = client.messages.count_tokens(model="astrai", **case).input_tokens
+            httpx.post(url + MESSAGES, json={"model": "astrai", "max_tokens": 4, **case}, timeout=10)
+        counts[name] = counted
+        assert counted == len(engine.submitted[-1][0]), name
+    assert counts[parser] != counts[None]
+
+
 def test_count_tokens_counts_a_prompt_too_long_to_serve(fakes: Any) -> None:
     engine = fakes.FakeEngine(ctx=8)
     with fakes.serve_app(create_app(ServerSettings(), engine)) as url:

@@ -217,6 +217,9 @@ class ResponseBuilder(ABC):
         # (Anthropic's thinking signatures): the server sets its ``signing_key`` setting here; this
         # random one lasts as long as the process
         self.signing_key: bytes = os.urandom(32)
+        # the tool-call parser the server was told to use (``--tool-call-parser``; None: chosen from
+        # the chat template), for routes that shape a prompt outside a generation (count_tokens)
+        self.tool_call_parser: str | None = None
 
     @abstractmethod
     def prepare(self, request: BaseModel, engine: Any) -> Prepared:

@@ -87,8 +87,10 @@ def create_app(
         from astrai_server.registry import load_protocols, select_builders
 
         builders = select_builders(load_protocols(), settings.protocols, settings.served_model_name)
-    for builder in builders if settings.signing_key is not None else ():
-        builder.signing_key = settings.signing_key.encode("utf-8")
+    for builder in builders:
+        builder.tool_call_parser = settings.tool_call_parser
+        if settings.signing_key is not None:
+            builder.signing_key = settings.signing_key.encode("utf-8")
     if plugins is None:
         plugins = getattr(engine, "plugins", None) or PluginManager.discover()
     app = FastAPI(title="astrai", docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json: below

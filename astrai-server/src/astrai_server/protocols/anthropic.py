@@ -49,6 +49,7 @@ from astrai.protocol import (
     value_or_default,
 )
 from astrai.sampling import SamplingParams
+from astrai_server.parsers import Parsers
 from astrai_server.request_parts import Strict, null_is_not_sent, select_tools
 from astrai_server.signing import sign, verify
 from astrai_server.structured import anthropic_format
@@ -520,7 +521,8 @@ class AnthropicResponseBuilder(ResponseBuilder):
             tools=tools,
             tool_call_required=required,
         )
-        open_tool_call(prepared, engine.tokenizer)  # the handler's rule, not a copy of it
+        parser = Parsers(tool=self.tool_call_parser).for_engine(engine).tool  # the server's, as generating
+        open_tool_call(prepared, engine.tokenizer, parser)  # the handler's rule, not a copy of it
         return {"input_tokens": len(prepared.prompt_ids)}
 
     def format_stream_start(self, prepared: Prepared) -> list[str]:
