@@ -1,10 +1,11 @@
 """Quantized-kernel step benchmark: decode steps by rows, and the prefill linears by path.
 
-Prints one JSON object. The default model in this process, bf16, on its GGUF blocks (``--weights
-gguf``) and dense (``--weights dense``):
+Prints one JSON object. The default model in this process, in the CPU's default dtype (bf16 with
+AVX512-BF16, float32 on AVX2 only: ``astrai.model.default_dtype``), on its GGUF blocks
+(``--weights gguf``) and dense (``--weights dense``):
 
-- decode: the median time of a whole decode step (``InferenceScheduler._execute``: the forward,
-  sampling and bookkeeping) with 1, 3 and 32 rows, each row's context about ``--context`` tokens;
+- decode: the median time of a whole decode step (``ModelRunner.run``: the forward and
+  sampling) with 1, 3 and 32 rows, each row's context about ``--context`` tokens;
   the dense / gguf ratio per row count.
 - prefill_request_ms (an AMX CPU with ``astrai_cpu::quant_linear_amx``): one-token requests
   (a whole prefill) of 100 to 2,000 prompt tokens on the model's own routing
@@ -28,26 +29,27 @@ import time
 import torch
 from kv_pressure_bench import prompts  # chat prompts of a given length, no two alike
 
-import astrai.scheduler
+import astrai.runner
 from astrai.engine import EngineConfig, InferenceEngine
 from astrai.extension.fused import kernel_for
-from astrai.model import load_model
+from astrai.model import default_dtype, load_model
 from astrai.sampling import SamplingParams
 
 
 def decode_steps(weights: str, rows: list[int], context: int, tokens: int) -> dict[int, float]:
     """Median whole decode-step time (ms) for each row count, each row at about ``context`` tokens."""
-    model, tok = load_model(None, dtype=torch.bfloat16, weights=weights)
+    model, tok = load_model(None, dtype=default_dtype("cpu"), weights=weights)
     times: list[tuple[int, float]] = []
-    original = astrai.scheduler.InferenceScheduler._execute
+    original = astrai.runner.ModelRunner.run
 
-    def timed(self, plan) -> None:
+    def timed(self, plan):
         start = time.perf_counter()
-        original(self, plan)
-        if plan.num_tokens == len(plan.q_lens):  # decode rows only
+        result = original(self, plan)
+        if plan.is_decode:  # decode rows only
             times.append((len(plan.q_lens), (time.perf_counter() - start) * 1e3))
+        return result
 
-    astrai.scheduler.InferenceScheduler._execute = timed
+    astrai.runner.ModelRunner.run = timed
     result = {}
     try:
         with InferenceEngine(
@@ -61,7 +63,7 @@ def decode_steps(weights: str, rows: list[int], context: int, tokens: int) -> di
                 steady = [t for k, t in times if k == n][5:]  # past the first steps' warm-up
                 result[n] = round(statistics.median(steady), 2)
     finally:
-        astrai.scheduler.InferenceScheduler._execute = original
+        astrai.runner.ModelRunner.run = original
     return result
 
 
@@ -69,6 +71,8 @@ def prefill_requests(lengths: list[int], repeats: int) -> dict | None:
     """One-token requests (a whole prefill) of each prompt length, every prompt new (no prefix
     hit), taking turns between the model's routing and every prefill step sent the old way;
     median wall time (ms) of each. None where the CPU has no AMX tiles for quant_linear_amx."""
+    if default_dtype("cpu") != torch.bfloat16:
+        return None  # quant_linear_amx takes bf16 rows
     model, tok = load_model(None, dtype=torch.bfloat16, weights="gguf")
     with InferenceEngine(model, tok, EngineConfig(n_tokens=max(lengths) + 64)) as engine:
         with torch.inference_mode():  # kernels are for inference only
