@@ -23,9 +23,12 @@ namespace astrai_cpu::quant {
 
 constexpr int64_t TILE = 16;
 // Bytes ahead that each tile's stream of group records is prefetched: into L1 3 KB ahead
-// (linear.cpp's distance), and into L2 12 KB ahead, so that more of the stream is in flight from
-// memory than L1's fill buffers hold (on an AMX Xeon, 2 cores, weights from memory: a whole
-// decode step of the default model 7.7 -> 6.3 ms for 1 row, 12.7 -> 11.0 ms for 3).
+// (linear.cpp's distance), and by the AVX-512 kernels (quant.cpp) into L2 12 KB ahead too, so
+// that more of the stream is in flight from memory than L1's fill buffers hold (on an AMX Xeon,
+// 2 cores, weights from memory: a whole decode step of the default model 7.7 -> 6.3 ms for 1 row,
+// 12.7 -> 11.0 ms for 3). The AVX2 kernels (record_at) leave the far prefetch out: on 2 Zen 3
+// cores it made the streams slower (gemma3-270m's 178 MB LM head, one int8 row: 7.1-7.3 ms with
+// it, 5.8-6.4 without; 34.5 GB/s streams there), its targets being the next tiles' own streams.
 constexpr int64_t PF_BYTES = 3072;
 constexpr int64_t PF_FAR_BYTES = 12288;
 
@@ -50,12 +53,11 @@ inline __m256 load8(const uint8_t* p, bool f16, int h) {
              : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
 }
 
-// Group g's record of tile t, its stream prefetched PF_BYTES (L1) and PF_FAR_BYTES (L2) ahead.
+// Group g's record of tile t, its stream prefetched PF_BYTES ahead (into L1).
 inline const uint8_t* record_at(const uint8_t* packed, const Layout& L, int64_t t, int64_t g) {
   const uint8_t* r = packed + t * L.tile_bytes() + g * L.record();
   for (int64_t line = 0; line < L.record(); line += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(r + PF_BYTES + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(r + PF_FAR_BYTES + line), _MM_HINT_T1);
   }
   return r;
 }
