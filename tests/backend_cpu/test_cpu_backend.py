@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 4], ids=["mha", "gqa3", "gqa4"])
 def test_decode_rows_match_the_reference(dtype, head_dim, group):
     # lengths around the kernel's 128-position work items (1, 127..129, 300), scattered slots

@@ -623,6 +623,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const a
     switch (q.size(2)) {
       case 64: decode<scalar_t, 64>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, ks, vs, out); break;
       case 128: decode<scalar_t, 128>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, ks, vs, out); break;
+      case 256: decode<scalar_t, 256>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, ks, vs, out); break;
       default: decode<scalar_t, 0>(q, k_buffer, v_buffer, req_to_token, rows_c, lens_c, first, scale, ks, vs, out);
     }
   });
