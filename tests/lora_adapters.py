@@ -27,7 +27,9 @@ PROMPT = (
 N = 32
 
 #: name -> LoraConfig keywords (B scaled by ``boost`` after peft's random init, so that each adapter
-#: changes what the model says)
+#: changes what the model says). A and B are then rounded to float16 values and every scaling is a
+#: power of two, so that ``--lora-dtype auto`` (float16 on the GGUF default model) holds the
+#: adapters exactly and peft in float32 stays their oracle to the last bit of the kernels' sums.
 SPECS = {
     "a1": {"r": 8, "lora_alpha": 16, "target_modules": ALL, "boost": 6.0},
     "a2": {
@@ -117,6 +119,8 @@ def _make(peft, base, folder: Path, specs: dict, seed: int) -> Oracle:
             for key, p in model.named_parameters():
                 if f"lora_B.{name}." in key:
                     p.mul_(boost)
+                if f"lora_A.{name}." in key or f"lora_B.{name}." in key:
+                    p.copy_(p.half().float())  # float16 values: see SPECS
         out = folder / name
         model.save_pretrained(out, selected_adapters=[name], save_embedding_layers=False)
         config_file = next(out.rglob("adapter_config.json"))

@@ -1,6 +1,6 @@
 """``astrai_cpu::lora_apply`` (the CPU backend's ``lora`` kernel) against ``lora_reference`` and a
 row-by-row formula: rows of several adapters and of none in one call, runs long enough for its
-GEMM path and single rows, parts of different ranks, float32 and bf16."""
+GEMM path and single rows, parts of different ranks, float32 and bf16 rows, adapters kept in float32, float16 or bf16."""
 
 from __future__ import annotations
 
@@ -53,6 +53,40 @@ def test_lora_apply_equals_the_reference_and_leaves_base_rows_alone(cpu_kernels,
     assert torch.equal(kernel_out[untouched], y[untouched])  # no adapter, or none in this module
     zeros = [t for t, s in enumerate(slots) if s == 0]
     assert torch.equal(kernel_out[zeros, 32:48], y[zeros, 32:48])  # the columns slot 0's parts leave
+
+
+@pytest.mark.parametrize("store", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, 1030])  # 1030: a lone row's work split over the threads
+def test_adapters_kept_in_16_bits_give_their_widened_values_update_exactly(cpu_kernels, store, width):
+    """``lora_dtype`` float16 / bfloat16: the kernel widens the stored weights exactly and sums as it
+    does in float32, so its result is bit for bit the float32 kernel's on the widened weights, for
+    GEMM runs, single rows, and a lone row split over the threads (over 16,384 weights)."""
+    from astrai.lora import LoraLinear, LoraSet
+
+    torch.manual_seed(1)
+    parts = [
+        (0, 40, torch.randn(8, 64), torch.randn(40, 8)),
+        (48, width, torch.randn(16, 64), torch.randn(width - 48, 16)),
+    ]
+    mods = {}
+    for dtype in (store, torch.float32):
+        lora = LoraSet(2, dtype)
+        mods[dtype] = LoraLinear(nn.Linear(64, width, bias=False), lora)
+        mods[dtype].set_slot(
+            1, [(o0, o1, a.to(store).float(), b.to(store).float()) for o0, o1, a, b in parts]
+        )
+    assert mods[store].a[1].dtype == store and torch.equal(mods[store].a[1].float(), mods[torch.float32].a[1])
+    for slots in ([1] * 18 + [-1, 1], [1]):
+        x, y = torch.randn(len(slots), 64), torch.randn(len(slots), width)
+        outs = []
+        for mod in mods.values():
+            mod.lora.bind(slots, [1] * len(slots))
+            out = y.clone()
+            torch.ops.astrai_cpu.lora_apply(out, x, mod.lora.rows, mod.a, mod.bt, mod.spans)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        stored = {1: [(o0, o1, a.to(store).float(), b.to(store).float()) for o0, o1, a, b in parts]}
+        torch.testing.assert_close(outs[0], _by_rows(y, x, slots, stored), atol=1e-3, rtol=1e-4)
 
 
 def test_a_rows_result_does_not_depend_on_its_batch(cpu_kernels):

@@ -102,6 +102,22 @@ def test_each_adapter_alone_equals_peft(engine, expected):
         assert expected[name][0] != expected[None][0]  # each adapter changes what the model says
 
 
+def test_lora_dtype_auto_keeps_adapters_in_float16_on_quantized_weights(engine, tiny_model):
+    """``lora_dtype`` auto: float16 on the GGUF blocks kept quantized, float32 on a dense model; a
+    name picks its dtype; anything else is refused."""
+    from astrai.config import EngineConfig
+    from astrai.lora import LoraLinear, lora_dtype
+
+    wrappers = [mod for _, _, mod in engine.model.lora.swaps]
+    assert wrappers and all(isinstance(m, LoraLinear) for m in wrappers)
+    held = {m.a[s].dtype for m in wrappers for s in range(4) if m.a[s].numel()}
+    assert engine.model.lora.dtype == torch.float16 and held == {torch.float16}
+    assert lora_dtype("auto", tiny_model) == torch.float32
+    assert lora_dtype("bfloat16", engine.model) == torch.bfloat16
+    with pytest.raises(ValueError, match="lora_dtype must be one of auto, float32, float16, bfloat16"):
+        EngineConfig(lora_dtype="int8")
+
+
 def test_one_batch_mixing_three_adapters_and_the_base(engine, expected):
     """Four requests at once, rows of every adapter and the base in the same steps, preempting each
     other (the pool holds 192 tokens); the same prompt under each never shares another's pages."""

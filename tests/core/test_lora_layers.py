@@ -93,5 +93,8 @@ def test_the_wrappers_stand_in_only_during_steps_with_adapter_rows(tiny_model):
     wrapped = [m for m in model.modules() if isinstance(m, LoraLinear)]
     assert len(wrapped) == 7 * tiny_model.config.num_hidden_layers  # unfused: each projection
     assert lora.rows.tolist() == [-1, -1, 1, 1, 1] and lora.compact.tolist() == [-1, -1, 0, 0, 0]
-    lora.clear()
+    lora.clear()  # after the step the wrappers stay, running their projections alone
+    assert lora.rows is None and all(m.lora.rows is None for m in wrapped)
+    assert any(isinstance(m, LoraLinear) for m in model.modules())
+    lora.bind([-1], [4])  # until a step without adapter rows
     assert dict(model.named_modules()) == own

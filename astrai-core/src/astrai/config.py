@@ -16,6 +16,7 @@ from astrai.limits import RequestLimits
 __all__ = [
     "DEFAULT_KV_MEMORY_BYTES",
     "KV_CACHE_DTYPES",
+    "LORA_DTYPES",
     "SCHEDULING_POLICIES",
     "SPECULATIVE_METHODS",
     "EngineConfig",
@@ -25,6 +26,8 @@ __all__ = [
 SCHEDULING_POLICIES = ("fcfs", "priority")
 #: ``EngineConfig.speculative`` values (None: off).
 SPECULATIVE_METHODS = ("ngram",)
+#: ``EngineConfig.lora_dtype`` values: what adapters' weights are kept in (``astrai.lora``).
+LORA_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 #: What the KV pool may keep K and V in (``astrai.kvcache.quant``, which this must match; config
 #: imports no torch): the model's dtype, or 8-bit integers with a scale per token and head.
@@ -61,7 +64,10 @@ class EngineConfig:
     ``generation_defaults``: ``SamplingParams`` values that requests leaving them out get, e.g.
     ``{"temperature": 0.2}`` (``astrai.model.generation_config``: a checkpoint's).
     ``enable_lora``: the model's projections take LoRA adapters (``astrai.lora``), at most
-    ``max_loras`` resident at once, each of rank ``max_lora_rank`` at most.
+    ``max_loras`` resident at once, each of rank ``max_lora_rank`` at most, its weights kept in
+    ``lora_dtype``: "float32", "float16", "bfloat16" or "auto" (float16 where the model's
+    projections are GGUF blocks kept quantized, whose own rounding is far coarser than float16's,
+    halving what a step reads for its adapters; float32 otherwise). The products sum in float32.
     ``kv_cache_dtype``: what the KV pool keeps K and V in (``astrai.kvcache.quant``): "auto" (the
     model's dtype) or "int8"; ``kv_cache_dtype_k`` / ``_v`` set K's or V's alone (None: as
     ``kv_cache_dtype``). A quantized pool holds more tokens in the same ``kv_memory_bytes``.
@@ -113,6 +119,7 @@ class EngineConfig:
     enable_lora: bool = False  # LoRA adapters (astrai.lora), loaded with InferenceEngine.loras
     max_loras: int = 4  # adapters resident at once
     max_lora_rank: int = 64  # the largest rank an adapter may have
+    lora_dtype: str = "auto"  # adapters' weights: auto (float16 on quantized GGUF weights), float32, ...
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8", for K and V
     kv_cache_dtype_k: str | None = None  # K's alone (None: kv_cache_dtype)
     kv_cache_dtype_v: str | None = None  # V's alone
@@ -153,6 +160,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}"
             )
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.kv_cache_host_memory_bytes < 0 or self.kv_cache_dir_bytes < 1:
             raise ValueError(
                 "kv_cache_host_memory_bytes must be >= 0 and kv_cache_dir_bytes >= 1, got "

@@ -247,7 +247,7 @@ class InferenceEngine:
 
     def _loras(self) -> LoraManager:
         """The model's projections wrapped for LoRA adapters (``astrai.lora``) and their manager."""
-        from astrai.lora import LoraManager, install_lora
+        from astrai.lora import LoraManager, install_lora, lora_dtype
 
         if getattr(self.model, "tensor_parallel_size", 1) > 1:
             raise ValueError(
@@ -256,7 +256,7 @@ class InferenceEngine:
             )
         if getattr(self.model, "pooling", None) is not None:
             raise ValueError("LoRA adapters apply to generation, not to a pooling model")
-        lora = install_lora(self.model, self.config.max_loras)
+        lora = install_lora(self.model, self.config.max_loras, lora_dtype(self.config.lora_dtype, self.model))
         manager = LoraManager(lora, self.model.config, self.config.max_loras, self.config.max_lora_rank)
         manager.on_gone = self._drop_adapter_pages
         return manager

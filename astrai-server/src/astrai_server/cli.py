@@ -217,6 +217,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "max_lora_rank", "the largest rank a LoRA adapter may have", type=int)
     _flag(
         p,
+        "lora_dtype",
+        "what adapters' weights are kept in (auto: float16 on GGUF weights kept quantized, else float32)",
+        choices=["auto", "float32", "float16", "bfloat16"],
+    )
+    _flag(
+        p,
         "speculative",
         "speculative decoding of greedy requests: ngram (prompt lookup); default: off",
         choices=["ngram"],

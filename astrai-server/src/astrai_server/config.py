@@ -171,6 +171,8 @@ class ServerSettings(BaseModel):
         _ENGINE.max_loras, ge=1
     )  # adapters resident at once; past it the idle LRU one goes
     max_lora_rank: int = Field(_ENGINE.max_lora_rank, ge=1)  # the largest rank an adapter may have
+    # adapters' weights: auto (float16 on GGUF weights kept quantized, else float32), float32, ...
+    lora_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     shutdown_timeout: float = Field(
         20.0, ge=0
     )  # seconds requests in flight get after SIGTERM; then they are aborted
@@ -349,6 +351,7 @@ class ServerSettings(BaseModel):
             enable_lora=self.enable_lora or bool(self.lora),
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
+            lora_dtype=self.lora_dtype,
             limits=RequestLimits(self.max_stop_sequences, self.max_stop_length, self.max_logit_bias),
             grammar=GrammarConfig(
                 workers=self.grammar_workers,

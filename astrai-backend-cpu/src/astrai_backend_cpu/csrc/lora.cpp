@@ -5,8 +5,10 @@
 // y [T, out] and x [T, in]: float32 or bf16, the same dtype, contiguous rows. rows int32 [T]: each
 // row's adapter slot, -1 for none. Per slot s (empty tensors where the module has no update for
 // it): a[s] [P*R, in] (the A of each of its P parts, zero-padded to rank R), bt[s] [R, C] (each
-// part's scaled B, transposed, side by side), float32, and spans[s] int64 [P, 3]: part p adds
-// s_p @ bt[:, c0 : c0 + o1 - o0] to y[:, o0:o1], with s_p = x @ a[p*R:(p+1)*R].T. Sums are float32.
+// part's scaled B, transposed, side by side), float32, float16 or bf16 (a slot's two alike: the
+// adapter's storage, EngineConfig.lora_dtype), and spans[s] int64 [P, 3]: part p adds
+// s_p @ bt[:, c0 : c0 + o1 - o0] to y[:, o0:o1], with s_p = x @ a[p*R:(p+1)*R].T. Sums are float32,
+// of the stored weights widened exactly to float32.
 //
 // A run of at least GEMM_ROWS consecutive rows of one slot (a prefill chunk) goes through ATen's
 // GEMMs; other rows (decode, speculative verification) are done row by row here, each row's update
@@ -20,7 +22,7 @@
 
 #include "kernels.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -48,14 +50,21 @@ inline float load(const at::BFloat16* p, int64_t i) {
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
+inline float load(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
 inline void add_to(float* y, int64_t i, float v) { y[i] += v; }
 inline void add_to(at::BFloat16* y, int64_t i, float v) { y[i] = static_cast<at::BFloat16>(load(y, i) + v); }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 inline float hsum(__m256 v) {
   const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+// 8 stored weights from p, widened to float32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 // 8 sums added to y[o .. o + 8)
 inline void add8(float* y, __m256 v) { _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), v)); }
@@ -66,83 +75,102 @@ inline void add8(at::BFloat16* y, __m256 v) {
 }
 #endif
 
+// A slot's weights, stored as W (float, at::Half or at::BFloat16)
+template <typename W>
 struct Slot {
-  const float* a = nullptr;
-  const float* bt = nullptr;
+  const W* a = nullptr;
+  const W* bt = nullptr;
   const int64_t* spans = nullptr;
   int64_t parts = 0, rank = 0, cols = 0;
 };
 
 // sv[j] = A[j] . xf for j in [j0, j1): four rows of A against each load of x
-void shrink(const float* a, const float* xf, int64_t in, float* sv, int64_t j0, int64_t j1) {
+template <typename W>
+void shrink(const W* a, const float* xf, int64_t in, float* sv, int64_t j0, int64_t j1) {
   int64_t j = j0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   const int64_t kv = in & ~int64_t(7);
   for (; j + 4 <= j1; j += 4) {
-    const float* r0 = a + j * in;
-    const float *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
+    const W* r0 = a + j * in;
+    const W *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
     for (int64_t k = 0; k < kv; k += 8) {
       const __m256 xv = _mm256_loadu_ps(xf + k);
-      c0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + k), xv, c0);
-      c1 = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + k), xv, c1);
-      c2 = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + k), xv, c2);
-      c3 = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + k), xv, c3);
+      c0 = _mm256_fmadd_ps(load8(r0 + k), xv, c0);
+      c1 = _mm256_fmadd_ps(load8(r1 + k), xv, c1);
+      c2 = _mm256_fmadd_ps(load8(r2 + k), xv, c2);
+      c3 = _mm256_fmadd_ps(load8(r3 + k), xv, c3);
     }
     float s0 = hsum(c0), s1 = hsum(c1), s2 = hsum(c2), s3 = hsum(c3);
     for (int64_t k = kv; k < in; ++k) {
-      s0 += r0[k] * xf[k];
-      s1 += r1[k] * xf[k];
-      s2 += r2[k] * xf[k];
-      s3 += r3[k] * xf[k];
+      s0 += load(r0, k) * xf[k];
+      s1 += load(r1, k) * xf[k];
+      s2 += load(r2, k) * xf[k];
+      s3 += load(r3, k) * xf[k];
     }
     sv[j] = s0, sv[j + 1] = s1, sv[j + 2] = s2, sv[j + 3] = s3;
   }
 #endif
   for (; j < j1; ++j) {
-    const float* aj = a + j * in;
+    const W* aj = a + j * in;
     float sum = 0.f;
-    for (int64_t k = 0; k < in; ++k) sum += aj[k] * xf[k];
+    for (int64_t k = 0; k < in; ++k) sum += load(aj, k) * xf[k];
     sv[j] = sum;
   }
 }
 
-// y[o] += sum_r sv[r] * b[r * cols + o] for o in [lo, hi): the sums of 32 columns in registers
-// over every r (b: part p's first column of bt; y: its first output column)
-template <typename T>
-void expand(const float* b, int64_t cols, int64_t R, const float* sv, int64_t lo, int64_t hi, T* y) {
-  int64_t o = lo;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; o + 32 <= hi; o += 32) {
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+// y[o] += sum_r sv[r] * b[r * cols + o] for o in [lo, hi) (b: part p's first column of bt; y: its
+// first output column). Each output's sum runs over r in order from zero, then goes into y: the
+// columns in blocks whose running sums stay in L1, each block reading B's rows one after another
+// (one contiguous stream at a time, which the hardware prefetcher follows; reading a few columns of
+// every row at once, as a register tile over the columns did, keeps R streams in flight, past what
+// it tracks: a lone row's rank-64 update of a 4096-wide q/k/v from memory, 2 Zen 3 cores, took
+// 157 us with the tile, 110 and 150 us in two runs of this on a noisy machine). The last columns
+// of a block (under 8) go through 8 zero-padded lanes: every column gets the same fused
+// multiply-adds whatever W is, so 16-bit weights give the float32 kernel's result on their values.
+template <typename W, typename T>
+void expand(const W* b, int64_t cols, int64_t R, const float* sv, int64_t lo, int64_t hi, T* y) {
+  constexpr int64_t BLOCK = 2048;
+  alignas(32) float acc[BLOCK];
+  for (int64_t c0 = lo; c0 < hi; c0 += BLOCK) {
+    const int64_t n = std::min(BLOCK, hi - c0);
+    int64_t vec = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    vec = n & ~int64_t(7);
+    for (int64_t o = 0; o < vec; o += 8) _mm256_store_ps(acc + o, _mm256_setzero_ps());
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(sv[r]);
-      const float* br = b + r * cols + o;
-      c0 = _mm256_fmadd_ps(s, _mm256_loadu_ps(br), c0);
-      c1 = _mm256_fmadd_ps(s, _mm256_loadu_ps(br + 8), c1);
-      c2 = _mm256_fmadd_ps(s, _mm256_loadu_ps(br + 16), c2);
-      c3 = _mm256_fmadd_ps(s, _mm256_loadu_ps(br + 24), c3);
+      const __m256 sr = _mm256_set1_ps(sv[r]);
+      const W* br = b + r * cols + c0;
+      for (int64_t o = 0; o < vec; o += 8)
+        _mm256_store_ps(acc + o, _mm256_fmadd_ps(sr, load8(br + o), _mm256_load_ps(acc + o)));
     }
-    add8(y + o, c0), add8(y + o + 8, c1), add8(y + o + 16, c2), add8(y + o + 24, c3);
-  }
-  for (; o + 8 <= hi; o += 8) {
-    __m256 c = _mm256_setzero_ps();
-    for (int64_t r = 0; r < R; ++r) c = _mm256_fmadd_ps(_mm256_set1_ps(sv[r]), _mm256_loadu_ps(b + r * cols + o), c);
-    add8(y + o, c);
-  }
+    for (int64_t o = 0; o < vec; o += 8) add8(y + c0 + o, _mm256_load_ps(acc + o));
+    if (vec < n) {  // the last columns, widened into 8 lanes (zeros past the end): the same sums
+      const int64_t left = n - vec;
+      __m256 c = _mm256_setzero_ps();
+      alignas(32) float w[8] = {};
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t j = 0; j < left; ++j) w[j] = load(b, r * cols + c0 + vec + j);
+        c = _mm256_fmadd_ps(_mm256_set1_ps(sv[r]), _mm256_load_ps(w), c);
+      }
+      _mm256_store_ps(w, c);
+      for (int64_t j = 0; j < left; ++j) add_to(y, c0 + vec + j, w[j]);
+      vec = n;
+    }
 #endif
-  for (; o < hi; ++o) {
-    float sum = 0.f;
-    for (int64_t r = 0; r < R; ++r) sum += sv[r] * b[r * cols + o];
-    add_to(y, o, sum);
+    for (int64_t o = c0 + vec; o < c0 + n; ++o) {
+      float sum = 0.f;
+      for (int64_t r = 0; r < R; ++r) sum += sv[r] * load(b, r * cols + o);
+      add_to(y, o, sum);
+    }
   }
 }
 
 // one row's update: with ``split``, in one parallel region of the intra-op threads: each its share of
 // A's rows (blocks of 4), a barrier, then its share of every part's output columns (units of 32): the
 // same sums as without, in the same order (a row of A, a column of the output: one thread each)
-template <typename T>
-void one_row(const T* x, T* y, const Slot& s, int64_t in, bool split) {
+template <typename T, typename W>
+void one_row(const T* x, T* y, const Slot<W>& s, int64_t in, bool split) {
   std::vector<float> xf(in), sv(s.parts * s.rank);
   for (int64_t k = 0; k < in; ++k) xf[k] = load(x, k);
   const int64_t PR = s.parts * s.rank;
@@ -174,9 +202,29 @@ void one_row(const T* x, T* y, const Slot& s, int64_t in, bool split) {
   }
 }
 
+// Slot<float>, Slot<at::Half> and Slot<at::BFloat16> at once: a slot's weights in its dtype
+struct Slots {
+  std::vector<Slot<float>> f32;
+  std::vector<Slot<at::Half>> f16;
+  std::vector<Slot<at::BFloat16>> bf16;
+  std::vector<at::ScalarType> dtype;  // per slot; Undefined: no update
+};
+
 template <typename T>
-void row(const at::Tensor& x, at::Tensor& y, int64_t r, const Slot& s, bool split) {
-  one_row(x.data_ptr<T>() + r * x.size(1), y.data_ptr<T>() + r * y.size(1), s, x.size(1), split);
+void row(const at::Tensor& x, at::Tensor& y, int64_t r, const Slots& s, int64_t slot, int64_t in, bool split) {
+  const T* xr = x.data_ptr<T>() + r * in;
+  T* yr = y.data_ptr<T>() + r * y.size(1);
+  switch (s.dtype[slot]) {
+    case at::kHalf: one_row(xr, yr, s.f16[slot], in, split); break;
+    case at::kBFloat16: one_row(xr, yr, s.bf16[slot], in, split); break;
+    default: one_row(xr, yr, s.f32[slot], in, split);
+  }
+}
+
+template <typename W>
+void fill(Slot<W>& sl, const at::Tensor& a, const at::Tensor& bt, const at::Tensor& spans) {
+  sl.parts = spans.size(0), sl.rank = bt.size(0), sl.cols = bt.size(1);
+  sl.a = a.data_ptr<W>(), sl.bt = bt.data_ptr<W>(), sl.spans = spans.data_ptr<int64_t>();
 }
 
 }  // namespace
@@ -192,25 +240,27 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
               "lora_apply: rows int32 [T]");
   TORCH_CHECK(a.size() == bt.size() && a.size() == spans.size(), "lora_apply: one a, bt, spans per slot");
   const int64_t T = x.size(0), in = x.size(1), out = y.size(1), S = static_cast<int64_t>(a.size());
-  std::vector<Slot> slots(S);
+  Slots slots;
+  slots.f32.resize(S), slots.f16.resize(S), slots.bf16.resize(S);
+  slots.dtype.assign(S, at::ScalarType::Undefined);
   for (int64_t s = 0; s < S; ++s) {
     if (!a[s].defined() || a[s].numel() == 0) continue;
-    TORCH_CHECK(a[s].scalar_type() == at::kFloat && bt[s].scalar_type() == at::kFloat &&
+    const at::ScalarType wt = a[s].scalar_type();
+    TORCH_CHECK((wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16) && bt[s].scalar_type() == wt &&
                     spans[s].scalar_type() == at::kLong && a[s].is_contiguous() && bt[s].is_contiguous() &&
-                    spans[s].is_contiguous() && a[s].size(1) == in,
-                "lora_apply: slot ", s, "'s weights are not what the module's input takes");
-    Slot& sl = slots[s];
-    sl.parts = spans[s].size(0);
-    sl.rank = bt[s].size(0);
-    sl.cols = bt[s].size(1);
-    TORCH_CHECK(a[s].size(0) == sl.parts * sl.rank, "lora_apply: a rows = parts * rank");
-    sl.a = a[s].data_ptr<float>();
-    sl.bt = bt[s].data_ptr<float>();
-    sl.spans = spans[s].data_ptr<int64_t>();
-    for (int64_t p = 0; p < sl.parts; ++p)
-      TORCH_CHECK(sl.spans[3 * p] >= 0 && sl.spans[3 * p + 1] <= out && sl.spans[3 * p + 2] >= 0 &&
-                      sl.spans[3 * p + 2] + sl.spans[3 * p + 1] - sl.spans[3 * p] <= sl.cols,
+                    spans[s].is_contiguous() && a[s].size(1) == in && bt[s].dim() == 2 && spans[s].dim() == 2 &&
+                    spans[s].size(1) == 3 && a[s].size(0) == spans[s].size(0) * bt[s].size(0),
+                "lora_apply: slot ", s, "'s weights are not what the module's input takes (a [parts * rank, in] and ",
+                "bt [rank, cols] in float32, float16 or bf16 alike, spans int64 [parts, 3])");
+    slots.dtype[s] = wt;
+    const int64_t* sp = spans[s].data_ptr<int64_t>();
+    for (int64_t p = 0; p < spans[s].size(0); ++p)
+      TORCH_CHECK(sp[3 * p] >= 0 && sp[3 * p + 1] <= out && sp[3 * p + 2] >= 0 &&
+                      sp[3 * p + 2] + sp[3 * p + 1] - sp[3 * p] <= bt[s].size(1),
                   "lora_apply: a span outside the output");
+    if (wt == at::kHalf) fill(slots.f16[s], a[s], bt[s], spans[s]);
+    else if (wt == at::kBFloat16) fill(slots.bf16[s], a[s], bt[s], spans[s]);
+    else fill(slots.f32[s], a[s], bt[s], spans[s]);
   }
   const int32_t* slot_of = rows.data_ptr<int32_t>();
   std::vector<int64_t> single;  // rows done one by one
@@ -218,15 +268,16 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
     int64_t e = t + 1;
     while (e < T && slot_of[e] == slot_of[t]) ++e;
     const int32_t s = slot_of[t];
-    if (s >= 0 && s < S && slots[s].a != nullptr) {
-      if (e - t >= GEMM_ROWS) {  // a prefill chunk: ATen's GEMMs, in float32
-        const Slot& sl = slots[s];
+    if (s >= 0 && s < S && slots.dtype[s] != at::ScalarType::Undefined) {
+      if (e - t >= GEMM_ROWS) {  // a prefill chunk: ATen's GEMMs, in float32 (the weights widened)
+        const int64_t parts = spans[s].size(0), rank = bt[s].size(0);
+        const int64_t* sp = spans[s].data_ptr<int64_t>();
         const at::Tensor xs = x.narrow(0, t, e - t).to(at::kFloat);
-        const at::Tensor sv = at::mm(xs, a[s].t());
-        const at::Tensor& b = bt[s];
-        for (int64_t p = 0; p < sl.parts; ++p) {
-          const int64_t o0 = sl.spans[3 * p], o1 = sl.spans[3 * p + 1], c0 = sl.spans[3 * p + 2];
-          const at::Tensor d = at::mm(sv.narrow(1, p * sl.rank, sl.rank), b.narrow(1, c0, o1 - o0));
+        const at::Tensor sv = at::mm(xs, a[s].to(at::kFloat).t());
+        const at::Tensor b = bt[s].to(at::kFloat);
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t o0 = sp[3 * p], o1 = sp[3 * p + 1], c0 = sp[3 * p + 2];
+          const at::Tensor d = at::mm(sv.narrow(1, p * rank, rank), b.narrow(1, c0, o1 - o0));
           at::Tensor dst = y.narrow(0, t, e - t).narrow(1, o0, o1 - o0);
           dst.copy_(dst.to(at::kFloat).add_(d));
         }
@@ -241,16 +292,16 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
   if (n >= at::get_num_threads()) {  // enough rows to keep every thread busy: a row each
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const Slot& sl = slots[slot_of[single[i]]];
-        f32 ? row<float>(x, y, single[i], sl, false) : row<at::BFloat16>(x, y, single[i], sl, false);
+        const int64_t r = single[i];
+        f32 ? row<float>(x, y, r, slots, slot_of[r], in, false) : row<at::BFloat16>(x, y, r, slots, slot_of[r], in, false);
       }
     });
     return;
   }
   for (int64_t i = 0; i < n; ++i) {  // fewer rows than threads: each row's work split over them
-    const Slot& sl = slots[slot_of[single[i]]];
-    const bool split = sl.parts * sl.rank * in + sl.rank * sl.cols >= SPLIT_WEIGHTS;
-    f32 ? row<float>(x, y, single[i], sl, split) : row<at::BFloat16>(x, y, single[i], sl, split);
+    const int64_t r = single[i], s = slot_of[r];
+    const bool split = a[s].numel() + bt[s].numel() >= SPLIT_WEIGHTS;
+    f32 ? row<float>(x, y, r, slots, s, in, split) : row<at::BFloat16>(x, y, r, slots, s, in, split);
   }
 }
 

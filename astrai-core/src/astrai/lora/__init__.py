@@ -5,7 +5,7 @@ a step's rows to the model's projections, ``manager`` loads, evicts and unloads 
 """
 
 from astrai.lora.adapter import LoraAdapter, read_adapter, resolve_adapter
-from astrai.lora.layers import LoraLinear, LoraSet, install_lora, lora_reference
+from astrai.lora.layers import LoraLinear, LoraSet, install_lora, lora_dtype, lora_reference
 from astrai.lora.manager import Adapter, LoraManager
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "LoraManager",
     "LoraSet",
     "install_lora",
+    "lora_dtype",
     "lora_reference",
     "read_adapter",
     "resolve_adapter",
