@@ -8,7 +8,7 @@ GGUF, the folder vLLM serves) and starts each server with all of them loaded. Wo
 ``/v1/completions`` streamed with EOS ignored, ``--new-tokens`` (128) new tokens after prompts of
 64 to 96 tokens:
 
-- ``base_1``: 4 requests one at a time on the base model; ``lora_1``: the same on adapter 0;
+- ``base_1``: 4 requests one at a time on the base model; ``lora_1``: the same prompts on adapter 0;
 - ``base_8``: 16 requests, 8 at a time, on the base model; ``lora_8``: the same, request ``i`` on
   adapter ``i % 8`` (every step mixes eight adapters).
 
@@ -16,7 +16,11 @@ Prints one JSON object: per server and workload output tokens/s, time to first t
 inter-token latency, and the ratios lora/base per server (the issue's targets: ``lora_8 / base_8``
 at least 0.8, ``lora_1 / base_1`` at least 0.9) and astrai/vLLM per workload.
 
+Each load runs ``--rounds`` times (default 3), the four interleaved, and pools its rounds: a slow
+spell of a shared machine then falls on both sides of a ratio.
+
 Usage: python benchmarks/lora_bench.py [--quick] [--no-peer] [--peers DIR] [--rank 16] [--adapters 8]
+       [--rounds 3]
 Reuses serve_bench.py, which must sit beside it.
 """
 
@@ -79,34 +83,47 @@ def loads(base: str, adapters: list[str], quick: bool) -> list[Load]:
     ]
 
 
-async def run_loads(system: bench.System, work: list[Load], p: bench.Prompts, new_tokens: int) -> dict:
-    rng = random.Random(0)
+async def run_loads(
+    system: bench.System, work: list[Load], p: bench.Prompts, new_tokens: int, rounds: int
+) -> dict:
+    """Each load ``rounds`` times, the loads interleaved (base_1, lora_1, base_8, lora_8, base_1, ...)
+    so that a slow spell of a shared machine falls on both sides of a ratio; a base load and its
+    LoRA one send the same prompts in each round. Each load's figures pool its rounds' requests
+    over their summed wall time."""
     timeout = httpx.Timeout(3600.0, connect=10.0)
-    out = {}
+    samples: dict[str, list] = {load.name: [] for load in work}
+    wall: dict[str, float] = dict.fromkeys(samples, 0.0)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=64)) as client:
         for model in dict.fromkeys(m for load in work for m in load.models):  # each adapter once, untimed
             warm = await bench.one_request(client, dataclasses.replace(system, model=model), "Hello", 4, p)
             if warm.error:
                 raise RuntimeError(f"warm-up on {model} failed: {warm.error}")
-        for load in work:
-            sem = asyncio.Semaphore(load.concurrency)
-            prompts = [p.text(rng.randint(64, 96), rng.randrange(1, len(p.words))) for _ in load.models]
+        for round_ in range(rounds):
+            for load in work:
+                sem = asyncio.Semaphore(load.concurrency)
+                rng = random.Random(f"{round_}-{load.concurrency}")  # the same prompts for base and LoRA
+                prompts = [p.text(rng.randint(64, 96), rng.randrange(1, len(p.words))) for _ in load.models]
 
-            async def go(model: str, prompt: str, sem: asyncio.Semaphore = sem) -> bench.Sample:
-                async with sem:
-                    return await bench.one_request(
-                        client, dataclasses.replace(system, model=model), prompt, new_tokens, p
-                    )
+                async def go(model: str, prompt: str, sem: asyncio.Semaphore = sem) -> bench.Sample:
+                    async with sem:
+                        return await bench.one_request(
+                            client, dataclasses.replace(system, model=model), prompt, new_tokens, p
+                        )
 
-            t0 = time.perf_counter()
-            samples = await asyncio.gather(*(go(m, t) for m, t in zip(load.models, prompts, strict=True)))
-            out[load.name] = {
-                "concurrency": load.concurrency,
-                **bench.summarise(samples, time.perf_counter() - t0),
-            }
-            bench.logger.info(
-                "%s %s: %.1f tokens/s", system.name, load.name, out[load.name]["output_tokens_per_s"] or 0
-            )
+                t0 = time.perf_counter()
+                samples[load.name] += await asyncio.gather(
+                    *(go(m, t) for m, t in zip(load.models, prompts, strict=True))
+                )
+                wall[load.name] += time.perf_counter() - t0
+    out = {}
+    for load in work:
+        out[load.name] = {
+            "concurrency": load.concurrency,
+            **bench.summarise(samples[load.name], wall[load.name]),
+        }
+        bench.logger.info(
+            "%s %s: %.1f tokens/s", system.name, load.name, out[load.name]["output_tokens_per_s"] or 0
+        )
     return out
 
 
@@ -122,6 +139,7 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3, help="times each load runs, the loads interleaved")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "astrai-bench")
     args = ap.parse_args()
     args.dtype = "float32"  # the dequantized folder peft reads (vLLM is told bfloat16 by start.sh)
@@ -130,6 +148,7 @@ def main() -> int:
     adapters = write_adapters(work_dir / "adapters", hf_folder, args.adapters, args.rank)
     names = list(adapters)
     new_tokens = 16 if args.quick else args.new_tokens
+    rounds = 1 if args.quick else args.rounds
     bindir = Path(sys.executable).parent
     results: dict = {}
 
@@ -176,7 +195,10 @@ def main() -> int:
                 work = loads(system.model, names, args.quick)
                 if system is plain:
                     work = [w for w in work if w.name.startswith("base")]
-                results[system.name] = {**head, **asyncio.run(run_loads(system, work, prompts, new_tokens))}
+                results[system.name] = {
+                    **head,
+                    **asyncio.run(run_loads(system, work, prompts, new_tokens, rounds)),
+                }
         except RuntimeError as exc:
             bench.logger.error("%s failed: %s", system.name, exc)
             results[system.name] = {"error": str(exc)}
@@ -193,6 +215,7 @@ def main() -> int:
             "new_tokens": new_tokens,
             "logs": str(work_dir),
             "quick": args.quick,
+            "rounds": rounds,
         },
         "systems": results,
         "lora_vs_base": {
