@@ -2,14 +2,23 @@
 
 Where the default model is missing, tests that need it skip locally but fail under CI
 (CI=true): the README's test command installs it, so its absence there is a broken setup.
+
+The README's command runs the suite on two pytest-xdist workers, one test file each at a time.
+OpenMP's threads then wait passively (``OMP_WAIT_POLICY``, read once as torch loads libgomp, here
+before anything imports torch; the servers the tests start inherit it): spinning at a barrier, one
+worker's threads took the cores the other's needed, and its kernel tests ran twice as long.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+assert "torch" not in sys.modules, "torch was loaded before tests/conftest.py could set OMP_WAIT_POLICY"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def _missing(reason: str):
