@@ -6,7 +6,8 @@ Requests are token-id lists (``encode`` makes them from text as the checkpoint's
 with its special tokens). A worker thread takes the waiting inputs in arrival order, up to
 ``max_batch_tokens`` tokens (and ``max_batch_size`` inputs) a pass (an input longer than that runs
 alone; 2,048 by default: on 2 cores, passes of 8,192 tokens ran a fifth slower, their MLP's
-activations out of cache), runs the encoder once over them (``BertModel``: packed, padding only inside attention),
+activations out of cache), waiting a moment for the clients it has just answered where they come
+back (``astrai.embedding.gather``), runs the encoder once over them (``BertModel``: packed, padding only inside attention),
 pools each input (``Pooling``), or scores it with the cross-encoder's head, and resolves its future.
 A cross-encoder's input is a pair, ``encode_pairs``' ids and token types; its score is the head's one
 logit through the activation its config names (sentence-transformers' ``activation_fn``: Sigmoid,
@@ -20,7 +21,6 @@ has no cache. A future cancelled before its pass is left out of it.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import CancelledError, Future
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from astrai.embedding.gather import Gatherer
 from astrai.embedding.pooling import Pooling, pool
 from astrai.errors import EngineNotReady, ModelFormatError, RequestRejected
 from astrai.model.bert import BertModel
@@ -42,6 +43,9 @@ class _Input:
     ids: list[int]
     types: list[int] | None
     future: Future
+    at: float  # perf_counter() on arrival
+    opens: bool  # the first input of its request
+    closes: bool  # its request's last
 
 
 class Withdrawable(list):
@@ -97,6 +101,7 @@ class EmbeddingEngine:
         max_batch_tokens: int = 2048,
         max_batch_size: int = 256,
         activation: str = "Sigmoid",
+        regather: float = 0.25,
     ) -> None:
         self.model, self.tokenizer, self.pooling, self.name = model, tokenizer, pooling, name
         #: "embed" (vectors) or "score" (a cross-encoder's relevance of each pair)
@@ -109,7 +114,8 @@ class EmbeddingEngine:
         self.dimensions = model.config.hidden_size
         #: the sizes its vectors may be cut to (``loader.truncations``: () any; None: not cut)
         self.truncations: tuple[int, ...] | None = None
-        self._queue: queue.SimpleQueue[_Input | None] = queue.SimpleQueue()
+        #: how long a pass may wait for the clients the last one answered, as a share of its time
+        self._gatherer = Gatherer(max_batch_tokens, max_batch_size, regather)
         self._stopped = False
         self.counters = {"requests": 0, "inputs": 0, "tokens": 0, "passes": 0}
         self._counting = threading.Lock()  # (submitters and the worker both count)
@@ -148,7 +154,9 @@ class EmbeddingEngine:
         futures = []
         for i, ids in enumerate(inputs):
             future: Future = Future()
-            self._queue.put(_Input(list(ids), None if types is None else list(types[i]), future))
+            kinds = None if types is None else list(types[i])
+            item = _Input(list(ids), kinds, future, time.perf_counter(), i == 0, i == len(inputs) - 1)
+            self._gatherer.put(item)
             futures.append(future)
         return futures
 
@@ -174,7 +182,7 @@ class EmbeddingEngine:
         """Stop the worker; inputs still waiting fail with EngineNotReady. Idempotent."""
         if not self._stopped:
             self._stopped = True
-            self._queue.put(None)
+            self._gatherer.stop()
             self._thread.join(timeout=30)
 
     def is_healthy(self) -> bool:
@@ -187,44 +195,17 @@ class EmbeddingEngine:
 
     # ------------------------------------------------------------------ the worker
 
-    def _batch(self, first: _Input) -> tuple[list[_Input], bool]:
-        """``first`` and the inputs waiting behind it, within the budgets; whether a stop came."""
-        batch, tokens = [first], len(first.ids)
-        while len(batch) < self.max_batch_size:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                return batch, True
-            if tokens + len(item.ids) > self.max_batch_tokens:
-                self._held = item  # the first of the next pass
-                break
-            batch.append(item)
-            tokens += len(item.ids)
-        return batch, False
-
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        self._held: _Input | None = None
         stop = False
         while not stop:
-            item, self._held = (self._held, None) if self._held is not None else (self._queue.get(), None)
-            if item is None:
-                break
-            batch, stop = self._batch(item)
+            batch, stop = self._gatherer.next_pass()
             batch = [i for i in batch if i.future.set_running_or_notify_cancel()]
             if batch:
+                started = time.perf_counter()
                 self._run(batch)
-        leftover = [self._held] if self._held is not None else []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                leftover.append(item)
-        for item in leftover:
+                self._gatherer.ended(sum(i.closes for i in batch), started)
+        for item in self._gatherer.leftover():
             if item.future.set_running_or_notify_cancel():
                 item.future.set_exception(EngineNotReady("the embedding engine has been shut down"))
 
