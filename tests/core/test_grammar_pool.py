@@ -139,3 +139,15 @@ def test_a_worker_that_grew_past_the_bound_is_replaced_after_its_compile(cache):
     c._pool.recycle_bytes = 1  # every worker is over it
     c.compile(GrammarSpec.of("regex", "[a-c]+"))
     assert before and not _pids(c) & before
+
+
+def test_a_worker_killed_while_its_start_state_is_being_sent_ends_that_send_first() -> None:
+    """The state goes to a new worker on a thread; a kill while it is still being written (a worker
+    still importing reads none of it) ends that thread before the pipe closes: closing it under the
+    thread's write raised a TypeError there (seen in CI)."""
+    from astrai.grammar.pool import _Worker
+
+    worker = _Worker("astrai.grammar.xgrammar_backend:XGrammarBackend", b"x" * (16 << 20))
+    assert worker._starting.is_alive()  # 16 MiB: far more than a pipe holds
+    worker.kill()
+    assert not worker._starting.is_alive()

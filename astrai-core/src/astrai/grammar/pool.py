@@ -71,9 +71,10 @@ class _Worker:
         self.rss = 0
         # the exported state (megabytes) goes on a thread: the pipe takes it as the worker reads it,
         # once its imports are done, and nobody waits for that but the worker's first compile
-        threading.Thread(
+        self._starting = threading.Thread(
             target=self._send_quietly, args=(state,), name="astrai-grammar-start", daemon=True
-        ).start()
+        )
+        self._starting.start()
 
     def _send_quietly(self, message: Any) -> None:
         try:
@@ -90,6 +91,9 @@ class _Worker:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        # the start thread may still be writing the state: with no reader left its write fails
+        # (EPIPE) and it ends; closing the pipe under it instead raised a TypeError in that thread
+        self._starting.join(timeout=10)
         self.inbox.close()
         self._outbox.close()
 
