@@ -115,3 +115,47 @@ def test_the_kernel_refuses_what_does_not_fit(cpu_kernels):
         torch.ops.astrai_cpu.lora_apply(
             torch.zeros(2, 96), torch.zeros(2, 64), lora.rows.long(), mod.a, mod.bt, mod.spans
         )
+
+
+@pytest.mark.parametrize("store", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_quantized_linear_with_its_updates_in_one_region_is_lora_apply_after_it(cpu_kernels, store, qtype):
+    """``quant_linear_lora`` (the whole-step kernel's way for up to 15 rows: the base product and
+    the rows' updates in one parallel region) gives ``quant_linear`` then ``lora_apply``, to the
+    bit: a lone row, several rows of several adapters, of none and of a slot without an update
+    here, on one thread and two, in the model's dtypes; 16 rows go to lora_apply's GEMMs."""
+    from astrai.lora import LoraLinear, LoraSet
+    from astrai.model.quant import NATIVE, pack, split_blocks
+    from tests.core.test_quant import random_blocks
+
+    if not torch.ops.astrai_cpu.has_quant_linear():
+        pytest.skip("the quantized kernels need a build for AVX512-BF16 or AVX2 + FMA")
+    n, k = 1030, 256  # parts that end inside a tile and inside a thread's columns
+    packed, layout = pack(*split_blocks(random_blocks(qtype, n, k, 0), qtype), NATIVE[qtype])
+    torch.manual_seed(0)
+    mod = LoraLinear(nn.Linear(k, n, bias=False), LoraSet(3, store))
+    mod.set_slot(
+        0,
+        [
+            (0, 40, torch.randn(8, k), torch.randn(40, 8)),
+            (48, n, torch.randn(16, k), torch.randn(n - 48, 16)),
+        ],
+    )
+    mod.set_slot(1, [(0, n, torch.randn(3, k), torch.randn(n, 3))])  # rank 3: A's last rows one by one
+    dtypes = [torch.float32] + ([torch.bfloat16] if torch.ops.astrai_cpu.has_quant_linear_bf16() else [])
+    threads = torch.get_num_threads()
+    try:
+        for count in sorted({1, 2, threads}):
+            torch.set_num_threads(count)
+            for slots in ([0], [1], [2], [-1, 0], [0, 1, -1, 2, 1, 0, 0, 1], [0] * 15, [1] * 16):
+                for dtype in dtypes:
+                    x, bias = torch.randn(len(slots), k).to(dtype), torch.randn(n).to(dtype)
+                    rows = torch.tensor(slots, dtype=torch.int32)
+                    want = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), bias)
+                    torch.ops.astrai_cpu.lora_apply(want, x, rows, mod.a, mod.bt, mod.spans)
+                    got = torch.ops.astrai_cpu.quant_linear_lora(
+                        x, packed, layout.ints(), bias, rows, mod.a, mod.bt, mod.spans
+                    )
+                    assert torch.equal(got, want), (count, slots, dtype)
+    finally:
+        torch.set_num_threads(threads)

@@ -130,8 +130,9 @@ def test_one_batch_mixing_three_adapters_and_the_base(engine, expected):
 
 def test_adapter_rows_decode_on_the_whole_step_kernel_to_the_bit(default_model_path, oracle, expected):
     """A decode step with adapter rows runs on the cpu backend's whole-step kernel, each projection's
-    updates added in it: a batch of three adapters and the base gives the tokens and log-probs of
-    the layers run one by one with their LoRA wrappers, to the bit (and peft's)."""
+    updates added in it (in the projection's own parallel region on quantized weights): a batch of
+    three adapters and the base, and one adapter's row alone, give the tokens and log-probs of the
+    layers run one by one with their LoRA wrappers, to the bit (and peft's)."""
     from stack_spy import counted, cpu_kernels, without_stack
 
     from astrai.engine import EngineConfig, InferenceEngine
@@ -146,11 +147,11 @@ def test_adapter_rows_decode_on_the_whole_step_kernel_to_the_bit(default_model_p
         for name, folder in oracle.folders.items():
             eng.loras.load(name, folder)
 
-        def batch() -> dict:
+        def batch(names: list | None = None) -> dict:
             held, go = threading.Event(), threading.Event()  # queued while the scheduler waits: the
             eng.scheduler.call_soon(lambda: (held.set(), go.wait(30)))  # same steps in both runs
             assert held.wait(30)
-            results = {name: submit(eng, name) for name in [*SPECS, None]}
+            results = {name: submit(eng, name) for name in names or [*SPECS, None]}
             go.set()
             for result in results.values():
                 assert result.wait_completion(120) and result.error is None
@@ -159,11 +160,13 @@ def test_adapter_rows_decode_on_the_whole_step_kernel_to_the_bit(default_model_p
         ran: list[bool] = []
         with counted(kernels, ran):
             stacked = batch()
-        assert ran.count(True) >= N - 1, "the decode steps with adapter rows did not run on the stack"
+            alone = batch(["a2"])  # a lone row
+        assert ran.count(True) >= 2 * (N - 1), "the decode steps with adapter rows did not run on the stack"
         with without_stack(kernels):
             layered = batch()
+            assert alone == batch(["a2"])
         assert stacked == layered
-        for name, (tokens, logprobs) in stacked.items():
+        for name, (tokens, logprobs) in [*stacked.items(), *alone.items()]:
             assert tokens == expected[name][0]
             assert logprobs == pytest.approx(expected[name][1], abs=LOGPROB_TOL)
 

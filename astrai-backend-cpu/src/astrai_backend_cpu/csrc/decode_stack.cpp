@@ -196,14 +196,13 @@ struct DecodeStack : torch::CustomClassHolder {
   // the MLP of layer l (linears 4l + 2 and 4l + 3) on h: dense, or its experts (SparseMoE.forward:
   // route, the (token, choice) pairs sorted by expert, each projection of every chosen expert in one
   // quant_experts call, the outputs weighted and added back at their tokens; the shared expert's)
-  // A dense MLP's projections take their rows' LoRA updates (lora(i, y, x): astrai.lora's LoraLinear).
-  template <typename Lora>
-  at::Tensor mlp(int64_t l, const at::Tensor& h, const Lora& lora) const {
+  // A dense MLP's projections are proj(i, x, n): linear i with its rows' LoRA updates (forward's).
+  template <typename Proj>
+  at::Tensor mlp(int64_t l, const at::Tensor& h, const Proj& proj) const {
     const size_t w = 4 * l;
     if (experts.empty() || !experts[l].router.defined()) {
-      const at::Tensor gate_up = lora(w + 2, linear(w + 2, h, 2 * intermediate, c10::nullopt), h);
-      const at::Tensor act = activation(gate_up, intermediate);
-      return lora(w + 3, linear(w + 3, act, hidden(), c10::nullopt), act);
+      const at::Tensor act = activation(proj(w + 2, h, 2 * intermediate, c10::nullopt), intermediate);
+      return proj(w + 3, act, hidden(), c10::nullopt);
     }
     const Experts& x = experts[l];
     const int64_t E = x.router.size(0);
@@ -326,6 +325,24 @@ struct DecodeStack : torch::CustomClassHolder {
       });
       return y;
     };
+    // linear i on in with its rows' LoRA updates (astrai.lora's LoraLinear): a quantized linear in one
+    // parallel region with its rows' updates (lora_around, up to 15 rows), else the updates after it
+    const auto proj = [&](size_t i, const at::Tensor& in, int64_t n, const c10::optional<at::Tensor>& b) {
+      const size_t s = first[i];
+      if (lora_rows.has_value() && first[i + 1] - s == 1 && layouts[s][0] != 0) {
+        const auto part = [&](const std::vector<at::Tensor>& v) {
+          return std::vector<at::Tensor>(v.begin() + i * n_lora, v.begin() + (i + 1) * n_lora);
+        };
+        at::Tensor y = at::empty({in.size(0), n}, in.options());
+        const at::Tensor xs = in.contiguous();
+        const bool done = traced("astrai_cpu::quant_linear_lora", [&] {
+          return lora_around(y, xs, *lora_rows, part(lora_a), part(lora_bt), part(lora_spans),
+                             [&](const Around& around) { quant_linear_into(xs, packed[s], layouts[s], b, y, &around); });
+        });
+        if (done) return y;
+      }
+      return lora(i, linear(i, in, n, b), in);
+    };
     x = x.contiguous();
     // each window's first positions (seq_len - window, from 0), made once per step and window
     std::vector<std::pair<int64_t, at::Tensor>> starts;
@@ -352,7 +369,7 @@ struct DecodeStack : torch::CustomClassHolder {
       const c10::optional<at::Tensor> bias = qkv_bias.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_bias[l]);
       // attention: norm, QKV, (q/k norms,) RoPE, this step's K/V into the pool, paged decode, output projection
       const at::Tensor normed = norm_rows(x, norm(l, 0));
-      const at::Tensor qkv = lora(w, linear(w, normed, width, bias), normed);
+      const at::Tensor qkv = proj(w, normed, width, bias);
       at::Tensor q, k;
       if (qk_norm) {
         const int64_t qn = norms_per_layer - 2;
@@ -372,7 +389,7 @@ struct DecodeStack : torch::CustomClassHolder {
         return paged_decode(q.contiguous(), k_buf, v_buf, req_to_token[group], rows, seq_lens, scale, start, ks, vs);
       });
       const at::Tensor o_rows = o.view({B, Hq * D});
-      const at::Tensor attn = lora(w + 1, linear(w + 1, o_rows, hidden(), c10::nullopt), o_rows);
+      const at::Tensor attn = proj(w + 1, o_rows, hidden(), c10::nullopt);
       at::Tensor h;
       if (sandwich) {  // x + post_norm(attn), then the pre-feed-forward norm
         x = at::add(x, norm_rows(attn, norm(l, 1)));
@@ -380,7 +397,7 @@ struct DecodeStack : torch::CustomClassHolder {
       } else {  // the residual add fused with the next norm
         std::tie(x, h) = traced("astrai_cpu::add_rms_norm", [&] { return add_rms_norm(x, attn, norm(l, 1), eps); });
       }
-      const at::Tensor down = mlp(l, h, lora);
+      const at::Tensor down = mlp(l, h, proj);
       x = at::add(x, sandwich ? norm_rows(down, norm(l, 3)) : down);
     }
     return x;

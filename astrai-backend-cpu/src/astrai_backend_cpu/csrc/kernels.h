@@ -6,10 +6,21 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <tuple>
 #include <vector>
 
 namespace astrai_cpu {
+
+// A linear's parallel region shared with work of its caller around each thread's share of the
+// output (quant_linear_into): every thread of the region runs before(thread, threads, c0, c1) (c0,
+// c1: its share of the output columns), all wait for one another, then each computes its columns
+// [c0, c1) and runs after(c0, c1) on them. One fork and join for a linear and the LoRA updates
+// around it (lora_around), where at a few rows two regions cost about as much as the updates.
+struct Around {
+  std::function<void(int64_t, int64_t, int64_t, int64_t)> before;
+  std::function<void(int64_t, int64_t)> after;
+};
 
 // fused.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -22,6 +33,10 @@ bool has_linear_packed();
 at::Tensor linear_pack(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias, bool float_out = false);
+// quant_linear into out [M, n] (bf16 or float32: float_out), its region shared with around's work
+// (nullptr: none)
+void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                       const c10::optional<at::Tensor>& bias, at::Tensor& out, const Around* around);
 // M rows of x (row stride ldx, 2 * K2 columns) against tiles [t0, t1) of a linear_pack layout
 // whose data starts at w (tile t0's), into out (row stride N, columns of those tiles): one
 // thread's share of linear_packed, for kernels that pack tiles of their own on the fly.
@@ -40,6 +55,13 @@ at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& offsets, const s
 // lora.cpp: each row's adapter update added in place to y (rows: the row's index in a/bt/spans, -1 none)
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
                 const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans);
+// rows x [T, in] through linear(around) into y [T, out], with the rows' adapter updates (rows, a,
+// bt, spans: as lora_apply takes them) in the same parallel region: A's rows shared out ahead of the
+// linear's columns, each thread's columns updated once written; bit for bit lora_apply after the
+// linear. False (nothing done) from 16 rows (lora_apply's GEMMs) or for slots of mixed dtypes.
+bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
+                 const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans,
+                 const std::function<void(const Around&)>& linear);
 
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,

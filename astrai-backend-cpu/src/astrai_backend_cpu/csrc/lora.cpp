@@ -16,6 +16,15 @@
 // rows are spread over the threads; with fewer (a lone stream), each row's work is split over them in
 // one parallel region: A's rows, a barrier, then the output columns of every part (its bytes are read
 // at the bandwidth of every core, not one's, at the cost of one fork and join a module).
+//
+// lora_around (the whole-step kernel's way on quantized weights, up to 15 rows): the same updates,
+// the same bits, inside the linear's own parallel region (quant_linear_into with an Around): each
+// thread its share of A's rows, a barrier, its share of the linear's columns, then the updates of
+// those columns. That saves a fork and join per projection (120 a SmolLM2 token) and sends each
+// thread's share of the update's weights out to memory at once, and writes bf16 rows 8 at a time.
+// A decode step of the default model in bf16 (AVX512-BF16, 2 Zen 4 cores, in process) with one
+// rank-16 adapter on all projections: 2.6-3.0 ms more than the base step's 6 ms before, 0.8-1.5 ms
+// after (the update's 9.7 MB at the base step's 29 GB/s would take 0.33 ms).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +41,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 namespace astrai_cpu {
@@ -68,11 +78,23 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 // 8 sums added to y[o .. o + 8)
 inline void add8(float* y, __m256 v) { _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), v)); }
-inline void add8(at::BFloat16* y, __m256 v) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, v);
-  for (int i = 0; i < 8; ++i) add_to(y, i, t[i]);
+inline void add8(at::BFloat16* y, __m256 v) {  // add_to's rounding (c10's, to nearest even), 8 lanes at once
+  const __m256 sum = _mm256_add_ps(load8(y), v);
+  const __m256i u = _mm256_castps_si256(sum);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(sum, sum, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_castsi256_si128(packed));
 }
+// bytes from p on their way into L2 (a thread's share of an update's weights, ahead of its use)
+inline void fetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
+#else
+inline void fetch(const void*, int64_t) {}
 #endif
 
 // A slot's weights, stored as W (float, at::Half or at::BFloat16)
@@ -227,6 +249,83 @@ void fill(Slot<W>& sl, const at::Tensor& a, const at::Tensor& bt, const at::Tens
   sl.a = a.data_ptr<W>(), sl.bt = bt.data_ptr<W>(), sl.spans = spans.data_ptr<int64_t>();
 }
 
+// a slot's weights checked against the module's input and output widths; their dtype
+at::ScalarType check_slot(const at::Tensor& a, const at::Tensor& bt, const at::Tensor& spans, int64_t in, int64_t out,
+                          int64_t s) {
+  const at::ScalarType wt = a.scalar_type();
+  TORCH_CHECK((wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16) && bt.scalar_type() == wt &&
+                  spans.scalar_type() == at::kLong && a.is_contiguous() && bt.is_contiguous() && spans.is_contiguous() &&
+                  a.dim() == 2 && a.size(1) == in && bt.dim() == 2 && spans.dim() == 2 && spans.size(1) == 3 &&
+                  a.size(0) == spans.size(0) * bt.size(0),
+              "lora_apply: slot ", s, "'s weights are not what the module's input takes (a [parts * rank, in] and ",
+              "bt [rank, cols] in float32, float16 or bf16 alike, spans int64 [parts, 3])");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  for (int64_t p = 0; p < spans.size(0); ++p)
+    TORCH_CHECK(sp[3 * p] >= 0 && sp[3 * p] <= sp[3 * p + 1] && sp[3 * p + 1] <= out && sp[3 * p + 2] >= 0 &&
+                    sp[3 * p + 2] + sp[3 * p + 1] - sp[3 * p] <= bt.size(1),
+                "lora_apply: a span outside the output");
+  return wt;
+}
+
+// lora_around's work for stored weights W and rows T: the rows' updates with one_row's sums (the
+// same bits), in the linear's region: the blocks of 4 rows of A of every row's adapter shared out
+// over the threads, a barrier, and each thread's own columns of every row updated once the linear
+// has written them.
+template <typename T, typename W>
+void around_rows(const T* x, T* y, int64_t in, int64_t out, const std::vector<int64_t>& job_rows,
+                 const std::vector<const Slot<W>*>& jobs, const std::function<void(const Around&)>& linear) {
+  const int64_t J = static_cast<int64_t>(jobs.size());
+  std::vector<int64_t> first(J + 1, 0), blocks(J + 1, 0);  // each job's s values, and its blocks of A's rows
+  for (int64_t j = 0; j < J; ++j) {
+    const int64_t PR = jobs[j]->parts * jobs[j]->rank;
+    first[j + 1] = first[j] + PR, blocks[j + 1] = blocks[j] + (PR + 3) / 4;
+  }
+  std::vector<float> xf(J * in), sv(first[J]);
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t k = 0; k < in; ++k) xf[j * in + k] = load(x + job_rows[j] * in, k);
+  // this thread's blocks of A: fetched (prefetch) or multiplied into their s values
+  const auto shrink_share = [&](int64_t t, int64_t nt, bool prefetch) {
+    const int64_t b0 = blocks[J] * t / nt, b1 = blocks[J] * (t + 1) / nt;
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t lo = std::max(b0, blocks[j]), hi = std::min(b1, blocks[j + 1]), PR = first[j + 1] - first[j];
+      if (lo >= hi) continue;
+      const int64_t j0 = std::min(PR, (lo - blocks[j]) * 4), j1 = std::min(PR, (hi - blocks[j]) * 4);
+      if (prefetch) fetch(jobs[j]->a + j0 * in, (j1 - j0) * in * static_cast<int64_t>(sizeof(W)));
+      else shrink(jobs[j]->a, xf.data() + j * in, in, sv.data() + first[j], j0, j1);
+    }
+  };
+  // each part of job j within columns [c0, c1): f(slot, p, lo, hi), lo and hi from the part's first column
+  const auto parts_in = [&](int64_t j, int64_t c0, int64_t c1, auto&& f) {
+    const Slot<W>& sl = *jobs[j];
+    for (int64_t p = 0; p < sl.parts; ++p) {
+      const int64_t o0 = sl.spans[3 * p], lo = std::max(c0, o0), hi = std::min(c1, sl.spans[3 * p + 1]);
+      if (lo < hi) f(sl, p, lo - o0, hi - o0);
+    }
+  };
+  Around around;
+  around.before = [&](int64_t t, int64_t nt, int64_t c0, int64_t c1) {
+    // its rows of A, then its columns of B (read after the linear's), requested at once: many lines
+    // in flight (short streams, which the hardware prefetcher meets too late on its own)
+    shrink_share(t, nt, true);
+    for (int64_t j = 0; j < J; ++j)
+      parts_in(j, c0, c1, [&](const Slot<W>& sl, int64_t p, int64_t lo, int64_t hi) {
+        for (int64_t r = 0; r < sl.rank; ++r)
+          fetch(sl.bt + sl.spans[3 * p + 2] + r * sl.cols + lo, (hi - lo) * static_cast<int64_t>(sizeof(W)));
+      });
+    shrink_share(t, nt, false);
+  };
+  around.after = [&](int64_t c0, int64_t c1) {
+    for (int64_t j = 0; j < J; ++j) {
+      T* yr = y + job_rows[j] * out;
+      parts_in(j, c0, c1, [&](const Slot<W>& sl, int64_t p, int64_t lo, int64_t hi) {
+        expand(sl.bt + sl.spans[3 * p + 2], sl.cols, sl.rank, sv.data() + first[j] + p * sl.rank, lo, hi,
+               yr + sl.spans[3 * p]);
+      });
+    }
+  };
+  linear(around);
+}
+
 }  // namespace
 
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
@@ -245,19 +344,8 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
   slots.dtype.assign(S, at::ScalarType::Undefined);
   for (int64_t s = 0; s < S; ++s) {
     if (!a[s].defined() || a[s].numel() == 0) continue;
-    const at::ScalarType wt = a[s].scalar_type();
-    TORCH_CHECK((wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16) && bt[s].scalar_type() == wt &&
-                    spans[s].scalar_type() == at::kLong && a[s].is_contiguous() && bt[s].is_contiguous() &&
-                    spans[s].is_contiguous() && a[s].size(1) == in && bt[s].dim() == 2 && spans[s].dim() == 2 &&
-                    spans[s].size(1) == 3 && a[s].size(0) == spans[s].size(0) * bt[s].size(0),
-                "lora_apply: slot ", s, "'s weights are not what the module's input takes (a [parts * rank, in] and ",
-                "bt [rank, cols] in float32, float16 or bf16 alike, spans int64 [parts, 3])");
+    const at::ScalarType wt = check_slot(a[s], bt[s], spans[s], in, out, s);
     slots.dtype[s] = wt;
-    const int64_t* sp = spans[s].data_ptr<int64_t>();
-    for (int64_t p = 0; p < spans[s].size(0); ++p)
-      TORCH_CHECK(sp[3 * p] >= 0 && sp[3 * p + 1] <= out && sp[3 * p + 2] >= 0 &&
-                      sp[3 * p + 2] + sp[3 * p + 1] - sp[3 * p] <= bt[s].size(1),
-                  "lora_apply: a span outside the output");
     if (wt == at::kHalf) fill(slots.f16[s], a[s], bt[s], spans[s]);
     else if (wt == at::kBFloat16) fill(slots.bf16[s], a[s], bt[s], spans[s]);
     else fill(slots.f32[s], a[s], bt[s], spans[s]);
@@ -305,10 +393,83 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
   }
 }
 
+bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
+                 const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans,
+                 const std::function<void(const Around&)>& linear) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.scalar_type() == y.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
+                  y.is_contiguous(),
+              "lora_around: contiguous rows x [T, in] and y [T, out], float32 or bf16 alike");
+  TORCH_CHECK(rows.scalar_type() == at::kInt && rows.numel() == x.size(0) && rows.is_contiguous(),
+              "lora_around: rows int32 [T]");
+  TORCH_CHECK(a.size() == bt.size() && a.size() == spans.size(), "lora_around: one a, bt, spans per slot");
+  const int64_t T = x.size(0), in = x.size(1), out = y.size(1), S = static_cast<int64_t>(a.size());
+  if (T >= GEMM_ROWS) return false;  // (runs of one adapter long enough for lora_apply's GEMMs)
+  const int32_t* slot_of = rows.data_ptr<int32_t>();
+  std::vector<int64_t> job_rows;
+  at::ScalarType wt = at::ScalarType::Undefined;
+  for (int64_t r = 0; r < T; ++r) {
+    const int32_t s = slot_of[r];
+    if (s < 0 || s >= S || !a[s].defined() || a[s].numel() == 0) continue;
+    const at::ScalarType w = check_slot(a[s], bt[s], spans[s], in, out, s);
+    if (wt != at::ScalarType::Undefined && w != wt) return false;  // (slots of one set share a dtype)
+    wt = w;
+    job_rows.push_back(r);
+  }
+  const auto go = [&](auto w) {
+    using W = decltype(w);
+    std::vector<Slot<W>> slots(S);
+    std::vector<const Slot<W>*> jobs;
+    for (const int64_t r : job_rows) {
+      const int32_t s = slot_of[r];
+      if (slots[s].a == nullptr) fill(slots[s], a[s], bt[s], spans[s]);
+      jobs.push_back(&slots[s]);
+    }
+    if (x.scalar_type() == at::kFloat) around_rows(x.data_ptr<float>(), y.data_ptr<float>(), in, out, job_rows, jobs, linear);
+    else around_rows(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), in, out, job_rows, jobs, linear);
+  };
+  if (job_rows.empty()) {  // no update: the linear alone
+    Around none;
+    none.before = [](int64_t, int64_t, int64_t, int64_t) {};
+    none.after = [](int64_t, int64_t) {};
+    linear(none);
+  } else if (wt == at::kHalf) {
+    go(at::Half());
+  } else if (wt == at::kBFloat16) {
+    go(at::BFloat16());
+  } else {
+    go(0.f);
+  }
+  return true;
+}
+
+// quant_linear with the rows' adapter updates in its region (DecodeStack's way for a few rows)
+at::Tensor quant_linear_lora(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                             const c10::optional<at::Tensor>& bias, const at::Tensor& rows, const std::vector<at::Tensor>& a,
+                             const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans) {
+  TORCH_CHECK(x.dim() == 2 && !layout.empty() && layout[0] > 0, "quant_linear_lora: rows x [T, k]");
+  at::Tensor y = at::empty({x.size(0), layout[0]}, x.options());
+  const at::Tensor xs = x.contiguous();
+  const bool done = lora_around(y, xs, rows, a, bt, spans, [&](const Around& around) {
+    quant_linear_into(xs, packed, layout, bias, y, &around);
+  });
+  if (!done) {
+    y = quant_linear(xs, packed, layout, bias);
+    lora_apply(y, xs, rows, a, bt, spans);
+  }
+  return y;
+}
+
 }  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor rows, Tensor[] a, Tensor[] bt, Tensor[] spans) -> ()");
+  m.def(
+      "quant_linear_lora(Tensor x, Tensor packed, int[] layout, Tensor? bias, Tensor rows, Tensor[] a, Tensor[] bt, "
+      "Tensor[] spans) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("lora_apply", &astrai_cpu::lora_apply); }
+TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
+  m.impl("lora_apply", &astrai_cpu::lora_apply);
+  m.impl("quant_linear_lora", &astrai_cpu::quant_linear_lora);
+}

@@ -52,6 +52,8 @@ using astrai_cpu::quant::Layout;
 using astrai_cpu::quant::PF_BYTES;
 using astrai_cpu::quant::PF_FAR_BYTES;
 using astrai_cpu::quant::TILE;
+using astrai_cpu::quant::share;
+using astrai_cpu::Around;
 
 Layout parse(const std::vector<int64_t>& v, const at::Tensor& packed) {
   TORCH_CHECK(v.size() == 7 || v.size() == 8,
@@ -325,7 +327,7 @@ void by_rows(int64_t rows, F&& f) {  // f(M) for blocks of up to 4 rows
 
 template <int BITS, typename OutT>
 void run_bf16(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const Layout& L, const at::BFloat16* bp,
-              OutT* op) {
+              OutT* op, const Around* around) {
   const int64_t M = xs.size(0), ldx = xs.size(1) / 2, n_tiles = L.tiles(), G = L.groups();
   const auto* x32 = reinterpret_cast<const uint32_t*>(xs.const_data_ptr<at::BFloat16>());
   alignas(64) uint16_t words[32];
@@ -335,7 +337,7 @@ void run_bf16(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const 
     words[i] = bf16_bits(static_cast<float>(v));
   }
   const __m512i table = _mm512_load_si512(words);
-  at::parallel_for(0, (n_tiles + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+  share((n_tiles + 1) / 2, 4, 2 * TILE, L.n, around, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
       const bool pair = t + 1 < n_tiles;
       // rows in blocks of up to 8 against both tiles at once, the codes expanded once per block
@@ -364,13 +366,14 @@ void run_bf16(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const 
 }
 
 template <int BITS>
-void run_f32(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const Layout& L, const float* bp, float* op) {
+void run_f32(const at::Tensor& xs, const float* xsum, const uint8_t* wp, const Layout& L, const float* bp, float* op,
+             const Around* around) {
   const int64_t M = xs.size(0), ldx = xs.size(1), n_tiles = L.tiles(), G = L.groups();
   const float* xp = xs.const_data_ptr<float>();
   alignas(64) float vals[16];
   for (int i = 0; i < 16; ++i) vals[i] = static_cast<float>(L.sign && i >= 8 ? i - 16 : i);
   const __m512 table = _mm512_load_ps(vals);
-  at::parallel_for(0, (n_tiles + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+  share((n_tiles + 1) / 2, 4, 2 * TILE, L.n, around, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
       const bool pair = t + 1 < n_tiles;
       by_rows(M, [&](int64_t r, int64_t m) {
@@ -523,6 +526,15 @@ bool has_quant_linear_bf16() {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
                         const c10::optional<at::Tensor>& bias, bool float_out) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be bf16 or float32 rows [M, k] on the CPU");
+  // float_out: float32 outputs whatever x's dtype (bf16 rows: the sums are not rounded to bf16)
+  at::Tensor out = at::empty({x.size(0), parse(layout, packed).n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  quant_linear_into(x, packed, layout, bias, out, nullptr);
+  return out;
+}
+
+void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
+                       const c10::optional<at::Tensor>& bias, at::Tensor& out, const Around* around) {
   TORCH_CHECK(has_quant_linear(), "quant_linear: built without AVX512-BF16 or AVX2");
   const Layout L = parse(layout, packed);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == L.k && x.device().is_cpu() &&
@@ -530,6 +542,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
               "quant_linear: x must be bf16 or float32 rows [M, k] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || has_quant_linear_bf16(),
               "quant_linear: bf16 rows need a build for AVX512-BF16 (this one takes float32 rows)");
+  const bool float_out = out.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == L.n && out.is_contiguous() &&
+                  (out.scalar_type() == x.scalar_type() || float_out),
+              "quant_linear: out must be contiguous [M, n] in x's dtype or float32");
   const at::Tensor xs = x.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -537,9 +553,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
     TORCH_CHECK(b.numel() == L.n && b.scalar_type() == x.scalar_type(), "quant_linear: bias must be [n] in x's dtype");
   }
   const int64_t M = xs.size(0), G = L.groups();
-  // float_out: float32 outputs whatever x's dtype (bf16 rows: the sums are not rounded to bf16)
-  auto out = at::empty({M, L.n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
-  if (M == 0) return out;
+  if (M == 0) return;
   std::vector<float> xsum;
   if (L.has_min) {  // each row's sum over each group, in float32 and in order
     xsum.assign(M * G, 0.f);
@@ -562,29 +576,28 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
     std::vector<float> d(M * G);
     std::vector<int32_t> isum(M * G);
     quant::quantize_rows_q8(xs.const_data_ptr<float>(), M, L.k, L.group, q.data(), q8.data(), d.data(), isum.data());
-    quant::linear_q8_avx2(q.data(), q8.data(), d.data(), isum.data(), M, sp, wp, L, bp, out.data_ptr<float>());
+    quant::linear_q8_avx2(q.data(), q8.data(), d.data(), isum.data(), M, sp, wp, L, bp, out.data_ptr<float>(), around);
   } else {
-    quant::linear_f32_avx2(xs.const_data_ptr<float>(), M, sp, wp, L, bp, out.data_ptr<float>());
+    quant::linear_f32_avx2(xs.const_data_ptr<float>(), M, sp, wp, L, bp, out.data_ptr<float>(), around);
   }
 #elif defined(__AVX512BF16__)
   TORCH_CHECK(!L.int8_rows, "quant_linear: 8-bit activations are built for AVX2 CPUs without AVX512-BF16 only");
   if (x.scalar_type() == at::kBFloat16) {
     const at::BFloat16* bp = b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr;
     if (float_out) {
-      if (L.bits == 4) run_bf16<4>(xs, sp, wp, L, bp, out.data_ptr<float>());
-      else run_bf16<8>(xs, sp, wp, L, bp, out.data_ptr<float>());
+      if (L.bits == 4) run_bf16<4>(xs, sp, wp, L, bp, out.data_ptr<float>(), around);
+      else run_bf16<8>(xs, sp, wp, L, bp, out.data_ptr<float>(), around);
     } else if (L.bits == 4) {
-      run_bf16<4>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>());
+      run_bf16<4>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>(), around);
     } else {
-      run_bf16<8>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>());
+      run_bf16<8>(xs, sp, wp, L, bp, out.data_ptr<at::BFloat16>(), around);
     }
   } else {
     const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
-    if (L.bits == 4) run_f32<4>(xs, sp, wp, L, bp, out.data_ptr<float>());
-    else run_f32<8>(xs, sp, wp, L, bp, out.data_ptr<float>());
+    if (L.bits == 4) run_f32<4>(xs, sp, wp, L, bp, out.data_ptr<float>(), around);
+    else run_f32<8>(xs, sp, wp, L, bp, out.data_ptr<float>(), around);
   }
 #endif
-  return out;
 }
 
 at::Tensor quant_dequant(const at::Tensor& packed, const std::vector<int64_t>& layout, const c10::optional<at::Tensor>& rows,

@@ -6,9 +6,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+
+#include "kernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -46,6 +50,27 @@ struct Layout {
   int64_t tile_bytes() const { return groups() * record(); }
 };
 
+// body(u0, u1) over units [0, units) of unit_cols output columns each (n in all): shared out by
+// at::parallel_for (grain units at least per thread), or with around (kernels.h) in one region of
+// the intra-op threads, each its even share, around's work before and after it.
+template <typename Body>
+void share(int64_t units, int64_t grain, int64_t unit_cols, int64_t n, const Around* around, const Body& body) {
+  if (around == nullptr) {
+    at::parallel_for(0, units, grain, body);
+    return;
+  }
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+    const int64_t c0 = std::min(n, u0 * unit_cols), c1 = std::min(n, u1 * unit_cols);
+    around->before(t, nt, c0, c1);
+#pragma omp barrier
+    if (u0 < u1) body(u0, u1);
+    around->after(c0, c1);
+  }
+}
+
 #if defined(ASTRAI_QUANT_AVX2)
 // 8 scales (or mins) of rows 8h .. 8h + 7 of a record's 16
 inline __m256 load8(const uint8_t* p, bool f16, int h) {
@@ -71,9 +96,9 @@ using Int = std::integral_constant<int, V>;
 // order, tiles(Int<M>, Int<U>, r, t): rows r .. r + M - 1 against tiles t .. t + U - 1, U = 4, 2,
 // 1 for M = 1, 2, 3-4 (so that eight dependency chains hide the latency whatever the rows).
 template <typename Tiles>
-void for_tiles(int64_t M, const Layout& L, Tiles&& tiles) {
+void for_tiles(int64_t M, const Layout& L, Tiles&& tiles, const Around* around) {
   const int64_t n_tiles = L.tiles();
-  at::parallel_for(0, (n_tiles + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+  share((n_tiles + 3) / 4, 1, 4 * TILE, L.n, around, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = begin * 4; t0 < std::min(n_tiles, end * 4); t0 += 4) {
       const int64_t t1 = std::min(n_tiles, t0 + 4);
       for (int64_t r = 0; r < M; r += 4) {
@@ -104,7 +129,7 @@ void for_tiles(int64_t M, const Layout& L, Tiles&& tiles) {
 // quant_linear on float32 rows: x [M, k] (contiguous), xsum [M, groups] the groups' sums of x
 // (nullptr without mins), bias [n] or nullptr -> out [M, n] float32.
 void linear_f32_avx2(const float* x, int64_t M, const float* xsum, const uint8_t* packed, const Layout& L,
-                     const float* bias, float* out);
+                     const float* bias, float* out, const Around* around = nullptr);
 // quant_weight_t in float32: the weight dequantized, transposed, out [k, n].
 void weight_t_f32_avx2(const uint8_t* packed, const Layout& L, float* out);
 
@@ -114,7 +139,8 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t k, int64_t group, int16
                       int32_t* isum);
 // quant_linear on rows quantized by quantize_rows_q8 (xsum as linear_f32_avx2 takes it).
 void linear_q8_avx2(const int16_t* q, const int8_t* q8, const float* d, const int32_t* isum, int64_t M, const float* xsum,
-                    const uint8_t* packed, const Layout& L, const float* bias, float* out);
+                    const uint8_t* packed, const Layout& L, const float* bias, float* out,
+                    const Around* around = nullptr);
 #endif
 
 

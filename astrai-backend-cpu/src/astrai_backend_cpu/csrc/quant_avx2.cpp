@@ -109,12 +109,12 @@ void tiles(const float* x, int64_t ldx, const float* xsum, const uint8_t* packed
 
 template <int BITS, bool SIGNED>
 void run(const float* x, int64_t M, const float* xsum, const uint8_t* packed, const Layout& L, const float* bias,
-         float* out) {
+         float* out, const Around* around) {
   const int64_t ldx = L.k, G = L.groups();
   for_tiles(M, L, [&](auto m, auto u, int64_t r, int64_t t) {
     tiles<decltype(m)::value, decltype(u)::value, BITS, SIGNED>(
         x + r * ldx, ldx, xsum == nullptr ? nullptr : xsum + r * G, packed, L, bias, out + r * L.n, L.n, t);
-  });
+  }, around);
 }
 
 // scale * code rounded, then + min rounded: gguf-py's order. The empty asm keeps the compiler
@@ -172,10 +172,10 @@ void weight_t_tile(const uint8_t* tile, const Layout& L, float* out, int64_t n0)
 }  // namespace
 
 void linear_f32_avx2(const float* x, int64_t M, const float* xsum, const uint8_t* packed, const Layout& L,
-                     const float* bias, float* out) {
-  if (L.bits == 8) run<8, false>(x, M, xsum, packed, L, bias, out);
-  else if (L.sign) run<4, true>(x, M, xsum, packed, L, bias, out);
-  else run<4, false>(x, M, xsum, packed, L, bias, out);
+                     const float* bias, float* out, const Around* around) {
+  if (L.bits == 8) run<8, false>(x, M, xsum, packed, L, bias, out, around);
+  else if (L.sign) run<4, true>(x, M, xsum, packed, L, bias, out, around);
+  else run<4, false>(x, M, xsum, packed, L, bias, out, around);
 }
 
 void weight_t_f32_avx2(const uint8_t* packed, const Layout& L, float* out) {

@@ -118,13 +118,13 @@ void tiles(const int16_t* q, const int8_t* q8, int64_t ldq, const float* d, cons
 
 template <int BITS, bool SIGNED>
 void run(const int16_t* q, const int8_t* q8, const float* d, const int32_t* isum, int64_t M, const float* xsum,
-         const uint8_t* packed, const Layout& L, const float* bias, float* out) {
+         const uint8_t* packed, const Layout& L, const float* bias, float* out, const Around* around) {
   const int64_t ldq = L.k, G = L.groups();
   for_tiles(M, L, [&](auto m, auto u, int64_t r, int64_t t) {
     tiles<decltype(m)::value, decltype(u)::value, BITS, SIGNED>(q + r * ldq, q8 + r * ldq, ldq, d + r * G,
                                                                  isum + r * G, xsum == nullptr ? nullptr : xsum + r * G,
                                                                  packed, L, bias, out + r * L.n, L.n, t);
-  });
+  }, around);
 }
 
 }  // namespace
@@ -152,10 +152,10 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t k, int64_t group, int16
 }
 
 void linear_q8_avx2(const int16_t* q, const int8_t* q8, const float* d, const int32_t* isum, int64_t M, const float* xsum,
-                    const uint8_t* packed, const Layout& L, const float* bias, float* out) {
-  if (L.bits == 8) run<8, false>(q, q8, d, isum, M, xsum, packed, L, bias, out);
-  else if (L.sign) run<4, true>(q, q8, d, isum, M, xsum, packed, L, bias, out);
-  else run<4, false>(q, q8, d, isum, M, xsum, packed, L, bias, out);
+                    const uint8_t* packed, const Layout& L, const float* bias, float* out, const Around* around) {
+  if (L.bits == 8) run<8, false>(q, q8, d, isum, M, xsum, packed, L, bias, out, around);
+  else if (L.sign) run<4, true>(q, q8, d, isum, M, xsum, packed, L, bias, out, around);
+  else run<4, false>(q, q8, d, isum, M, xsum, packed, L, bias, out, around);
 }
 
 }  // namespace astrai_cpu::quant
