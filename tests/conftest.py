@@ -11,6 +11,7 @@ worker's threads took the cores the other's needed, and its kernel tests ran twi
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -25,6 +26,21 @@ def _missing(reason: str):
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI installs it: see the README's test command)")
     pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers_of_a_test_removed():
+    """``astrai serve``'s ``dictConfig``, run in process by some tests, gives the root logger a
+    handler on that test's captured stderr, which pytest closes after the test: an engine thread of
+    a later test logging through it printed ``--- Logging error ---`` tracebacks (22 in a CI log).
+    Plain stream handlers that a test adds to the root logger go after it, and its level back."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in before and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
