@@ -1,6 +1,7 @@
 """8-bit activations (``--activations int8``): ``quant_linear`` on layouts with ``int8_rows``
-(``csrc/quant_q8_avx2.cpp``) against a reference of the same arithmetic, and the engine and
-server options that select it (``astrai.model.activations``)."""
+(``csrc/quant_q8_avx2.cpp`` on AVX2 builds, float32 rows; ``csrc/quant_q8_avx512.cpp`` on
+AVX512-BF16 builds for CPUs with AVX512-VNNI, bf16 and float32 rows) against a reference of the same
+arithmetic, and the engine and server options that select it (``astrai.model.activations``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from astrai.model import load_model
 from astrai.model.activations import use_int8_activations
 from astrai.model.quant import NATIVE, QuantizedLinear, dequantize, pack, split_blocks
 from astrai.sampling import SamplingParams
+from astrai_backend_cpu.kernels import QuantLinearKernel
 from tests.backend_cpu.test_quant_model import _greedy
 from tests.core.test_quant import random_blocks
 
@@ -27,8 +29,16 @@ BOOK = Path(__file__).parents[2] / "benchmarks" / "data" / "pride_and_prejudice_
 
 @pytest.fixture(autouse=True)
 def int8_build(cpu_kernels):
-    if not torch.ops.astrai_cpu.has_quant_linear() or torch.ops.astrai_cpu.has_quant_linear_bf16():
-        pytest.skip("8-bit activations are built for AVX2 without AVX512-BF16 (float32 rows)")
+    if not torch.ops.astrai_cpu.has_quant_linear_int8():
+        pytest.skip("8-bit activations are built for AVX2, or AVX512-BF16 with AVX512-VNNI")
+
+
+def int8_dtype(name: str) -> torch.dtype:
+    """``name``'s dtype where this build's kernel takes int8 rows of it (bf16: AVX512-VNNI builds)."""
+    dtype = getattr(torch, name)
+    if dtype not in QuantLinearKernel().int8_dtypes:
+        pytest.skip(f"this build's int8 kernel takes no {name} rows (AVX2 builds: float32 only)")
+    return dtype
 
 
 def int8_layout(layout):
@@ -60,15 +70,22 @@ def reference(x: torch.Tensor, codes, scales, mins, group: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("qtype", sorted(NATIVE))
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 70])  # every row block, and tiles by 4, 2 and 1
+# every row block of either kernel (AVX2: 1-4 rows, tiles by 4, 2 and 1; AVX-512: up to 4 rows two
+# tiles at a time, up to 8 one at a time, more over a pair of tiles expanded once)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 70])
 @pytest.mark.parametrize("n", [40, 100])  # 3 and 7 tiles, the last one padded
-def test_int8_rows_are_the_quantized_rows_integer_products(qtype, rows, n):
+def test_int8_rows_are_the_quantized_rows_integer_products(qtype, rows, n, dtype):
+    dtype = int8_dtype(dtype)
     k, group = 256, NATIVE[qtype].group
     (codes, scales, mins), (packed, layout) = weight(qtype, n, k, seed=3)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
     x[0, :group] = 0  # an all-zero group: scale 0, no division by it
-    got = torch.ops.astrai_cpu.quant_linear(x, packed, int8_layout(layout).ints(), None)
+    ints = int8_layout(layout).ints()
+    # float32 sums (bf16 rows: float_out, the sums not rounded)
+    got = torch.ops.astrai_cpu.quant_linear(x, packed, ints, None, float_out=dtype != torch.float32)
+    x = x.float()
     w = dequantize(packed, layout).double()
     magnitude = x.double().abs() @ w.abs().t()
     assert got.dtype == torch.float32 and got.shape == (rows, n)
@@ -79,21 +96,41 @@ def test_int8_rows_are_the_quantized_rows_integer_products(qtype, rows, n):
     assert ((got.double() - x.double() @ w.t()).abs() <= magnitude * 1e-2).all()
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q6_K"])
+def test_bf16_rows_are_rounded_once_after_the_bias(qtype):
+    """bf16 rows give bf16 outputs: the float32 sums plus the bias, rounded once."""
+    int8_dtype("bfloat16")
+    _, (packed, layout) = weight(qtype, 100, 256, seed=2)
+    ints = int8_layout(layout).ints()
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    bias = torch.randn(100, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = torch.ops.astrai_cpu.quant_linear(x, packed, ints, bias)
+    sums = torch.ops.astrai_cpu.quant_linear(x, packed, ints, bias, float_out=True)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, sums.bfloat16())
+    bare = torch.ops.astrai_cpu.quant_linear(x, packed, ints, None, float_out=True)
+    assert torch.equal(sums, bare + bias.float())  # one float32 addition
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
-def test_a_rows_result_does_not_depend_on_the_batch(qtype):
+def test_a_rows_result_does_not_depend_on_the_batch(qtype, dtype):
+    dtype = int8_dtype(dtype)
     _, (packed, layout) = weight(qtype, 100, 256, seed=1)
     ints = int8_layout(layout).ints()
-    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
     batch = torch.ops.astrai_cpu.quant_linear(x, packed, ints, None)
     for i in (0, 5, 36):
         assert torch.equal(torch.ops.astrai_cpu.quant_linear(x[i : i + 1], packed, ints, None)[0], batch[i])
-    assert torch.equal(torch.ops.astrai_cpu.quant_linear(x[3:8], packed, ints, None), batch[3:8])
+    for lo, hi in ((3, 8), (10, 13), (20, 28)):  # blocks of 5, 3 and 8 rows
+        assert torch.equal(torch.ops.astrai_cpu.quant_linear(x[lo:hi], packed, ints, None), batch[lo:hi])
 
 
-@pytest.fixture(scope="module")
-def int8_model(default_model_path, cpu_kernels):
-    """The default model's GGUF blocks in float32, its own copy (the switch changes its layouts)."""
-    return load_model(str(default_model_path), dtype=torch.float32, weights="gguf")
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def int8_model(request, default_model_path, cpu_kernels):
+    """The default model's GGUF blocks in float32 and (where the kernel takes bf16 int8 rows) in bf16,
+    its own copy (the switch changes its layouts)."""
+    return load_model(str(default_model_path), dtype=int8_dtype(request.param), weights="gguf")
 
 
 def test_the_engine_switches_every_quantized_linear_and_each_keeps_its_rows_apart(int8_model, make_engine):
@@ -105,7 +142,9 @@ def test_the_engine_switches_every_quantized_linear_and_each_keeps_its_rows_apar
     engine = make_engine(model, tokenizer, max_batch_size=4, activations="int8")
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert linears and all(lay.int8_rows for m in linears for lay in m.layouts)
-    x = torch.randn(100, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(100, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(
+        next(model.parameters()).dtype
+    )
     with torch.no_grad():
         for linear in (linears[0], linears[-1]):  # the first layer's q/k/v, the LM head
             whole = linear(x)
@@ -126,11 +165,11 @@ def _prompt_scores(engine, ids):
 
 def test_int8_scores_of_a_held_text_stay_near_the_float32_ones(default_model_path, int8_model, make_engine):
     """300 tokens of the held book (benchmarks/data) scored by the same blocks with int8 and with
-    float32 activations: every log-probability moved (the switch is in effect), by 0.2 nats at
-    most on average (0.12 measured over 4,000 tokens), and the top token the same at 85% of the
-    positions at least (92% measured)."""
+    the model's own activations (float32 or bf16): every log-probability moved (the switch is in
+    effect), by 0.2 nats at most on average (float32: 0.12 measured over 4,000 tokens), and the top
+    token the same at 85% of the positions at least (92% measured)."""
     model, tokenizer = int8_model
-    exact, _ = load_model(str(default_model_path), dtype=torch.float32, weights="gguf")
+    exact, _ = load_model(str(default_model_path), dtype=next(model.parameters()).dtype, weights="gguf")
     ids = tokenizer.encode(BOOK.read_text(), add_special_tokens=True)[:300]
     got, got_top = _prompt_scores(make_engine(model, tokenizer, max_batch_size=1, activations="int8"), ids)
     want, want_top = _prompt_scores(make_engine(exact, tokenizer, max_batch_size=1), ids)
@@ -166,3 +205,15 @@ def test_serve_refuses_int8_activations_that_could_not_run_at_start(flags, messa
     )
     assert run.returncode == 2, run.stderr
     assert message in run.stderr
+
+
+def test_dot_peak_measures_each_instruction_this_build_has():
+    """``dot_peak`` (benchmarks/floor_bench.py's floors): a rate for each kind this build has an
+    instruction for, int8 (VNNI) at least the bf16 one where both are built; unknown kinds refused."""
+    ops = torch.ops.astrai_cpu
+    rates = {kind: max(ops.dot_peak(kind, 1_000_000) for _ in range(3)) for kind in ("fma", "bf16", "int8")}
+    assert all(r > 0 or r == -1.0 for r in rates.values())
+    if ops.has_quant_linear_bf16():
+        assert rates["bf16"] > rates["fma"] > 0
+    with pytest.raises(RuntimeError, match="dot_peak: kind is fma, bf16 or int8"):
+        ops.dot_peak("fp8", 10)

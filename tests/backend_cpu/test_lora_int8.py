@@ -26,8 +26,8 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 @pytest.fixture(scope="module", autouse=True)
 def int8_build(cpu_kernels):
-    if not torch.ops.astrai_cpu.has_quant_linear() or torch.ops.astrai_cpu.has_quant_linear_bf16():
-        pytest.skip("8-bit activations are built for AVX2 without AVX512-BF16 (float32 rows)")
+    if not torch.ops.astrai_cpu.has_quant_linear_int8():
+        pytest.skip("8-bit activations are built for AVX2, or AVX512-BF16 with AVX512-VNNI")
 
 
 def int8_product(

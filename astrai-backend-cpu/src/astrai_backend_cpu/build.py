@@ -48,9 +48,11 @@ SOURCES = [
         "quant.cpp",
         "quant_avx2.cpp",
         "quant_q8_avx2.cpp",
+        "quant_q8_avx512.cpp",
         "experts.cpp",
         "lora.cpp",
         "kv_store.cpp",
+        "peak.cpp",
     )
 ]
 # -ffast-math lets the compiler vectorise the float reductions and exp; -fno-finite-math-only

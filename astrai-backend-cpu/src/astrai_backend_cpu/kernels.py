@@ -62,8 +62,9 @@ class QuantLinearKernel:
     EPYC, one thread, the kernel against that: Gemma 3's 4096x640 Q4_K gate/up at 8 rows 0.72
     against 2.0 ms, 32 rows 2.9 against 3.5, 64 rows 10.0 against 9.5, 512 rows 105 against 71.
 
-    ``features``: "int8_rows" where layouts may ask for 8-bit activations (``csrc/quant_q8_avx2.cpp``;
-    AVX2 builds, float32 rows: ``int8_dtypes``); over ``max_rows`` those rows still take ``wide``.
+    ``features``: "int8_rows" where layouts may ask for 8-bit activations (``int8_dtypes``: float32
+    rows on AVX2 builds, ``csrc/quant_q8_avx2.cpp``; bf16 and float32 rows on AVX512-BF16 builds for
+    a CPU with AVX512-VNNI, ``csrc/quant_q8_avx512.cpp``); such rows stay on the kernel at any width.
 
     ``max_rows``: inputs up to 64 rows (decode steps) run on the kernel, which reads the
     quantized weight once per step; larger bf16 ones (prefill) go to ``wide``: the weight as the bf16
@@ -86,9 +87,11 @@ class QuantLinearKernel:
         ops = torch.ops.astrai_cpu
         bf16 = ops.has_quant_linear_bf16()
         self.dtypes = (torch.bfloat16, torch.float32) if bf16 else (torch.float32,)
-        # layouts with int8_rows (astrai.model.activations): float32 rows on AVX2 builds
-        self.features = () if bf16 else ("int8_rows",)
-        self.int8_dtypes = () if bf16 else (torch.float32,)
+        # layouts with int8_rows (astrai.model.activations): float32 rows on AVX2 builds, both
+        # dtypes where the CPU has AVX512-VNNI too
+        int8 = ops.has_quant_linear_int8()
+        self.features = ("int8_rows",) if int8 else ()
+        self.int8_dtypes = self.dtypes if int8 else ()
         self.amx = bf16 and torch.cpu._is_amx_tile_supported()
         self.amx_kernel = self.amx and ops.has_quant_linear_amx()
 

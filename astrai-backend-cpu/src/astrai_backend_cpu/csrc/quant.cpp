@@ -18,6 +18,8 @@
 // A build for AVX2 + FMA without AVX512-BF16 has the float32 rows only, quant_avx2.cpp's kernels
 // (bf16 rows are refused; has_quant_linear_bf16 says which build this is), and, where the layout's
 // int8_rows says so, quant_q8_avx2.cpp's: the rows quantized to 8 bits first (llama.cpp's way).
+// An AVX512-BF16 build on a CPU with AVX512-VNNI takes such layouts too, on bf16 and float32 rows
+// (quant_q8_avx512.cpp).
 //
 // quant_dequant writes rows of the weights out (scale * code + min in float32, as gguf-py
 // dequantizes, then rounded to the output dtype): the embedding rows, and the tests.
@@ -516,6 +518,14 @@ bool has_quant_linear() {
 #endif
 }
 
+bool has_quant_linear_int8() {  // layouts with int8_rows: AVX2 builds (float32 rows), VNNI ones (both)
+#if defined(ASTRAI_QUANT_AVX2) || defined(ASTRAI_QUANT_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_quant_linear_bf16() {
 #if defined(__AVX512BF16__)
   return true;
@@ -554,6 +564,24 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, const std:
   }
   const int64_t M = xs.size(0), G = L.groups();
   if (M == 0) return;
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+#if defined(ASTRAI_QUANT_VNNI)
+  if (L.int8_rows) {  // the rows quantized (and their groups' sums taken) in one pass
+    quant::Rows8Buffers q8;
+    const int32_t offset = L.bits == 8 ? 128 : (L.sign ? 8 : 0);
+    if (x.scalar_type() == at::kFloat) {
+      quant::quantize_rows_q8_512(xs.const_data_ptr<float>(), M, L.k, L.group, offset, L.has_min != 0, q8);
+      const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+      quant::linear_q8_512(q8.rows(L.k), M, wp, L, bp, out.data_ptr<float>(), around);
+      return;
+    }
+    quant::quantize_rows_q8_512(xs.const_data_ptr<at::BFloat16>(), M, L.k, L.group, offset, L.has_min != 0, q8);
+    const at::BFloat16* bp = b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr;
+    if (float_out) quant::linear_q8_512(q8.rows(L.k), M, wp, L, bp, out.data_ptr<float>(), around);
+    else quant::linear_q8_512(q8.rows(L.k), M, wp, L, bp, out.data_ptr<at::BFloat16>(), around);
+    return;
+  }
+#endif
   std::vector<float> xsum;
   if (L.has_min) {  // each row's sum over each group, in float32 and in order
     xsum.assign(M * G, 0.f);
@@ -567,7 +595,6 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, const std:
       }
   }
   const float* sp = L.has_min ? xsum.data() : nullptr;
-  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
 #if defined(ASTRAI_QUANT_AVX2)
   const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
   if (L.int8_rows) {
@@ -581,7 +608,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, const std:
     quant::linear_f32_avx2(xs.const_data_ptr<float>(), M, sp, wp, L, bp, out.data_ptr<float>(), around);
   }
 #elif defined(__AVX512BF16__)
-  TORCH_CHECK(!L.int8_rows, "quant_linear: 8-bit activations are built for AVX2 CPUs without AVX512-BF16 only");
+  TORCH_CHECK(!L.int8_rows, "quant_linear: 8-bit activations need AVX512-VNNI on a CPU with AVX512-BF16");
   if (x.scalar_type() == at::kBFloat16) {
     const at::BFloat16* bp = b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr;
     if (float_out) {
@@ -771,6 +798,7 @@ at::Tensor quant_linear_amx(const at::Tensor& x, const at::Tensor& packed, const
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("has_quant_linear() -> bool", &astrai_cpu::has_quant_linear);
   m.def("has_quant_linear_bf16() -> bool", &astrai_cpu::has_quant_linear_bf16);
+  m.def("has_quant_linear_int8() -> bool", &astrai_cpu::has_quant_linear_int8);
   m.def("quant_linear(Tensor x, Tensor packed, int[] layout, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("quant_dequant(Tensor packed, int[] layout, Tensor? rows, ScalarType dtype) -> Tensor");
   m.def("quant_weight_t(Tensor packed, int[] layout, ScalarType dtype) -> Tensor");

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 #if defined(__AVX2__)
@@ -21,6 +22,10 @@
 // but not AVX512-BF16 (which has kernels of its own, for bf16 and float32 rows).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BF16__)
 #define ASTRAI_QUANT_AVX2 1
+#endif
+// The 8-bit activation kernels of quant_q8_avx512.cpp: AVX512-BF16 builds whose CPU has AVX512-VNNI.
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ASTRAI_QUANT_VNNI 1
 #endif
 
 namespace astrai_cpu::quant {
@@ -143,5 +148,32 @@ void linear_q8_avx2(const int16_t* q, const int8_t* q8, const float* d, const in
                     const Around* around = nullptr);
 #endif
 
+#if defined(ASTRAI_QUANT_VNNI)
+// Rows quantized for quant_q8_avx512.cpp, per row and group of the weight's columns: int8 codes,
+// their float32 scale, offset x their sum (what the weight codes' offset adds to the group's
+// integer sum: 8 for signed 4-bit codes, 128 for 8-bit ones, else 0), and the float32 sum of the
+// unquantized group (layouts with mins).
+struct Rows8 {
+  const int8_t* q;      // [M, k]
+  const float* d;       // [M, groups]
+  const int32_t* off;   // [M, groups]
+  const float* xsum;    // [M, groups] or nullptr
+  int64_t k;
+};
+struct Rows8Buffers {
+  std::vector<int8_t> q;
+  std::vector<float> d, xsum;
+  std::vector<int32_t> off;
+  Rows8 rows(int64_t k) const { return {q.data(), d.data(), off.data(), xsum.empty() ? nullptr : xsum.data(), k}; }
+};
+// x [M, k] (float or c10::BFloat16, contiguous) quantized into b; sums: the groups' float32 sums too.
+template <typename T>
+void quantize_rows_q8_512(const T* x, int64_t M, int64_t k, int64_t group, int32_t offset, bool sums, Rows8Buffers& b);
+// quant_linear on rows quantized so: out [M, n] (B: the bias's and the rows' type; O: float, or
+// c10::BFloat16 rounded once after the bias), its region shared with around's work.
+template <typename B, typename O>
+void linear_q8_512(const Rows8& x, int64_t M, const uint8_t* packed, const Layout& L, const B* bias, O* out,
+                   const Around* around = nullptr);
+#endif
 
 }  // namespace astrai_cpu::quant

@@ -6,8 +6,9 @@ float32 path (astrai's default) keeps the activations exact, so that the quantiz
 dequantized float32 twin up to the order of the sums (the oracle tests). With
 ``EngineConfig.activations = "int8"`` (``astrai serve --activations int8``) the engine switches the
 model's ``QuantizedLinear`` layouts to ``int8_rows`` before its first forward, and a kernel that
-implements them (astrai-backend-cpu's ``quant_linear`` on AVX2 builds: ``csrc/quant_q8_avx2.cpp``)
-runs every product so, prefill included (a row's result must not depend on the rows beside it,
+implements them (astrai-backend-cpu's ``quant_linear``: ``csrc/quant_q8_avx2.cpp`` on AVX2 builds,
+float32 rows; ``csrc/quant_q8_avx512.cpp`` on AVX512-BF16 builds for CPUs with AVX512-VNNI, bf16
+and float32 rows, four columns of 16 outputs a ``vpdpbusd``) runs every product so, prefill included (a row's result must not depend on the rows beside it,
 and on 2 AVX2 cores the kernel at 128-512 rows is within about 10% of the float32 sgemm path).
 Each row is quantized per group of the weight's columns (32, or Q6_K's 16), ``scale = amax /
 127``, codes rounded to nearest: at most half a step of error per value, and a row's result
@@ -53,10 +54,12 @@ def use_int8_activations(model: nn.Module) -> int:
     if kernel is None or "int8_rows" not in getattr(kernel, "features", ()):
         raise ValueError(
             "int8 activations need a quant_linear kernel that takes them: astrai-backend-cpu built "
-            "for AVX2 without AVX512-BF16 (float32 rows); none is loaded for this model's device here"
+            "for AVX2 (float32 rows) or for AVX512-BF16 with AVX512-VNNI (bf16 and float32 rows); "
+            "none is loaded for this model's device here"
         )
-    if dtype not in getattr(kernel, "int8_dtypes", ()):
-        raise ValueError(f"int8 activations run on float32 models here; this one runs in {dtype}")
+    if dtype not in kernel.int8_dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in kernel.int8_dtypes)
+        raise ValueError(f"int8 activations run on {names} models here; this one runs in {dtype}")
     for linear in linears:
         linear.layouts = [replace(lay, int8_rows=True) for lay in linear.layouts]
     for module in model.modules():
