@@ -2,14 +2,15 @@
 
 Prints one JSON object. The CPU's multiply-add peaks are measured first (``astrai_cpu::dot_peak``:
 register-only loops of float32 FMA, ``vdpbf16ps`` and ``vpdpbusd`` on every thread at once). The
-model's multiply-adds per token are counted from its linears (every projection and the LM head; not
-attention, whose work grows with the context). Then, for each ``--activations`` (the model's own
+model's multiply-adds per token are counted from its linears (the layers' projections, and the LM
+head, which a prefill runs for the prompt's last row only; not attention, whose work grows with the
+context). Then, for each ``--activations`` (the model's own
 dtype, "auto", and "int8" where the kernel takes them), the model is loaded afresh from its GGUF
 blocks in the CPU's default dtype and runs in this process:
 
 - prefill: one-token requests of ``--prompt`` new tokens (no prefix hit), the median wall time
-  of ``--repeats`` after a first; tokens/s against the floor (peak / 2 x multiply-adds a token) of
-  bf16 and of int8 arithmetic;
+  of ``--repeats`` after a first; tokens/s against the floor (peak / 2 x the layers' multiply-adds
+  a token) of bf16 and of int8 arithmetic;
 - decode: the median whole decode step (``ModelRunner.run``: forward and sampling) with 1, 8 and
   32 rows, each row at about ``--context`` tokens; the 32-row step against its floors.
 
@@ -48,21 +49,21 @@ def peaks() -> dict[str, float]:
     return out
 
 
-def macs_per_token(model: torch.nn.Module) -> int:
-    """Multiply-adds of a token through the model's linears (projections, experts, LM head)."""
-    total = 0
-    for module in model.modules():
-        if hasattr(module, "in_features") and hasattr(module, "out_features"):
-            total += module.in_features * module.out_features
+def macs_per_token(model: torch.nn.Module) -> tuple[int, int]:
+    """Multiply-adds of a token through the layers' linears, and through the LM head (which a
+    prefill runs for one row of each prompt only)."""
     head = getattr(model, "lm_head", None)
-    if head is None or not hasattr(head, "in_features"):  # a tied head on the embedding table
-        total += model.config.hidden_size * model.config.vocab_size
-    return total
+    layers = sum(
+        m.in_features * m.out_features
+        for m in model.modules()
+        if m is not head and hasattr(m, "in_features") and hasattr(m, "out_features")
+    )
+    return layers, model.config.hidden_size * model.config.vocab_size
 
 
 def measure(name: str | None, activations: str, prompt: int, context: int, repeats: int) -> dict:
     model, tok = load_model(name, dtype=default_dtype("cpu"), weights="gguf")
-    macs = macs_per_token(model)
+    layers, head = macs_per_token(model)
     rows = [1, 8, 32]
     times: list[tuple[int, float]] = []
     original = astrai.runner.ModelRunner.run
@@ -76,7 +77,7 @@ def measure(name: str | None, activations: str, prompt: int, context: int, repea
 
     config = EngineConfig(activations=activations, n_tokens=max(rows) * (context + 96) + prompt + 64)
     astrai.runner.ModelRunner.run = timed
-    out: dict = {"macs_per_token": macs}
+    out: dict = {"layer_macs_per_token": layers, "head_macs_per_token": head}
     try:
         with InferenceEngine(model, tok, config) as engine:
             first = SamplingParams(max_tokens=1, temperature=0.0)
@@ -133,13 +134,13 @@ def main() -> None:
             args.context,
             args.repeats,
         )
-        two = 2 * run["macs_per_token"]
+        layers, head = run["layer_macs_per_token"], run["head_macs_per_token"]
         for kind in ("bf16", "int8"):
             if kind in peak:
-                floor_tps = peak[kind] * 1e9 / two
+                floor_tps = peak[kind] * 1e9 / (2 * layers)  # (the head: one row of the prompt)
                 run[f"prefill_floor_tokens_s_{kind}"] = round(floor_tps, 1)
                 run[f"prefill_fraction_of_{kind}_floor"] = round(run["prefill_tokens_s"] / floor_tps, 3)
-                floor_ms = 32 * two / (peak[kind] * 1e9) * 1e3
+                floor_ms = 32 * 2 * (layers + head) / (peak[kind] * 1e9) * 1e3
                 run[f"decode32_floor_ms_{kind}"] = round(floor_ms, 2)
                 run[f"decode32_fraction_of_{kind}_floor"] = round(floor_ms / run["decode_step_ms"][32], 3)
         report["runs"][activations] = run

@@ -172,7 +172,7 @@ def test_int8_scores_of_a_held_text_stay_near_the_float32_ones(default_model_pat
     exact, _ = load_model(str(default_model_path), dtype=next(model.parameters()).dtype, weights="gguf")
     ids = tokenizer.encode(BOOK.read_text(), add_special_tokens=True)[:300]
     got, got_top = _prompt_scores(make_engine(model, tokenizer, max_batch_size=1, activations="int8"), ids)
-    want, want_top = _prompt_scores(make_engine(exact, tokenizer, max_batch_size=1), ids)
+    want, want_top = _prompt_scores(make_engine(exact, tokenizer, max_batch_size=1, activations="dtype"), ids)
     change = (got - want).abs()
     assert change.max() > 1e-3 and change.mean() < 0.2
     assert (got_top == want_top).float().mean() >= 0.85
@@ -185,7 +185,7 @@ def test_the_int8_switch_refuses_what_nothing_would_run(default_model_path, cpu_
         pytest.raises(ValueError, match="GGUF-quantized weights kept quantized; this model has none"),
     ):
         use_int8_activations(dense)
-    with pytest.raises(ValueError, match="activations must be auto or int8, got 'fp8'"):
+    with pytest.raises(ValueError, match="activations must be auto, int8 or dtype, got 'fp8'"):
         EngineConfig(activations="fp8")
 
 
@@ -217,3 +217,18 @@ def test_dot_peak_measures_each_instruction_this_build_has():
         assert rates["bf16"] > rates["fma"] > 0
     with pytest.raises(RuntimeError, match="dot_peak: kind is fma, bf16 or int8"):
         ops.dot_peak("fp8", 10)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_takes_int8_only_where_it_keeps_the_models_quality(default_model_path, make_engine, dtype):
+    """``activations="auto"`` (the default) switches a GGUF model to int8 rows where the kernel lists
+    its dtype in ``int8_default_dtypes`` (bf16 on AVX512-VNNI builds: perplexity within 1% of bf16,
+    lm-eval's items unchanged); a float32 model, and any model with ``"dtype"``, stays exact."""
+    dtype = int8_dtype(dtype)
+    expected = dtype in QuantLinearKernel().int8_default_dtypes
+    assert expected == (dtype == torch.bfloat16 and torch.ops.astrai_cpu.has_quant_linear_bf16())
+    for activations, switched in (("auto", expected), ("dtype", False)):
+        model, tokenizer = load_model(str(default_model_path), dtype=dtype, weights="gguf")
+        make_engine(model, tokenizer, max_batch_size=1, activations=activations)
+        layouts = [lay for m in model.modules() if isinstance(m, QuantizedLinear) for lay in m.layouts]
+        assert layouts and all(lay.int8_rows == switched for lay in layouts), activations

@@ -66,7 +66,9 @@ def test_bf16_greedy_is_independent_of_the_batch(gguf_bf16, make_engine):
     from astrai_backend_cpu.stack import DecoderLayersKernel
 
     model, tokenizer = gguf_bf16
-    engine = make_engine(model, tokenizer, max_batch_size=8, max_prefill_tokens=32)
+    # the bf16 kernel itself ("dtype"): "auto" would take int8 rows on AVX512-VNNI (and change the
+    # module's shared model for the tests after this one)
+    engine = make_engine(model, tokenizer, max_batch_size=8, max_prefill_tokens=32, activations="dtype")
     together = _greedy(engine, PROMPTS)
     alone = [_greedy(engine, [p])[0] for p in PROMPTS[:2]]
     assert alone == together[:2]

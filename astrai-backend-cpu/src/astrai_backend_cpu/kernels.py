@@ -92,6 +92,9 @@ class QuantLinearKernel:
         int8 = ops.has_quant_linear_int8()
         self.features = ("int8_rows",) if int8 else ()
         self.int8_dtypes = self.dtypes if int8 else ()
+        # what activations="auto" takes int8 for (astrai.model.activations.int8_by_default): bf16
+        # models on the VNNI kernel; float32 ones stay exact (their int8 perplexity missed the bar)
+        self.int8_default_dtypes = (torch.bfloat16,) if int8 and bf16 else ()
         self.amx = bf16 and torch.cpu._is_amx_tile_supported()
         self.amx_kernel = self.amx and ops.has_quant_linear_amx()
 

@@ -79,7 +79,9 @@ class EngineConfig:
     at most this many times a decode-only step (``astrai.pacing``: measured costs; None: every step
     may prefill ``max_prefill_tokens``).
     ``activations``: "int8" multiplies a GGUF model's quantized weights by activations quantized to
-    8 bits per group, as llama.cpp does (``astrai.model.activations``; "auto": the model's dtype).
+    8 bits per group, as llama.cpp does (``astrai.model.activations``); "dtype": by the activations
+    in the model's dtype, exactly; "auto": int8 where the kernel's int8 path is measured to keep a
+    model of that dtype's quality (``int8_by_default``: bf16 on AVX512-VNNI), else "dtype".
     """
 
     max_batch_size: int = 64
@@ -128,7 +130,7 @@ class EngineConfig:
     )
     kv_cache_dir: str | None = None  # a folder the evicted pages are written to, found again on restart
     kv_cache_dir_bytes: int = 8 * 2**30  # what the folder may hold
-    activations: str = "auto"  # "auto" (the model's dtype) or "int8" (astrai.model.activations)
+    activations: str = "auto"  # "auto", "int8" or "dtype" (astrai.model.activations)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -169,8 +171,8 @@ class EngineConfig:
             )
         if self.prefill_step_ratio is not None and not self.prefill_step_ratio > 1:
             raise ValueError(f"prefill_step_ratio must be > 1, got {self.prefill_step_ratio}")
-        if self.activations not in ("auto", "int8"):  # astrai.model.activations.ACTIVATIONS
-            raise ValueError(f"activations must be auto or int8, got {self.activations!r}")
+        if self.activations not in ("auto", "int8", "dtype"):  # astrai.model.activations.ACTIVATIONS
+            raise ValueError(f"activations must be auto, int8 or dtype, got {self.activations!r}")
         for kind in self.kv_kinds:
             if kind not in KV_CACHE_DTYPES:
                 raise ValueError(f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kind!r}")

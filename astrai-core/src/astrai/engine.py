@@ -112,10 +112,14 @@ class InferenceEngine:
             else None
         )
         load_backends()
-        if self.config.activations == "int8":  # before the first forward (the warm-up's)
-            from astrai.model.activations import use_int8_activations
+        if self.config.activations != "dtype":  # before the first forward (the warm-up's)
+            from astrai.model.activations import int8_by_default, use_int8_activations
 
-            use_int8_activations(model)
+            if self.config.activations == "int8" or int8_by_default(model):
+                n = use_int8_activations(model)
+                logger.info(
+                    "int8 activations (--activations %s) on %d quantized linears", self.config.activations, n
+                )
         # a quantized pool needs a backend that reads it: the one chosen, or (automatic) any
         check_features(self.pool.storage.features, _KV_INT8, self.config.attention_backend)
         self.loras = self._loras() if self.config.enable_lora else None

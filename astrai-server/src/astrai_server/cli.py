@@ -108,8 +108,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         p,
         "activations",
         "int8: multiply a GGUF model's quantized weights by activations quantized to 8 bits per group of "
-        "32, as llama.cpp does (faster, not exact); auto: the model's dtype",
-        choices=["auto", "int8"],
+        "32, as llama.cpp does (faster, not exact); dtype: by the model's own, exactly; auto: int8 where "
+        "its kernel keeps the model's quality (bf16 models on AVX512-VNNI CPUs), else dtype",
+        choices=["auto", "int8", "dtype"],
     )
     _flag(
         p, "attention_backend", "attention backend entry point, strict for every request (beats ASTR_BACKEND)"
@@ -496,7 +497,7 @@ def _check_activations(settings: ServerSettings) -> None:
     """``--activations int8`` where nothing could take it stops the start (ConfigError: exit 2):
     under tensor parallelism (whose ranks shard dense weights) or with ``--weights dense``. The
     model and kernel checks (``astrai.model.activations``) fail the load with their reason."""
-    if settings.activations == "auto":
+    if settings.activations != "int8":
         return
     what = "--activations int8 applies to a GGUF model's weights kept quantized"
     if settings.tensor_parallel_size > 1:

@@ -112,8 +112,9 @@ class ServerSettings(BaseModel):
     kv_cache_host_memory: int = Field(0, ge=0)
     kv_cache_dir: str | None = None  # a folder those pages (and, at shutdown, the cached ones) go to
     kv_cache_dir_size: int = Field(_ENGINE.kv_cache_dir_bytes, ge=1)  # what the folder may hold ("8GiB")
-    # "int8": a GGUF model's quantized linears take activations quantized to 8 bits (astrai.model.activations)
-    activations: Literal["auto", "int8"] = "auto"
+    # "int8": a GGUF model's quantized linears take activations quantized to 8 bits; "dtype": the
+    # model's own, exact; "auto": int8 where measured to keep the model's quality (astrai.model.activations)
+    activations: Literal["auto", "int8", "dtype"] = "auto"
     max_prefill_tokens: int = Field(_ENGINE.max_prefill_tokens, ge=1)
     # while requests decode, a step may take this many decode steps' time (astrai.pacing); None: off
     prefill_step_ratio: float | None = Field(_ENGINE.prefill_step_ratio, gt=1)
