@@ -3,8 +3,8 @@
 // dot_peak(kind, iters) runs, on every intra-op thread at once, a register-only loop of 12
 // independent accumulators of one instruction, iters times, and returns the multiply-adds' rate in
 // G operations a second (a multiply-add counts two), all threads together: "fma" (float32 vfmadd,
-// 16 lanes), "bf16" (vdpbf16ps: 32 products), "int8" (vpdpbusd: 64 products). -1 for a kind this
-// build has no instruction for. No memory is touched: the limit a kernel's arithmetic can reach,
+// 16 lanes, or 8 on AVX2 builds), "bf16" (vdpbf16ps: 32 products), "int8" (vpdpbusd: 64
+// products). -1 for a kind this build has no instruction for. No memory is touched: the limit a kernel's arithmetic can reach,
 // against which a measured step is a fraction.
 #include <torch/library.h>
 
@@ -14,14 +14,14 @@
 #include <chrono>
 #include <string>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace astrai_cpu {
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 template <typename Step>
 double run(int64_t iters, double ops_per_step, Step step) {
   double seconds = 0.0;
@@ -58,6 +58,15 @@ double dot_peak(const std::string& kind, int64_t iters) {
       twelve(n, _mm512_set1_ps(1.f), [&](__m512 a) { return _mm512_fmadd_ps(a, c, b); });
     });
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (kind == "fma") {  // 8 lanes
+    return run(iters, 2.0 * 8, [](int64_t n) {
+      const __m256 b = _mm256_set1_ps(1e-7f), c = _mm256_set1_ps(0.999f);
+      twelve(n, _mm256_set1_ps(1.f), [&](__m256 a) { return _mm256_fmadd_ps(a, c, b); });
+    });
+  }
+#endif
+#if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
   if (kind == "bf16") {
     return run(iters, 2.0 * 32, [](int64_t n) {
