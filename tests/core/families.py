@@ -113,16 +113,16 @@ def build_checkpoints(tmp_path_factory) -> dict:
     return out
 
 
-def load_astrai(path, quantized: bool = False) -> torch.nn.Module:
-    """The float32 model of a checkpoint folder or GGUF file, as astrai's loader builds it;
-    ``quantized``: a GGUF file's quantized weights stay quantized (``astrai.model.quant``)."""
+def load_astrai(path, quantized: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model (float32 unless ``dtype``) of a checkpoint folder or GGUF file, as astrai's loader
+    builds it; ``quantized``: a GGUF file's quantized weights stay quantized (``astrai.model.quant``)."""
     from astrai.model import build_model, read_checkpoint
     from astrai.model.quant import install_quantized
 
-    config, weights, _, _ = read_checkpoint(str(path), torch.float32, quantized=quantized)
-    model = build_model(config, torch.float32, random_init=False)
+    config, weights, _, _ = read_checkpoint(str(path), dtype, quantized=quantized)
+    model = build_model(config, dtype, random_init=False)
     if quantized:
-        weights = install_quantized(model, weights, torch.float32)
+        weights = install_quantized(model, weights, dtype)
     model.load_weights(weights)
     model.fuse_projections()
     return model

@@ -82,6 +82,47 @@ def test_decode_steps_on_the_stack_are_the_layers_to_the_bit(
     assert stacked == layered
 
 
+@pytest.mark.parametrize("activations", ["dtype", "int8"])
+def test_a_bf16_mixture_keeps_its_router_and_runs_on_the_stack(
+    family_gguf, make_engine, tiny_tokenizer, activations
+):
+    """In bf16 the model's dense linears are packed for the CPU kernels (``prepack_linears``), but
+    not a mixture's router, which the stack computes as the layer does: the mixture's decode steps
+    run on the stack (it was refused a packed router) and give the layers' tokens and log-probs to
+    the bit, with bf16 activations and with int8 ones where the kernel takes them."""
+    import torch
+
+    from astrai.model.cpu_linear import prepack_linears
+
+    kernels = cpu_kernels()
+    quant = kernels.get("quant_linear")
+    if quant is None or torch.bfloat16 not in quant.dtypes:
+        pytest.skip("bf16 rows on the quantized kernels need AVX512-BF16")
+    if activations == "int8" and torch.bfloat16 not in quant.int8_dtypes:
+        pytest.skip("int8 rows of bf16 need AVX512-VNNI")
+    path, _ = family_gguf("qwen3_moe", "Q4_0")
+    model = load_astrai(path, quantized=True, dtype=torch.bfloat16)
+    assert prepack_linears(model) > 0
+    assert type(model.model.layers[0].mlp.gate) is torch.nn.Linear
+    assert model.decoder_stack() is not None
+    engine = make_engine(
+        model,
+        tiny_tokenizer,
+        max_batch_size=3,
+        max_prefill_tokens=64,
+        prefix_caching=False,
+        activations=activations,
+    )
+    batch = prompts(3, seed=5)
+    ran: list[bool] = []
+    with counted(kernels, ran):
+        stacked = _greedy(engine, batch)
+    assert ran.count(True) >= 15, "the decode steps did not run on the stack"
+    with without_stack(kernels):
+        layered = _greedy(engine, batch)
+    assert stacked == layered
+
+
 @pytest.mark.parametrize("family", ["gemma2", "phi3"])
 def test_families_the_stack_does_not_replicate_run_their_layers(family_gguf, family):
     path, _ = family_gguf(family, "Q4_0")

@@ -91,8 +91,21 @@ class PackedLinear(nn.Module):
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many. The LM
-    head's gives float32 logits (``float_out``) where a plugin's kernel runs it."""
-    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    head's gives float32 logits (``float_out``) where a plugin's kernel runs it. A mixture of
+    experts' router and shared-expert gate (``SparseMoE.UNPACKED``) stay ``nn.Linear``: tiny, and the
+    whole-step decode kernel computes them with ``at::linear`` as the layer does (the same routing)."""
+    from astrai.model.moe import SparseMoE
+
+    keep = {
+        id(getattr(mod, attr))
+        for mod in model.modules()
+        if isinstance(mod, SparseMoE)
+        for attr in SparseMoE.UNPACKED
+        if getattr(mod, attr, None) is not None
+    }
+    targets = [
+        (name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear and id(mod) not in keep
+    ]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
