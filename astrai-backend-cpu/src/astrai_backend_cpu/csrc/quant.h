@@ -10,8 +10,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include "kernels.h"
 #if defined(__AVX2__)
@@ -160,11 +160,11 @@ struct Rows8 {
   const float* xsum;    // [M, groups] or nullptr
   int64_t k;
 };
-struct Rows8Buffers {
-  std::vector<int8_t> q;
-  std::vector<float> d, xsum;
-  std::vector<int32_t> off;
-  Rows8 rows(int64_t k) const { return {q.data(), d.data(), off.data(), xsum.empty() ? nullptr : xsum.data(), k}; }
+struct Rows8Buffers {  // (not zero-filled: every value is written before it is read)
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d, xsum;
+  std::unique_ptr<int32_t[]> off;
+  Rows8 rows(int64_t k) const { return {q.get(), d.get(), off.get(), xsum.get(), k}; }
 };
 // x [M, k] (float or c10::BFloat16, contiguous) quantized into b; sums: the groups' float32 sums too.
 template <typename T>

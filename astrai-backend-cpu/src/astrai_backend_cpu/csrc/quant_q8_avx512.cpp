@@ -26,7 +26,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 namespace astrai_cpu::quant {
 namespace {
@@ -189,7 +189,7 @@ void run(const Rows8& x, int64_t M, const uint8_t* packed, const Layout& L, cons
          const Around* around) {
   const int64_t n_tiles = L.tiles(), per_tile = Q + 2;
   share((n_tiles + 1) / 2, 4, 2 * TILE, L.n, around, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> buf(M > 2 * ROWS ? L.groups() * 2 * per_tile : 0);
+    const std::unique_ptr<__m512i[]> buf(M > 2 * ROWS ? new __m512i[L.groups() * 2 * per_tile] : nullptr);
     for (int64_t t = begin * 2; t < std::min(n_tiles, end * 2); t += 2) {
       const bool pair = t + 1 < n_tiles;
       if (M <= ROWS) {  // one block of rows: the codes expanded as they are read
@@ -202,12 +202,12 @@ void run(const Rows8& x, int64_t M, const uint8_t* packed, const Layout& L, cons
           rows_block<1, BITS, SIGNED, Q>(InRecords<1, BITS, SIGNED>{packed, L, u}, x, 0, M, L, bias, out, u);
         continue;
       }
-      if (pair) expand_pair<2, BITS, SIGNED>(packed, L, t, buf.data());
-      else expand_pair<1, BITS, SIGNED>(packed, L, t, buf.data());
+      if (pair) expand_pair<2, BITS, SIGNED>(packed, L, t, buf.get());
+      else expand_pair<1, BITS, SIGNED>(packed, L, t, buf.get());
       for (int64_t r = 0; r < M; r += ROWS) {
         const int64_t m = std::min(ROWS, M - r);
-        if (pair) rows_block<2, BITS, SIGNED, Q>(Expanded<2>{buf.data(), per_tile}, x, r, m, L, bias, out, t);
-        else rows_block<1, BITS, SIGNED, Q>(Expanded<1>{buf.data(), per_tile}, x, r, m, L, bias, out, t);
+        if (pair) rows_block<2, BITS, SIGNED, Q>(Expanded<2>{buf.get(), per_tile}, x, r, m, L, bias, out, t);
+        else rows_block<1, BITS, SIGNED, Q>(Expanded<1>{buf.get(), per_tile}, x, r, m, L, bias, out, t);
       }
     }
   });
@@ -223,10 +223,10 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 keep) {
 template <typename T>
 void quantize_rows_q8_512(const T* x, int64_t M, int64_t k, int64_t group, int32_t offset, bool sums, Rows8Buffers& b) {
   const int64_t G = k / group, parts = (group + 15) / 16;
-  b.q.resize(M * k);
-  b.d.resize(M * G);
-  b.off.resize(M * G);
-  b.xsum.resize(sums ? M * G : 0);
+  b.q.reset(new int8_t[M * k]);
+  b.d.reset(new float[M * G]);
+  b.off.reset(new int32_t[M * G]);
+  b.xsum.reset(sums ? new float[M * G] : nullptr);
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* xg = x + i * group;  // row i / G, group i % G: rows are contiguous
@@ -248,10 +248,10 @@ void quantize_rows_q8_512(const T* x, int64_t M, int64_t k, int64_t group, int32
         // the current rounding mode: to nearest, ties to even (std::nearbyint's)
         const __m512i c = _mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(v[p], _mm512_set1_ps(inv)));
         codes = _mm512_add_epi32(codes, c);
-        _mm_mask_storeu_epi8(b.q.data() + i * group + 16 * p, keep, _mm512_cvtepi32_epi8(c));
+        _mm_mask_storeu_epi8(b.q.get() + i * group + 16 * p, keep, _mm512_cvtepi32_epi8(c));
       }
       b.d[i] = a / 127.f;
-      b.off[i] = offset * _mm512_reduce_add_epi32(codes);
+      b.off[i] = offset != 0 ? offset * _mm512_reduce_add_epi32(codes) : 0;
       if (sums) b.xsum[i] = _mm512_reduce_add_ps(sum);
     }
   });
