@@ -84,6 +84,19 @@ def _stack_is_the_layers(engine, kernels: dict, seed: int) -> None:
     assert stacked == layered
 
 
+def _bf16_kernels(activations: str) -> dict:
+    """The CPU kernels, or a skip where they do not take bf16 rows (int8 ones of bf16: VNNI)."""
+    import torch
+
+    kernels = cpu_kernels()
+    quant = kernels.get("quant_linear")
+    if quant is None or torch.bfloat16 not in quant.dtypes:
+        pytest.skip("bf16 rows on the quantized kernels need AVX512-BF16")
+    if activations == "int8" and torch.bfloat16 not in quant.int8_dtypes:
+        pytest.skip("int8 rows of bf16 need AVX512-VNNI")
+    return kernels
+
+
 @pytest.mark.parametrize("activations", ["dtype", "int8"])
 def test_a_bf16_mixture_keeps_its_router_and_runs_on_the_stack(
     family_gguf, make_engine, tiny_tokenizer, activations
@@ -96,12 +109,7 @@ def test_a_bf16_mixture_keeps_its_router_and_runs_on_the_stack(
 
     from astrai.model.cpu_linear import prepack_linears
 
-    kernels = cpu_kernels()
-    quant = kernels.get("quant_linear")
-    if quant is None or torch.bfloat16 not in quant.dtypes:
-        pytest.skip("bf16 rows on the quantized kernels need AVX512-BF16")
-    if activations == "int8" and torch.bfloat16 not in quant.int8_dtypes:
-        pytest.skip("int8 rows of bf16 need AVX512-VNNI")
+    kernels = _bf16_kernels(activations)
     path, _ = family_gguf("qwen3_moe", "Q4_0")
     model = load_astrai(path, quantized=True, dtype=torch.bfloat16)
     assert prepack_linears(model) > 0
@@ -109,6 +117,29 @@ def test_a_bf16_mixture_keeps_its_router_and_runs_on_the_stack(
     assert model.decoder_stack() is not None
     _stack_is_the_layers(
         make_engine(model, tiny_tokenizer, activations=activations, **ENGINE), kernels, seed=5
+    )
+
+
+@pytest.mark.parametrize("activations", ["dtype", "int8"])
+def test_a_bf16_gemma3_runs_on_the_stack_with_float32_norm_weights(
+    family_gguf, make_engine, tiny_tokenizer, activations
+):
+    """Gemma's ``1 + weight`` norms on bf16 rows compute in float32 and round once: the stack takes
+    them as float32 weights (``float_norms``) and its decode steps give the layers' tokens and
+    log-probs to the bit (the sandwich norms, the q/k norms, GeGLU and the local layers in bf16)."""
+    import torch
+
+    from astrai.model.cpu_linear import prepack_linears
+
+    kernels = _bf16_kernels(activations)
+    path, _ = family_gguf("gemma3", "Q4_0")
+    model = load_astrai(path, quantized=True, dtype=torch.bfloat16)
+    prepack_linears(model)
+    spec = model.decoder_stack()
+    assert spec is not None and spec.float_norms and spec.dtype == torch.bfloat16
+    assert {n.dtype for n in spec.norms} == {torch.float32}
+    _stack_is_the_layers(
+        make_engine(model, tiny_tokenizer, page_size=4, activations=activations, **ENGINE), kernels, seed=6
     )
 
 

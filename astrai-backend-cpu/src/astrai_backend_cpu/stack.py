@@ -133,7 +133,7 @@ class DecoderLayersKernel:
         spec = describe() if callable(describe) else None
         if spec is None:
             return None, frozenset(), None
-        dtype = spec.norms[0].dtype
+        dtype = spec.dtype
         packed, layouts, segments, kinds = [], [], [], set()
         for lin in spec.linears:
             if lin is None:  # a mixture of experts without a shared expert: no linears 2 and 3
@@ -178,7 +178,7 @@ class DecoderLayersKernel:
             list(spec.qkv_biases),
             layouts,
             list(spec.windows),
-            [int(spec.sandwich), int(spec.qk_norm), int(spec.gelu)],
+            [int(spec.sandwich), int(spec.qk_norm), int(spec.gelu), int(spec.float_norms)],
             segments,
             list(spec.tables),
             moe_layers,

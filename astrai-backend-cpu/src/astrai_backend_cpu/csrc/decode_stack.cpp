@@ -51,8 +51,10 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& freqs) {
 
 // What the layers are (DecodeStack's options): the stock pre-norm layer, or Gemma's sandwich
 // (norms after attention and after the MLP too); per-head norms on q and k before RoPE or none;
-// SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) on the gate.
-enum Option : int64_t { SANDWICH = 0, QK_NORM = 1, GELU = 2, N_OPTIONS = 3 };
+// SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) on the gate; (FLOAT_NORMS, optional) norm weights
+// in float32 on bf16 rows, each norm in float32 and rounded once (Gemma's `1 + weight`, as
+// OffsetRMSNorm computes it).
+enum Option : int64_t { SANDWICH = 0, QK_NORM = 1, GELU = 2, FLOAT_NORMS = 3, N_OPTIONS = 4 };
 
 // A mixture-of-experts layer's MLP (astrai.model.moe.SparseMoE): its router, every expert's
 // quantized gate_up and down (one layout each), and where it has one the shared expert's gate (the
@@ -66,8 +68,9 @@ struct Experts {
 struct DecodeStack : torch::CustomClassHolder {
   int64_t n_heads, n_kv_heads, head_dim, intermediate, n_layers;
   double eps, scale;
-  bool sandwich, qk_norm, gelu;
-  // per layer, in the model's dtype: input norm, post-attention norm; then (sandwich) pre- and
+  bool sandwich, qk_norm, gelu, float_norms;
+  at::ScalarType dtype;  // the model's: its rows, K/V pool, router and bias
+  // per layer, in the model's dtype (float32 with float_norms): input norm, post-attention norm; then (sandwich) pre- and
   // post-feed-forward norms [hidden]; then (qk_norm) q and k norms [head_dim]
   std::vector<at::Tensor> norms;
   int64_t norms_per_layer;
@@ -96,8 +99,11 @@ struct DecodeStack : torch::CustomClassHolder {
       : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(head_dim_), intermediate(intermediate_), eps(eps_),
         scale(scale_), norms(std::move(norms_)), packed(std::move(packed_)), qkv_bias(std::move(qkv_bias_)),
         windows(std::move(windows_)), tables(std::move(tables_)) {
-    TORCH_CHECK(options.size() == N_OPTIONS, "DecodeStack: options are (sandwich, qk_norm, gelu)");
+    TORCH_CHECK(options.size() == N_OPTIONS || options.size() == N_OPTIONS - 1,
+                "DecodeStack: options are (sandwich, qk_norm, gelu[, float_norms])");
     sandwich = options[SANDWICH] != 0, qk_norm = options[QK_NORM] != 0, gelu = options[GELU] != 0;
+    float_norms = options.size() == N_OPTIONS && options[FLOAT_NORMS] != 0;
+    TORCH_CHECK(!float_norms || sandwich, "DecodeStack: float32 norm weights on a sandwich layer only");
     norms_per_layer = 2 + (sandwich ? 2 : 0) + (qk_norm ? 2 : 0);
     TORCH_CHECK(!norms.empty() && norms.size() % norms_per_layer == 0, "DecodeStack: ", norms_per_layer,
                 " norms per layer");
@@ -113,7 +119,7 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(packed.size() == static_cast<size_t>(first.back()), "DecodeStack: one packed tensor per segment");
     TORCH_CHECK(layouts_.empty() || layouts_.size() == 8 * packed.size(),
                 "DecodeStack: no layouts, or 8 integers per packed segment");
-    const at::ScalarType dtype = norms.front().scalar_type();
+    dtype = float_norms ? at::kBFloat16 : norms.front().scalar_type();
     TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "DecodeStack: a bf16 or float32 model");
     for (size_t i = 0; i < packed.size(); ++i) {
       layouts.emplace_back(layouts_.empty() ? std::vector<int64_t>(8, 0)
@@ -138,9 +144,10 @@ struct DecodeStack : torch::CustomClassHolder {
     for (size_t i = 0; i < norms.size(); ++i) {
       const bool per_head = qk_norm && static_cast<int64_t>(i % norms_per_layer) >= norms_per_layer - 2;
       const auto& t = norms[i];
-      TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous() &&
+      TORCH_CHECK(t.dim() == 1 && t.scalar_type() == (float_norms ? at::kFloat : dtype) && t.is_contiguous() &&
                       t.size(0) == (per_head ? head_dim : hidden()),
-                  "DecodeStack: norm weights must be contiguous [hidden] ([head_dim] for q/k), in one dtype");
+                  "DecodeStack: norm weights must be contiguous [hidden] ([head_dim] for q/k), in the model's "
+                  "dtype (float32 with float_norms)");
     }
     for (const auto& t : qkv_bias) {
       TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous() && t.size(0) == qkv_width(),
@@ -277,7 +284,6 @@ struct DecodeStack : torch::CustomClassHolder {
                      const std::vector<at::Tensor>& lora_spans) {
     const int64_t B = x.size(0), Hq = n_heads, Hkv = n_kv_heads, D = head_dim;
     const int64_t width = qkv_width(), n_qk = (Hq + Hkv) * D, kv_row = Hkv * D;
-    const at::ScalarType dtype = norms.front().scalar_type();
     TORCH_CHECK(x.dim() == 2 && B >= 1 && x.size(1) == hidden() && x.scalar_type() == dtype,
                 "DecodeStack.forward: x must be rows [B, hidden] in the model's dtype");
     TORCH_CHECK(k_buffer.dim() == 4 && k_buffer.size(2) == Hkv && k_buffer.size(3) == D &&
@@ -357,8 +363,12 @@ struct DecodeStack : torch::CustomClassHolder {
                            const c10::optional<at::Tensor>& sc) {
       traced("astrai_cpu::store_kv", [&] { store_kv(rows_, loc, buf, sc); return 0; });
     };
+    // (float_norms: the float32 norm of the rows converted to float32, rounded once, as
+    // OffsetRMSNorm computes it: the kernel's float32 instantiation, whose sums are the layers')
     const auto norm_rows = [&](const at::Tensor& t, const at::Tensor& w) {
-      return traced("astrai_cpu::rms_norm", [&] { return rms_norm(t, w, eps); });
+      return traced("astrai_cpu::rms_norm", [&] {
+        return float_norms ? rms_norm(t.to(at::kFloat), w, eps).to(dtype) : rms_norm(t, w, eps);
+      });
     };
     for (int64_t l = 0; l < n_layers; ++l) {
       const size_t w = 4 * l;

@@ -12,9 +12,10 @@ Either with a gated MLP or a mixture of experts (``SparseMoE``: Qwen3-MoE, Mixtr
 shared expert) whose experts are quantized in one layout per projection.
 
 Otherwise (partial rotary, soft-capped scores, other MLPs or experts held otherwise, unfused
-projections, a tensor-parallel shard, Gemma's ``1 + weight`` norms on a model not in float32,
-where the layers round in float32 between the model's bf16 steps) it is ``None`` and the model
-runs its layers one by one.
+projections, a tensor-parallel shard, norms of both kinds in one model) it is ``None`` and the
+model runs its layers one by one. Gemma's ``1 + weight`` norms on bf16 rows compute in float32 and
+round once (``OffsetRMSNorm``): the stack gets them as float32 weights (``float_norms``), which its
+norm applies in the same way.
 """
 
 from __future__ import annotations
@@ -81,15 +82,22 @@ class DecoderStack:
     experts: tuple[Experts | None, ...] = ()
     # (experts, top_k, norm_topk, expert intermediate, shared intermediate) of every mixture
     expert_sizes: tuple[int, ...] = ()
+    # the norm weights are float32 on a model of narrower dtype (Gemma's ``1 + weight``)
+    float_norms: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype: its rows, K/V and biases."""
+        return torch.bfloat16 if self.float_norms else self.norms[0].dtype
 
 
 def _norm_weight(norm: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
     """What ``norm`` multiplies by, when the stack's norm (rounding as the layers' kernel does in
     ``dtype``) is what it computes: ``weight`` of an ``RMSNorm``; ``1 + weight`` of Gemma's
-    ``OffsetRMSNorm`` on float32 rows only (on bf16 ones it rounds once, from float32)."""
+    ``OffsetRMSNorm`` in float32 (on bf16 rows it rounds once, from float32: ``float_norms``)."""
     if type(norm) is RMSNorm:
         return norm.weight
-    if type(norm) is OffsetRMSNorm and dtype == torch.float32:
+    if type(norm) is OffsetRMSNorm and dtype in (torch.float32, torch.bfloat16):
         return norm.scale()
     return None
 
@@ -198,8 +206,12 @@ def describe(model: nn.Module) -> DecoderStack | None:
         if qk_norm:
             block_norms += [attn.q_norm, attn.k_norm]
         weights = [_norm_weight(n, dtype) for n in block_norms]
-        if any(w is None for w in weights):
-            return None
+        offset = {type(n) is OffsetRMSNorm for n in block_norms}
+        if any(w is None for w in weights) or len(offset) != 1:
+            return None  # (one dtype for every norm weight)
+        float_norms = offset.pop() and dtype != torch.float32
+        if float_norms and not sandwich:
+            return None  # (the stack's fused residual add and norm rounds in the model's dtype)
         options.add(
             (
                 attn.n_heads,
@@ -208,10 +220,11 @@ def describe(model: nn.Module) -> DecoderStack | None:
                 attn.scale,
                 sandwich,
                 qk_norm,
+                float_norms,
                 *(n.eps for n in block_norms),
             )
         )
-        norms += [w.detach().to(dtype).contiguous() for w in weights]
+        norms += [w.detach().to(torch.float32 if float_norms else dtype).contiguous() for w in weights]
         linears += parts
         if attn.qkv_proj.bias is not None:
             biases.append(attn.qkv_proj.bias.detach().to(dtype).contiguous())
@@ -221,7 +234,7 @@ def describe(model: nn.Module) -> DecoderStack | None:
         return None
     if len(biases) not in (0, len(layers)):
         return None
-    (n_heads, n_kv_heads, head_dim, scale, sandwich, qk_norm, *eps) = options.pop()
+    (n_heads, n_kv_heads, head_dim, scale, sandwich, qk_norm, float_norms, *eps) = options.pop()
     if len(set(eps)) != 1:
         return None
     tables = tuple(1 if w else 0 for w in windows) if hasattr(model, "rotary_local") else ()
@@ -242,4 +255,5 @@ def describe(model: nn.Module) -> DecoderStack | None:
         tables if any(tables) else (),
         tuple(experts) if mixtures else (),
         next(iter(mixtures))[0] if mixtures else (),
+        float_norms,
     )
