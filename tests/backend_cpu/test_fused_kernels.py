@@ -53,6 +53,23 @@ def test_rms_norm_and_its_residual_form(dtype, rows):
     close(n, F.rms_norm(x + r, (576,), eps=1e-5) * w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_float32_weights_on_narrow_rows_round_once(dtype, rows):
+    """Gemma's ``1 + weight`` norm (``OffsetRMSNorm``) on bf16 rows: float32 throughout, one rounding
+    at the end. Given float32 weights, the kernel gives the bits of its own float32 norm of the rows
+    widened to float32, then rounded (the layers' computation, which the whole-step kernel repeats)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 640, generator=gen).to(dtype)
+    w = 1 + torch.randn(640, generator=gen) / 4
+    op = torch.ops.astrai_cpu.rms_norm
+    with torch.no_grad():
+        got, want = op(x, w, 1e-6), op(x.float(), w, 1e-6).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    if rows > 1:  # (rounding the weights first, or the normed rows, differs somewhere)
+        assert not torch.equal(got, op(x, w.to(dtype), 1e-6))
+
+
 def test_non_contiguous_rows_are_accepted():
     x = torch.randn(4, 1200)[:, 16:592]  # row stride 1200
     w = torch.randn(576)

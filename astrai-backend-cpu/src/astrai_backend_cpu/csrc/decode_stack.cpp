@@ -363,12 +363,10 @@ struct DecodeStack : torch::CustomClassHolder {
                            const c10::optional<at::Tensor>& sc) {
       traced("astrai_cpu::store_kv", [&] { store_kv(rows_, loc, buf, sc); return 0; });
     };
-    // (float_norms: the float32 norm of the rows converted to float32, rounded once, as
-    // OffsetRMSNorm computes it: the kernel's float32 instantiation, whose sums are the layers')
+    // (float_norms: float32 weights on the bf16 rows, which rms_norm widens, norms as float32 rows
+    // and rounds once, as OffsetRMSNorm computes it)
     const auto norm_rows = [&](const at::Tensor& t, const at::Tensor& w) {
-      return traced("astrai_cpu::rms_norm", [&] {
-        return float_norms ? rms_norm(t.to(at::kFloat), w, eps).to(dtype) : rms_norm(t, w, eps);
-      });
+      return traced("astrai_cpu::rms_norm", [&] { return rms_norm(t, w, eps); });
     };
     for (int64_t l = 0; l < n_layers; ++l) {
       const size_t w = 4 * l;

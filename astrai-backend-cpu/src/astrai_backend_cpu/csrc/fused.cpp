@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -45,23 +47,45 @@ inline float to_float<c10::BFloat16>(c10::BFloat16 v) {
   return f;
 }
 
+// One float32 row: x * rsqrt(mean(x^2) + eps) * w. Out of line, so that float32 rows and the
+// float32 weights of narrower rows (widened first) run the same instructions: the same bits.
+__attribute__((noinline)) void rms_norm_row_f32(const float* x, const float* w, float* out, int64_t width, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < width; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(width) + eps);
+  for (int64_t i = 0; i < width; ++i) out[i] = x[i] * inv * w[i];
+}
+
 // out = T(T(x * rsqrt(mean(x^2) + eps)) * w): F.rms_norm(x) (float32 inside, one rounding)
-// then `* weight` in the model dtype (float32 product, one rounding).
-template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t width, int64_t stride, float eps) {
+// then `* weight` in the model dtype (float32 product, one rounding). With float32 weights (W
+// float) on bf16 or f16 rows: each row widened to float32, normed as a float32 row is, rounded
+// once (Gemma's `1 + weight` norm: OffsetRMSNorm's float32 norm of the widened rows, then `.to`).
+template <typename T, typename W>
+void rms_norm_rows(const T* x, const W* w, T* out, int64_t rows, int64_t width, int64_t stride, float eps) {
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(std::is_same_v<W, float> && !std::is_same_v<T, float> ? 2 * width : 0);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * stride;
-      float ss = 0.f;
-      for (int64_t i = 0; i < width; ++i) {
-        const float v = to_float(xr[i]);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(width) + eps);
       T* o = out + r * width;
-      for (int64_t i = 0; i < width; ++i) {
-        const T normed = round_to<T>(to_float(xr[i]) * inv);
-        o[i] = round_to<T>(to_float(normed) * to_float(w[i]));
+      if constexpr (std::is_same_v<W, float>) {
+        if constexpr (std::is_same_v<T, float>) {
+          rms_norm_row_f32(xr, w, o, width, eps);
+        } else {
+          for (int64_t i = 0; i < width; ++i) wide[i] = to_float(xr[i]);
+          rms_norm_row_f32(wide.data(), w, wide.data() + width, width, eps);
+          for (int64_t i = 0; i < width; ++i) o[i] = round_to<T>(wide[width + i]);
+        }
+      } else {
+        float ss = 0.f;
+        for (int64_t i = 0; i < width; ++i) {
+          const float v = to_float(xr[i]);
+          ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(width) + eps);
+        for (int64_t i = 0; i < width; ++i) {
+          const T normed = round_to<T>(to_float(xr[i]) * inv);
+          o[i] = round_to<T>(to_float(normed) * to_float(w[i]));
+        }
       }
     }
   });
@@ -74,11 +98,17 @@ namespace astrai_cpu {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, hidden] with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be [hidden] in x's dtype");
+                  (weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat),
+              "rms_norm: weight must be [hidden] in x's dtype or float32");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+    if (weight.scalar_type() == at::kFloat) {
+      rms_norm_rows<scalar_t, float>(x.data_ptr<scalar_t>(), weight.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                                     x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+    } else {
+      rms_norm_rows<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                        x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+    }
   });
   return out;
 }
