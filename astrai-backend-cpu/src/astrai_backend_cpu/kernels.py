@@ -1,5 +1,5 @@
 """The plugin's fused kernels: rotary, the norms, ``linear``, ``decoder_layers``, ``quant_linear``,
-``quant_experts``, ``lora``.
+``quant_experts``, ``lora``, ``encoder_attention``.
 
 ``fused_kernels(CpuBackend)`` makes them; ``CpuBackend.kernels("cpu")`` lends them to the model
 (the contract of each op is ``AttentionBackend.kernels``'s).
@@ -154,6 +154,16 @@ class LoraKernel:
         torch.ops.astrai_cpu.lora_apply(y, x, rows, a, bt, spans)
 
 
+class EncoderAttentionKernel:
+    """The ``encoder_attention`` kernel on ``astrai_cpu::encoder_attention`` (AVX512-BF16 builds):
+    a BERT layer's attention over the packed sequences, read from its fused QKV rows in place."""
+
+    head_dims = (32, 64, 128)
+
+    def __call__(self, qkv: torch.Tensor, lengths: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+        return torch.ops.astrai_cpu.encoder_attention(qkv, lengths, heads, scale)
+
+
 def fused_kernels(backend: type) -> dict[str, Kernel]:
     """``{op: kernel}`` of the fused CPU kernels (rotary: bf16 only, by its dispatch rule); new
     kernel objects on each call (the backend asks once per instance).
@@ -170,6 +180,8 @@ def fused_kernels(backend: type) -> dict[str, Kernel]:
         ),
     }
     lent["lora"] = LoraKernel()
+    if ops.has_prefill_attention():
+        lent["encoder_attention"] = EncoderAttentionKernel()
     quant = QuantLinearKernel() if ops.has_quant_linear() else None
     if quant is not None:
         lent["quant_linear"] = quant

@@ -80,5 +80,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, co
                              const at::Tensor& q_lens, const at::Tensor& prefix_lens, double scale,
                              int64_t window = 0, const c10::optional<at::Tensor>& k_scale = c10::nullopt,
                              const c10::optional<at::Tensor>& v_scale = c10::nullopt);
+at::Tensor encoder_attention(const at::Tensor& qkv, const at::Tensor& lengths, int64_t heads, double scale);
 
 }  // namespace astrai_cpu

@@ -24,8 +24,12 @@
 // rounded once to bf16, the values torch_native's reference attends to, as each key is packed; K's
 // and V's independently.
 //
+// astrai_cpu::encoder_attention is the same work items without causality, for an encoder (BERT):
+// each sequence of a packed batch attends to all of its own tokens, q, k and v read in place from
+// the fused QKV projection's rows (no padding, no mask; MiniLM's head dim of 32 too).
+//
 // Built where the compiler targets AVX512-BF16 (has_prefill_attention()), for head dims 64 and
-// 128; the backend keeps torch_native's paths for everything else.
+// 128 (32 too for the encoder); the backend keeps torch_native's paths for everything else.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -134,9 +138,11 @@ void pack_kv(const PoolHead& kh, const PoolHead& vh, const int32_t* slots, int64
 // One item: rows r0 .. r0 + ROWS - 1 (those below n are stored) of one query head of a chunk whose
 // row 0 is at position `start`; q and out point at that head of the chunk's row 0. kp/vp hold keys
 // k0 onwards (k0 a multiple of BLOCK). window > 0: a row at position p sees p - window + 1 .. p only.
+// causal false: every row sees all the chunk's keys, 0 .. start + n - 1 (an encoder's attention).
 template <int D>
 void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, int64_t r0, const at::BFloat16* kp,
-                 const at::BFloat16* vp, int64_t k0, int64_t window, float scale, at::BFloat16* out, int64_t ldo) {
+                 const at::BFloat16* vp, int64_t k0, int64_t window, bool causal, float scale, at::BFloat16* out,
+                 int64_t ldo) {
   constexpr int NT = D / 16;                  // 16-wide tiles of an output row
   constexpr int HALF = NT >= 8 ? 2 : 4;       // rows per p.v pass: HALF x NT accumulators
   alignas(64) at::BFloat16 qb[ROWS][D];       // the rows, zero past n
@@ -153,7 +159,7 @@ void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, i
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
-  const int64_t last = start + std::min(n, r0 + ROWS) - 1;  // the last key any stored row sees
+  const int64_t last = start + (causal ? std::min(n, r0 + ROWS) : n) - 1;  // the last key any stored row sees
   // a row at position p sees keys > p - span (no limit without a window); the first block holds the
   // first key row r0 sees
   const int64_t span = window > 0 ? window : int64_t{1} << 40;
@@ -180,7 +186,7 @@ void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, i
     // online softmax; keys after the row are masked (causal; also every padded key), and keys
     // before its window
     for (int r = 0; r < ROWS; ++r) {
-      const int64_t own = start + r0 + r - b0;  // its last key, in block lanes
+      const int64_t own = (causal ? start + r0 + r : start + n - 1) - b0;  // its last key, in block lanes
       const __m512i row = _mm512_set1_epi32(static_cast<int32_t>(own));
       const __m512i lo = _mm512_set1_epi32(static_cast<int32_t>(std::max<int64_t>(own - span, -1)));
       const __m512i lanes1 = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
@@ -236,40 +242,36 @@ struct Item {
   int64_t chunk, r0, head, keys;
 };
 
-template <int D>
-void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& k_scale,
-             const at::Tensor& v_scale, const std::vector<Chunk>& chunks, int64_t window, double scale, at::Tensor& out) {
-  const int64_t Hq = q.size(1), Hkv = k_buffer.size(1), group = Hq / Hkv, W = Hkv * D;
-  const int64_t B = static_cast<int64_t>(chunks.size());
+// Attention of `chunks` (query head h of chunk c's row r at q + (c.q0 + r) * ldq + h * D; out the
+// same at ldo) over keys whose KV head g is head(g, false) for K and head(g, true) for V.
+template <int D, typename Head>
+void attend_chunks(const at::BFloat16* qp, int64_t ldq, int64_t Hq, int64_t Hkv, const std::vector<Chunk>& chunks,
+                   const Head& head, int64_t window, bool causal, double scale, at::BFloat16* op, int64_t ldo,
+                   const at::TensorOptions& options) {
+  const int64_t group = Hq / Hkv, B = static_cast<int64_t>(chunks.size());
   const auto packed_keys = [](const Chunk& c) { return (c.keys - c.k0 + BLOCK - 1) / BLOCK * BLOCK; };
   const int64_t total = chunks.empty() ? 0 : chunks.back().offset + packed_keys(chunks.back());
-  auto packed = at::empty({2, Hkv, total * D}, q.options());
+  auto packed = at::empty({2, Hkv, total * D}, options);
   auto* kp = packed.data_ptr<at::BFloat16>();
   auto* vp = kp + Hkv * total * D;
-  // KV head g of a pool: its bf16 rows, or its int8 rows and scales
-  const auto head = [&](const at::Tensor& buf, const at::Tensor& s, int64_t g) {
-    if (!s.defined()) return PoolHead{buf.data_ptr<at::BFloat16>() + g * D, nullptr, nullptr, W, Hkv};
-    return PoolHead{nullptr, buf.data_ptr<int8_t>() + g * D, s.data_ptr<float>() + g, W, Hkv};
-  };
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& c = chunks[i / Hkv];
       const int64_t g = i % Hkv;
-      pack_kv<D>(head(k_buffer, k_scale, g), head(v_buffer, v_scale, g), c.slots + c.k0, c.keys - c.k0,
-                 packed_keys(c), kp + (g * total + c.offset) * D, vp + (g * total + c.offset) * D);
+      pack_kv<D>(head(g, false), head(g, true), c.slots + c.k0, c.keys - c.k0, packed_keys(c),
+                 kp + (g * total + c.offset) * D, vp + (g * total + c.offset) * D);
     }
   });
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r0 = 0; r0 < chunks[b].n; r0 += ROWS) {
-      const int64_t keys = chunks[b].start + std::min(chunks[b].n, r0 + ROWS);  // up to its last row's
+      // up to its last row's key (every key of the chunk without causality)
+      const int64_t keys = chunks[b].start + (causal ? std::min(chunks[b].n, r0 + ROWS) : chunks[b].n);
       const int64_t seen = window > 0 ? std::min(keys, window + ROWS - 1) : keys;
       for (int64_t h = 0; h < Hq; ++h) items.push_back({b, r0, h, seen});
     }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
-  const int64_t n_items = static_cast<int64_t>(items.size()), ldq = q.stride(0), ldo = Hq * D;
-  const auto* qp = q.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t n_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n_items; i = next++) {
@@ -277,10 +279,38 @@ void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& 
       const Chunk& c = chunks[it.chunk];
       const int64_t g = it.head / group;
       attend_rows<D>(qp + c.q0 * ldq + it.head * D, ldq, c.n, c.start, it.r0, kp + (g * total + c.offset) * D,
-                     vp + (g * total + c.offset) * D, c.k0, window, static_cast<float>(scale),
+                     vp + (g * total + c.offset) * D, c.k0, window, causal, static_cast<float>(scale),
                      op + c.q0 * ldo + it.head * D, ldo);
     }
   });
+}
+
+template <int D>
+void prefill(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& k_scale,
+             const at::Tensor& v_scale, const std::vector<Chunk>& chunks, int64_t window, double scale, at::Tensor& out) {
+  const int64_t Hq = q.size(1), Hkv = k_buffer.size(1), W = Hkv * D;
+  // KV head g of a pool: its bf16 rows, or its int8 rows and scales
+  const auto head = [&](int64_t g, bool value) {
+    const at::Tensor& buf = value ? v_buffer : k_buffer;
+    const at::Tensor& s = value ? v_scale : k_scale;
+    if (!s.defined()) return PoolHead{buf.data_ptr<at::BFloat16>() + g * D, nullptr, nullptr, W, Hkv};
+    return PoolHead{nullptr, buf.data_ptr<int8_t>() + g * D, s.data_ptr<float>() + g, W, Hkv};
+  };
+  attend_chunks<D>(q.data_ptr<at::BFloat16>(), q.stride(0), Hq, Hkv, chunks, head, window, true, scale,
+                   out.data_ptr<at::BFloat16>(), Hq * D, q.options());
+}
+
+// An encoder's attention: qkv [T, 3 * H * D], each row its token's q | k | v; sequence b is rows
+// starts[b] .. + lengths[b] - 1 and sees exactly those keys.
+template <int D>
+void encoder(const at::Tensor& qkv, const std::vector<Chunk>& chunks, int64_t heads, double scale, at::Tensor& out) {
+  const auto* base = qkv.data_ptr<at::BFloat16>();
+  const int64_t W = qkv.stride(0);
+  const auto head = [&](int64_t g, bool value) {
+    return PoolHead{base + (value ? 2 : 1) * heads * D + g * D, nullptr, nullptr, W, heads};
+  };
+  attend_chunks<D>(base, W, heads, heads, chunks, head, 0, false, scale, out.data_ptr<at::BFloat16>(), heads * D,
+                   qkv.options());
 }
 #endif
 
@@ -358,13 +388,52 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, co
   return out;
 }
 
+at::Tensor encoder_attention(const at::Tensor& qkv, const at::Tensor& lengths, int64_t heads, double scale) {
+  TORCH_CHECK(has_prefill_attention(), "encoder_attention: built without AVX512-BF16");
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "encoder_attention: qkv must be bf16 [T, 3 * heads * head_dim] with contiguous rows");
+  TORCH_CHECK(heads > 0 && qkv.size(1) % (3 * heads) == 0, "encoder_attention: qkv's width is not 3 * heads * head_dim");
+  const int64_t D = qkv.size(1) / (3 * heads);
+  TORCH_CHECK(D == 32 || D == 64 || D == 128, "encoder_attention: head dim 32, 64 or 128");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1, "encoder_attention: lengths must be int64 [B]");
+  const auto lens = lengths.contiguous();
+  const int64_t* n = lens.data_ptr<int64_t>();
+  const int64_t T = qkv.size(0);
+  std::vector<int32_t> slots(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) slots[t] = static_cast<int32_t>(t);
+  std::vector<Chunk> chunks;
+  int64_t row = 0, offset = 0;
+  for (int64_t b = 0; b < lens.numel(); ++b) {
+    TORCH_CHECK(n[b] >= 1 && row + n[b] <= T, "encoder_attention: lengths must be at least 1 and sum to qkv's rows");
+    chunks.push_back({row, n[b], 0, n[b], offset, 0, slots.data() + row});
+    row += n[b];
+    offset += (n[b] + BLOCK - 1) / BLOCK * BLOCK;
+  }
+  TORCH_CHECK(row == T, "encoder_attention: lengths must be at least 1 and sum to qkv's rows");
+  auto out = at::empty({T, heads * D}, qkv.options());
+#if defined(__AVX512BF16__)
+  if (D == 32) {
+    encoder<32>(qkv, chunks, heads, scale, out);
+  } else if (D == 64) {
+    encoder<64>(qkv, chunks, heads, scale, out);
+  } else {
+    encoder<128>(qkv, chunks, heads, scale, out);
+  }
+#endif
+  return out;
+}
+
 }  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
+  m.def("encoder_attention(Tensor qkv, Tensor lengths, int heads, float scale) -> Tensor");
   m.def("has_prefill_attention() -> bool", &astrai_cpu::has_prefill_attention);
   m.def("prefill_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, "
         "Tensor q_starts, Tensor q_lens, Tensor prefix_lens, float scale, int window=0, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("prefill_attention", &astrai_cpu::prefill_attention); }
+TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
+  m.impl("prefill_attention", &astrai_cpu::prefill_attention);
+  m.impl("encoder_attention", &astrai_cpu::encoder_attention);
+}

@@ -8,10 +8,8 @@ that a checkpoint loads as it is. Sentence embeddings pool the token states them
 first token's state through ``tanh(dense(.))``, and its ``classifier`` gives each input's logits.
 
 A batch is a list of sequences of different lengths, packed: every linear runs on the packed tokens
-only. Attention alone sees them padded: the sequences sorted by length and cut into groups whose
-padding stays under a third of their tokens (``_groups``), one ``scaled_dot_product_attention`` a
-group (masked only where its lengths differ), its output packed again. Padding everything to the
-longest sequence made attention a quarter of a mixed batch's time.
+only, and attention too where a backend lends the ``encoder_attention`` kernel (bf16), else on the
+sequences padded in groups (``astrai.model.bert_attention``).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from astrai.errors import ModelFormatError
+from astrai.model.bert_attention import Attend, attention
 
 __all__ = ["BertConfig", "BertModel"]
 
@@ -132,53 +131,6 @@ class _Intermediate(nn.Module):
         self.dense = nn.Linear(hidden, inter)
 
 
-@dataclass(frozen=True)
-class _Group:
-    """Sequences padded together for attention: ``padded`` [B, L] each position's packed row (T for
-    padding), ``valid`` [B * L] the positions that are tokens, ``rows`` those positions' packed rows
-    in that order, ``mask`` [B, 1, 1, L] the keys each query sees (None: no padding)."""
-
-    padded: torch.Tensor
-    valid: torch.Tensor
-    rows: torch.Tensor
-    mask: torch.Tensor | None
-
-
-#: the most padding a group of sequences may hold, as a fraction of its tokens
-_WASTE = 1 / 3
-
-
-def _groups(lengths: torch.Tensor) -> list[_Group]:
-    """The sequences of ``lengths`` (packed one after another) in groups for attention: by length,
-    each group padded to its longest, a sequence joining the group before it while the group's
-    padding stays under ``_WASTE`` of its tokens."""
-    T = int(lengths.sum())
-    starts = torch.cumsum(lengths, 0) - lengths
-    order = sorted(range(len(lengths)), key=lambda i: int(lengths[i]))
-    spans: list[list[int]] = [[]]
-    tokens = 0
-    for i in order:  # ascending: a sequence is its group's longest so far
-        n = int(lengths[i])
-        if spans[-1] and (len(spans[-1]) + 1) * n > (1 + _WASTE) * (tokens + n):
-            spans.append([])
-            tokens = 0
-        spans[-1].append(i)
-        tokens += n
-    groups = []
-    for members in spans:
-        idx = torch.tensor(members)
-        n, L = lengths[idx], int(lengths[idx].max())
-        column = torch.arange(L)
-        is_token = column.unsqueeze(0) < n.unsqueeze(1)
-        padded = torch.where(is_token, starts[idx].unsqueeze(1) + column, torch.full((), T))
-        valid = is_token.reshape(-1)
-        same = bool((n == L).all())
-        groups.append(
-            _Group(padded, valid, padded.reshape(-1)[valid], None if same else is_token.view(-1, 1, 1, L))
-        )
-    return groups
-
-
 class BertLayer(nn.Module):
     """``h = LN(x + attn(x))``, then ``LN(h + down(act(up(h))))``."""
 
@@ -191,18 +143,9 @@ class BertLayer(nn.Module):
         self.heads = config.num_attention_heads
         self.act = _ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, groups: list[_Group]) -> torch.Tensor:
-        """``x`` [T, H] packed; ``groups`` the padded groups of its sequences (``_groups``)."""
-        qkv = self.attention.self(x)
-        qkv = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])])  # row T: padding
-        out = torch.empty_like(x)
-        for g in groups:
-            B, L = g.padded.shape
-            q, k, v = qkv[g.padded].view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask)  # [B, heads, L, d]
-            o = o.transpose(1, 2).reshape(B * L, -1)
-            out[g.rows] = o if g.mask is None else o[g.valid]
-        h = self.attention.output(out, x)
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """``x`` [T, H] packed; ``attend`` its sequences' attention (``astrai.model.bert_attention``)."""
+        h = self.attention.output(attend(self.attention.self(x), self.heads), x)
         return self.output(self.act(self.intermediate.dense(h)), h)
 
 
@@ -268,9 +211,9 @@ class BertModel(nn.Module):
             + emb.position_embeddings(positions)
         )
         x = emb.LayerNorm(x)
-        groups = _groups(lengths)  # (once for every layer)
+        attend = attention(x, lengths)  # (once for every layer)
         for layer in self.encoder.layer:
-            x = layer(x, groups)
+            x = layer(x, attend)
         return x
 
     def load_weights(self, state: dict[str, torch.Tensor], where: str = "") -> None:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 #: The ops a backend may lend a kernel for (``AttentionBackend.kernels`` gives each one's contract).
 OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
-OPS += ("quant_experts", "lora")
+OPS += ("quant_experts", "lora", "encoder_attention")
 
 #: A fused kernel: a callable, or an object with the methods and attributes its op names.
 Kernel = Callable[..., Any]
@@ -123,6 +123,12 @@ class AttentionBackend(ABC):
           ``bt`` ``[R, C]`` (float32) and ``spans`` int64 ``[parts, 3]`` ``(o0, o1, c0)``: part ``p``
           adds ``(x @ a[p*R:(p+1)*R].T) @ bt[:, c0:c0 + o1 - o0]`` to ``y[:, o0:o1]`` (empty tensors
           for a slot the module has no update for); ``dtypes`` the ``x`` dtypes it takes.
+        - ``encoder_attention``: ``kernel(qkv, lengths, heads, scale)`` for bf16 ``qkv [T, 3 * heads *
+          head_dim]`` (each row a token's q, k and v heads side by side; rows may be strided), the
+          sequences one after another, ``lengths`` int64 ``[B]`` their tokens: each sequence's
+          bidirectional attention over its own tokens alone, ``[T, heads * head_dim]`` (an
+          encoder's, ``astrai.model.bert``; probabilities rounded to bf16 before their product with
+          V, as PyTorch's flash attention rounds them); ``head_dims``: the head dims it takes.
         - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
           hidden]``, the rotary rows ``freqs``, a list of ``[1, T, head_dim/2, 2]`` tables (the
           model's, then its local layers'; ``model.decoder_stack()`` says which turns each
