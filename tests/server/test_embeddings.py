@@ -50,13 +50,13 @@ def oracle():
     return SentenceTransformer(str(resolve_model(EMB)[1]), device="cpu")
 
 
-def _close(got: list[list[float]], want: Any) -> None:
+def _close(got: list[list[float]], want: Any, least: float = 0.9999) -> None:
     got_t = torch.tensor(got)
     assert got_t.shape == tuple(want.shape)
-    assert F.cosine_similarity(got_t, want).min() >= 0.9999
+    assert F.cosine_similarity(got_t, want).min() >= least
 
 
-def test_the_sdk_gets_sentence_transformers_vectors_as_floats_and_as_base64(client, oracle) -> None:
+def test_the_sdk_gets_sentence_transformers_vectors_as_floats_and_as_base64(served, client, oracle) -> None:
     """Left to itself the SDK asks for base64 and decodes it; asked for floats, it gets JSON numbers;
     asked for base64 explicitly, it hands over the string (little-endian float32)."""
     want = oracle.encode(TEXTS, convert_to_tensor=True)
@@ -65,10 +65,18 @@ def test_the_sdk_gets_sentence_transformers_vectors_as_floats_and_as_base64(clie
     _close([d.embedding for d in r.data], want)
     ids = sum(map(len, oracle.tokenizer(TEXTS)["input_ids"]))
     assert r.usage.prompt_tokens == r.usage.total_tokens == ids
-    floats = [d.embedding for d in r.data]
-    assert [d.embedding for d in client.embeddings.create(model=EMB, input=TEXTS).data] == floats
+    # each number the shortest that reads back as the float32 (OpenAI's form): the base64 bytes' values
+    floats = np.array([d.embedding for d in r.data], dtype=np.float32)
+    sdk = np.array([d.embedding for d in client.embeddings.create(model=EMB, input=TEXTS).data], np.float32)
+    assert np.array_equal(sdk, floats)
     raw = client.embeddings.create(model=EMB, input=TEXTS, encoding_format="base64").data
-    assert [np.frombuffer(base64.b64decode(d.embedding), "<f4").tolist() for d in raw] == floats
+    assert np.array_equal(
+        np.stack([np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in raw]), floats
+    )
+    body = {"model": EMB, "input": TEXTS[:1]}
+    text = httpx.post(served.url + "/v1/embeddings", json=body, timeout=60).text
+    numbers = text.split('"embedding":[')[1].split("]")[0].split(",")
+    assert len(numbers) == 384 and max(map(len, numbers)) <= 15  # float32's 9 digits at most, not 17
 
 
 def test_token_ids_are_inputs_too(client, oracle) -> None:
@@ -406,6 +414,29 @@ def test_a_pooling_model_alone_serves_its_routes_and_refuses_generation(start_se
     assert tokenize.status_code == 400 and tokenize.json()["error"]["message"] == message
     stats = httpx.get(served.url + "/stats", timeout=10).json()
     assert set(stats) == {"pooling"} and stats["pooling"]["minilm"]["inputs"] == len(TEXTS)
+
+
+def test_dtype_sets_what_every_pooling_model_computes_in(start_server, served, oracle) -> None:
+    """``--dtype bfloat16`` (the default where the CPU computes bf16 natively): the pooling model
+    served alone and the one of ``--embedding-model`` both compute in bf16, as their start logs say;
+    their vectors are not float32's (the ``served`` fixture's) but within a cosine of 0.9995 of
+    sentence-transformers'."""
+    bf16 = start_server(
+        "--model", EMB, "--served-model-name", "solo", "--embedding-model", EMB, "--dtype", "bfloat16"
+    )
+    body = {"input": TEXTS, "encoding_format": "float"}
+    vectors = {}
+    for name, at in (("solo", bf16), (EMB, bf16), ("float32", served)):
+        r = httpx.post(
+            at.url + "/v1/embeddings", json={**body, "model": name if at is bf16 else EMB}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        vectors[name] = [d["embedding"] for d in r.json()["data"]]
+    assert vectors["solo"] == vectors[EMB] != vectors["float32"]
+    _close(vectors["solo"], oracle.encode(TEXTS, convert_to_tensor=True), least=0.9995)
+    log = bf16.log()
+    assert "serving the pooling model minilm-l6 as 'solo' alone (embed, bfloat16)" in log
+    assert "pooling model ready: minilm-l6 as 'minilm-l6' (embed, bfloat16;" in log
 
 
 def test_task_embed_serves_a_causal_lm_as_an_embedder_alone(start_server, tmp_path) -> None:

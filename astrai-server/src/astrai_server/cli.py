@@ -95,7 +95,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _flag(
         p,
         "dtype",
-        "weights and KV dtype; default: bf16 where native, else float32",
+        "weights and KV dtype of every model served, pooling models too; default: bf16 where native, else float32",
         choices=["float32", "bfloat16", "float16"],
     )
     _flag(

@@ -158,8 +158,6 @@ class EngineLoader:
         """``--model`` is a pooling model: it is the engine (``/health``, ``/stats``) and the one
         pooling model, under ``--served-model-name`` (``--embedding-model`` adds another); the
         generation routes refuse every request (``app._ready_engine``)."""
-        import torch
-
         from astrai.embedding import load_embedder
 
         s = self.settings
@@ -168,8 +166,9 @@ class EngineLoader:
         else:
             embedders = {}
         task = s.task if s.task != "generate" else None
-        dtype = getattr(torch, s.dtype) if s.dtype else torch.float32
-        embedder = load_embedder(model or "", dtype, task=task, engine_config=s.engine_config())
+        embedder = load_embedder(
+            model or "", self._pooling_dtype(), task=task, engine_config=s.engine_config()
+        )
         embedders = {s.served_model_name: embedder, **embedders}
         with self._lock:
             if not self._stopped:
@@ -180,10 +179,11 @@ class EngineLoader:
                 e.shutdown()
             return
         logger.info(
-            "serving the pooling model %s as %r alone (%s)",
+            "serving the pooling model %s as %r alone (%s, %s)",
             s.model,
             s.served_model_name,
             embedders[s.served_model_name].task,
+            str(self._pooling_dtype()).removeprefix("torch."),
         )
 
     def _embedders(self) -> dict[str, Any]:
@@ -192,14 +192,16 @@ class EngineLoader:
         from astrai.model.resolve import local_model
 
         loaded: dict[str, Any] = {}
+        dtype = self._pooling_dtype()
         try:
             for name, model in self.settings.pooling_names().items():
-                embedder = loaded[name] = load_embedder(local_model(model, None) or model)
+                embedder = loaded[name] = load_embedder(local_model(model, None) or model, dtype)
                 logger.info(
-                    "pooling model ready: %s as %r (%s; inputs of up to %d tokens%s)",
+                    "pooling model ready: %s as %r (%s, %s; inputs of up to %d tokens%s)",
                     model,
                     name,
                     embedder.task,
+                    str(dtype).removeprefix("torch."),
                     embedder.context_limit,
                     f", {embedder.dimensions} dimensions, {embedder.pooling.mode} pooling"
                     + (", normalized" if embedder.pooling.normalize else "")
@@ -211,6 +213,16 @@ class EngineLoader:
                 embedder.shutdown()
             raise
         return loaded
+
+    def _pooling_dtype(self) -> Any:
+        """What pooling models compute in: ``--dtype``, as the chat model does; by default bf16 on
+        CPUs with native bf16 dot products (a MiniLM vector then within a cosine of 0.9999 of
+        float32's; ``benchmarks/embed_bench.py``), else float32."""
+        import torch
+
+        from astrai.model import default_dtype
+
+        return getattr(torch, self.settings.dtype) if self.settings.dtype else default_dtype("cpu")
 
     def _failed(self, exc: Exception) -> None:
         logger.debug("loading the model failed", exc_info=exc)

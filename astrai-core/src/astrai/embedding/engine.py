@@ -31,6 +31,7 @@ import torch
 from astrai.embedding.gather import Gatherer
 from astrai.embedding.pooling import Pooling, pool
 from astrai.errors import EngineNotReady, ModelFormatError, RequestRejected
+from astrai.extension.backend.policy import load_backends
 from astrai.model.bert import BertModel
 
 __all__ = ["ACTIVATIONS", "EmbeddingEngine", "Withdrawable", "check_inputs", "saved_activation"]
@@ -101,8 +102,9 @@ class EmbeddingEngine:
         max_batch_tokens: int = 2048,
         max_batch_size: int = 256,
         activation: str = "Sigmoid",
-        regather: float = 0.25,
+        regather: float = 0.5,
     ) -> None:
+        load_backends()  # their fused kernels (the encoder's attention), as an engine's start does
         self.model, self.tokenizer, self.pooling, self.name = model, tokenizer, pooling, name
         #: "embed" (vectors) or "score" (a cross-encoder's relevance of each pair)
         self.task = "score" if model.config.num_labels else "embed"
