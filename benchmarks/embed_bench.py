@@ -1,7 +1,12 @@
 """Embedding throughput: ``astrai serve --embedding-model minilm-l6`` against sentence-transformers'
 ``encode`` on the same files (in this process, same cores) and llama.cpp's ``llama-server
---embeddings`` on a GGUF of the same model (written by llama.cpp's own ``convert_hf_to_gguf.py``,
-float32 like the others), same client, one server at a time.
+--embeddings`` on a GGUF of the same model (written by llama.cpp's own ``convert_hf_to_gguf.py``),
+same client, one server at a time.
+
+Each in the dtype it computes in by default and in the other: astrai (``astrai``: bf16 on CPUs that
+compute it natively, else float32; ``astrai_float32``: ``--dtype float32``), sentence-transformers
+(float32; ``sentence_transformers_bf16``: the model loaded in bf16) and llama-server (the converter's
+float32 file; ``llama_server_bf16``: its bf16 file).
 
 The texts: 512 sentences of a fixed mix of lengths (8 to 160 words; seeded), the same for every
 system. Workloads:
@@ -14,8 +19,8 @@ system. Workloads:
 Each system's vectors of the first 32 sentences are compared with sentence-transformers' (the least
 cosine similarity is reported), so that the speeds are of the same work. Prints one JSON object:
 sentences/s per system and workload, astrai over each peer, and the physical floor: the encoder's
-float32 FLOPs for the texts' tokens (2 per weight of its layers per token, and attention's) against
-this machine's float32 matmul rate, as the most sentences/s float32 arithmetic allows.
+FLOPs for the texts' tokens (2 per weight of its layers per token, and attention's) against this
+machine's float32 and bf16 matmul rates, as the most sentences/s each allows.
 
 Needs ``../shared/peers`` built (``setup.sh``: llama-server and llama.cpp's source) for the
 llama-server run; ``--no-peer`` leaves it out.
@@ -55,12 +60,12 @@ def texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.choice(lengths))) + "." for _ in range(n)]
 
 
-def write_gguf(folder: Path, out: Path) -> Path:
-    """MiniLM as llama.cpp's converter writes it (float32)."""
+def write_gguf(folder: Path, out: Path, outtype: str = "f32") -> Path:
+    """MiniLM as llama.cpp's converter writes it (``outtype``: f32 or bf16)."""
     if not out.exists():
         env = {**os.environ, "PYTHONPATH": str(CONVERTER / "gguf-py")}
         cmd = [sys.executable, str(CONVERTER / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out)]
-        subprocess.run([*cmd, "--outtype", "f32"], check=True, env=env, capture_output=True)
+        subprocess.run([*cmd, "--outtype", outtype], check=True, env=env, capture_output=True)
     return out
 
 
@@ -90,13 +95,14 @@ async def run_server(base: str, model: str, sentences: list[str], quick: bool) -
     return out
 
 
-def run_sentence_transformers(folder: Path, sentences: list[str]) -> dict:
+def run_sentence_transformers(folder: Path, sentences: list[str], dtype: str = "float32") -> dict:
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = SentenceTransformer(str(folder), device="cpu")
-    out = {"first32": model.encode(sentences[:32]).tolist()}
+    kwargs = {"torch_dtype": getattr(torch, dtype)}
+    model = SentenceTransformer(str(folder), device="cpu", model_kwargs=kwargs)
+    out = {"first32": model.encode(sentences[:32], convert_to_tensor=True).float().tolist()}
     start = time.perf_counter()
     for i in range(0, len(sentences), 64):
         model.encode(sentences[i : i + 64], batch_size=64)
@@ -108,9 +114,9 @@ def run_sentence_transformers(folder: Path, sentences: list[str]) -> dict:
     return out
 
 
-def floor(folder: Path, sentences: list[str]) -> dict:
-    """The most sentences/s float32 arithmetic allows here: the encoder's FLOPs for the texts (no
-    padding) at the best rate of a 1024^3 float32 matmul on every core."""
+def floor(folder: Path, sentences: list[str], dtype: object = None) -> dict:
+    """The most sentences/s ``dtype`` (float32 by default) arithmetic allows here: the encoder's
+    FLOPs for the texts (no padding) at the best rate of a 1024^3 matmul in it on every core."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -120,7 +126,7 @@ def floor(folder: Path, sentences: list[str]) -> dict:
     per_token = 2 * layers * (4 * h * h + 2 * h * inter)  # q, k, v, o and the MLP
     attention = sum(4 * layers * n * n * h for n in lengths)  # scores and their sum of values
     flops = per_token * sum(lengths) + attention
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
     best = float("inf")
     for _ in range(20):
         start = time.perf_counter()
@@ -152,46 +158,21 @@ def main() -> int:
     sentences = texts(64 if args.quick else 512)
     log_dir = Path(tempfile.mkdtemp(prefix="embed-bench-"))
     results: dict = {"sentence_transformers": run_sentence_transformers(folder, sentences)}
+    results["sentence_transformers_bf16"] = run_sentence_transformers(folder, sentences, "bfloat16")
     bindir = Path(sys.executable).parent
-    port = bench.free_port()
-    astrai = bench.System(
-        "astrai",
-        [str(bindir / "astrai"), "serve", "--embedding-model", "minilm-l6", "--port", str(port)],
-        "minilm-l6",
-        {},
-        port,
-    )
-    systems = [astrai]
-    if not args.no_peer:
-        gguf = write_gguf(folder, log_dir / "minilm-f32.gguf")
+    systems = []
+    for name, flags in (("astrai", []), ("astrai_float32", ["--dtype", "float32"])):
         port = bench.free_port()
-        llama = [
-            str(LLAMA_SERVER),
-            "-m",
-            str(gguf),
-            "--embeddings",
-            "--pooling",
-            "mean",
-            "-t",
-            "2",
-            "-tb",
-            "2",
-        ]
-        llama += [
-            "-c",
-            "4096",
-            "-np",
-            "8",
-            "-b",
-            "4096",
-            "-ub",
-            "4096",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
-        systems.append(bench.System("llama_server", llama, "minilm", {}, port))
+        serve = [str(bindir / "astrai"), "serve", "--embedding-model", "minilm-l6", "--port", str(port)]
+        systems.append(bench.System(name, serve + flags, "minilm-l6", {}, port))
+    if not args.no_peer:
+        for name, outtype in (("llama_server", "f32"), ("llama_server_bf16", "bf16")):
+            gguf = write_gguf(folder, log_dir / f"minilm-{outtype}.gguf", outtype)
+            port = bench.free_port()
+            llama = [str(LLAMA_SERVER), "-m", str(gguf), "--embeddings", "--pooling", "mean"]
+            llama += ["-t", "2", "-tb", "2", "-c", "4096", "-np", "8", "-b", "4096", "-ub", "4096"]
+            llama += ["--host", "127.0.0.1", "--port", str(port)]
+            systems.append(bench.System(name, llama, "minilm", {}, port))
     for system in systems:
         with bench.serving(system, log_dir) as head:
             results[system.name] = {
@@ -205,14 +186,27 @@ def main() -> int:
             "sentences_per_s": {w: round(r[w], 1) for w in ("batch64", "single")},
             "least_cosine_vs_sentence_transformers": round(least_cosine(r.pop("first32"), reference), 6),
         }
-    for peer in ("sentence_transformers", "llama_server"):
+    for ours, peer in (
+        ("astrai", "sentence_transformers"),
+        ("astrai", "sentence_transformers_bf16"),
+        ("astrai", "llama_server"),
+        ("astrai", "llama_server_bf16"),
+        ("astrai_float32", "sentence_transformers"),
+        ("astrai_float32", "llama_server"),
+    ):
         if peer in summary:
-            summary[f"astrai_over_{peer}"] = {
-                w: round(summary["astrai"]["sentences_per_s"][w] / summary[peer]["sentences_per_s"][w], 2)
+            summary[f"{ours}_over_{peer}"] = {
+                w: round(summary[ours]["sentences_per_s"][w] / summary[peer]["sentences_per_s"][w], 2)
                 for w in ("batch64", "single")
             }
+    import torch
+
+    from astrai.model import default_dtype
+
     config = {"sentences": len(sentences), "cores": os.cpu_count(), "logs": str(log_dir), "quick": args.quick}
+    config["astrai_dtype"] = str(default_dtype("cpu")).removeprefix("torch.")
     config["float32_floor"] = floor(folder, sentences)
+    config["bf16_floor"] = floor(folder, sentences, torch.bfloat16)
     print(json.dumps({"config": config, "results": summary}, indent=2))
     return 0
 
