@@ -27,7 +27,6 @@ from astrai.errors import RequestRejected
 from astrai.extension.backend.policy import check_features, load_backends
 from astrai.grammar import GrammarCache
 from astrai.hooks import HookThread, PluginManager
-from astrai.hugepages import huge_pages
 from astrai.kvcache import PagePool
 from astrai.kvcache.sizing import kv_config
 from astrai.malloc import tune_malloc
@@ -143,8 +142,6 @@ class InferenceEngine:
         self.scheduler.start(
             warm_up=True
         )  # returns once a first forward has packed weights and built kernels
-        if param.device.type == "cpu":  # the weights as packed, the KV pool: on 2 MB pages (astrai.hugepages)
-            logger.info("huge pages: %.0f MiB of the process's memory", huge_pages() / 2**20)
         if (
             self.kv_tier is not None and self.kv_tier.disk is not None
         ):  # its weights hashed, its pages indexed
