@@ -188,11 +188,11 @@ def test_health_answers_within_100ms_while_max_size_bodies_are_processed(server:
         rss_before = _rss_kib(server)
         for name, (route, make, refusal) in MAX_BODIES.items():
             body = make()
-            latencies, (status, error) = _probe_while_posting(server, probe, route, body)
-            if (
-                max(latencies) >= 0.1
-            ):  # once more: one slow probe can be the shared machine's, not the server's
+            for _ in range(3):  # one slow probe can be the shared machine's (2 cores, another test's
+                # server beside this one), not the server's: a loop held by the body is slow every time
                 latencies, (status, error) = _probe_while_posting(server, probe, route, body)
+                if max(latencies) < 0.1:
+                    break
             assert status == 400, (name, error)
             assert _shape(route, error).startswith(refusal), (name, error)
             assert refusal == VALUES or "but the context limit is 1024 tokens" in _shape(route, error), (
