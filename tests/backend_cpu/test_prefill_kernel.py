@@ -89,7 +89,9 @@ def attention(q, k, v, prefix, dtype, window=0):
     )[0].transpose(0, 1)
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (2, 1, 128)])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (2, 1, 128), (4, 1, 256)]
+)  # (4, 1, 256): Gemma 3 270M's heads
 @pytest.mark.parametrize(
     ("n", "prefix"),
     [(1, 0), (7, 0), (8, 0), (9, 0), (31, 0), (33, 0), (257, 0), (2, 16), (40, 32), (9, 100), (100, 5)],
@@ -107,7 +109,7 @@ def test_matches_float64_as_closely_as_sdpa(kernel, n, prefix, hq, hkv, d):
     assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
 @pytest.mark.parametrize(
     ("n", "prefix", "window"),
     [
@@ -181,7 +183,7 @@ def test_refuses_what_it_does_not_compute(kernel):
     with pytest.raises(RuntimeError, match="bf16 only"):
         kernel(q.float(), k_buf.float(), v_buf.float(), table, [(0, 0, 4, 0)], 0.125)
     q32, k32, v32 = qkv_slices(4, 4, 2, 32, seed=0)
-    with pytest.raises(RuntimeError, match="head dim 64 or 128"):
+    with pytest.raises(RuntimeError, match="head dim 64, 128 or 256"):
         kernel(q32, *scattered_pool([k32], [v32]), [(0, 0, 4, 0)], 0.125)
     with pytest.raises(RuntimeError, match="multiple of Hkv"):
         kernel(q[:, :3], k_buf, v_buf, table, [(0, 0, 4, 0)], 0.125)

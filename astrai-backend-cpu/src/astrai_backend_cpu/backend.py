@@ -4,7 +4,7 @@ Decode rows (one new token per request) go to ``astrai_cpu::paged_decode``: no g
 K/V into a padded ``[B, L]`` copy, no mask, one pass over each request's own slots; on 2
 cores it takes about half the time of torch_native's gather + bmm at batch 8-32 and a
 fifth at batch 1 (``benchmarks/README.md``). Prefill rows (fresh prompts and chunks after a cached
-prefix) in bf16 with head dim 64 or 128 go to ``astrai_cpu::prefill_attention`` (AVX512-BF16
+prefix) in bf16 with head dim 64, 128 or 256 go to ``astrai_cpu::prefill_attention`` (AVX512-BF16
 builds), which reads each request's K/V from the pool too (4-5x SDPA on a fresh 512-token
 prompt); other dtypes and head dims take torch_native's paths. Both kernels take a sliding window
 (``paged_decode`` as each request's first position, ``prefill_attention`` as the window); where
@@ -49,14 +49,14 @@ class _CpuPlan(NamedTuple):
 
 def _prefill_kernel_runs(q: torch.Tensor, kv: KVCache) -> bool:
     """``astrai_cpu::prefill_attention`` takes the step's prefill rows (bf16, a bf16 or int8 pool,
-    head dim 64 or 128, an AVX512-BF16 build)."""
+    head dim 64, 128 or 256, an AVX512-BF16 build)."""
     return (
         q.dtype == torch.bfloat16
         and all(
             buf.dtype == (torch.bfloat16 if s is None else torch.int8)
             for buf, s in ((kv.k_buffer, kv.k_scale), (kv.v_buffer, kv.v_scale))
         )
-        and q.shape[-1] in (64, 128)
+        and q.shape[-1] in (64, 128, 256)
         and _has_prefill_kernel()
     )
 

@@ -252,11 +252,12 @@ bool bf16_scores(const T* q, const T* k_pool, const T* v_pool, const int32_t* sl
 
 #if defined(__AVX512F__)
 // The weighted values of HC query heads of one KV group (h0 .. h0 + HC - 1; their segment of each
-// row starts at off) over n positions, in HC x NV float32 registers: each bf16 value row is
-// converted once for the heads that share it, and no accumulator goes through memory.
+// row starts at off) over n positions, NV x 16 dims of them, in HC x NV float32 registers: each
+// bf16 value row is converted once for the heads that share it, and no accumulator goes through
+// memory. Head h's dims land at acc + h * ld.
 template <int HC, int NV>
 void values_chunk(const float* scores, int64_t h0, int64_t n, const c10::BFloat16* v_pool, const int32_t* slots,
-                  int64_t W, int64_t off, bool first_pass, float* acc) {
+                  int64_t W, int64_t off, bool first_pass, float* acc, int64_t ld) {
   __m512 a[HC][NV];
   for (int j = 0; j < HC; ++j)
     for (int i = 0; i < NV; ++i) a[j][i] = _mm512_setzero_ps();
@@ -273,30 +274,34 @@ void values_chunk(const float* scores, int64_t h0, int64_t n, const c10::BFloat1
     }
   }
   for (int j = 0; j < HC; ++j)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (h0 + j) * NV * 16 + i * 16, a[j][i]);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (h0 + j) * ld + i * 16, a[j][i]);
 }
 #endif
 
 // acc [Hq, HD] = the probability-weighted sum of the n value rows, for bf16 pools and head dims
-// that are a multiple of 16 on AVX-512 (heads in register-sized chunks of one KV group); false
-// (nothing written) elsewhere.
+// that are a multiple of 16 up to 128, or of 128 (Gemma's 256: two passes of 128 dims), on AVX-512
+// (heads in register-sized chunks of one KV group); false (nothing written) elsewhere.
 template <typename T, int HD>
 bool bf16_values(const float* scores, const T* v_pool, const int32_t* slots, int64_t n, int64_t Hq, int64_t Hkv,
                  float* acc) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 16 == 0 && HD <= 128) {
-    constexpr int NV = HD / 16;
+  if constexpr (std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 16 == 0 && (HD <= 128 || HD % 128 == 0)) {
+    constexpr int DC = HD <= 128 ? HD : 128;  // dims a pass
+    constexpr int NV = DC / 16;
     constexpr int MAX_HEADS = NV >= 4 ? 16 / NV : 4;  // at most 16 accumulators, at most 4 heads (the cases below)
     const int64_t group = Hq / Hkv, W = Hkv * HD;
     for (int64_t g = 0; g < Hkv; ++g) {
-      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += MAX_HEADS) {
-        const bool first = g == 0 && h0 == 0;
-        const int64_t off = g * HD;
-        switch (std::min<int64_t>(MAX_HEADS, (g + 1) * group - h0)) {
-          case 1: values_chunk<1, NV>(scores, h0, n, v_pool, slots, W, off, first, acc); break;
-          case 2: values_chunk<2, NV>(scores, h0, n, v_pool, slots, W, off, first, acc); break;
-          case 3: if constexpr (MAX_HEADS >= 3) values_chunk<3, NV>(scores, h0, n, v_pool, slots, W, off, first, acc); break;
-          default: if constexpr (MAX_HEADS >= 4) values_chunk<4, NV>(scores, h0, n, v_pool, slots, W, off, first, acc); break;
+      for (int64_t d0 = 0; d0 < HD; d0 += DC) {
+        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += MAX_HEADS) {
+          const bool first = g == 0 && d0 == 0 && h0 == 0;
+          const int64_t off = g * HD + d0;
+          float* at = acc + d0;
+          switch (std::min<int64_t>(MAX_HEADS, (g + 1) * group - h0)) {
+            case 1: values_chunk<1, NV>(scores, h0, n, v_pool, slots, W, off, first, at, HD); break;
+            case 2: values_chunk<2, NV>(scores, h0, n, v_pool, slots, W, off, first, at, HD); break;
+            case 3: if constexpr (MAX_HEADS >= 3) values_chunk<3, NV>(scores, h0, n, v_pool, slots, W, off, first, at, HD); break;
+            default: if constexpr (MAX_HEADS >= 4) values_chunk<4, NV>(scores, h0, n, v_pool, slots, W, off, first, at, HD); break;
+          }
         }
       }
     }

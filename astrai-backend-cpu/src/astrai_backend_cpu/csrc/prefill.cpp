@@ -28,8 +28,8 @@
 // each sequence of a packed batch attends to all of its own tokens, q, k and v read in place from
 // the fused QKV projection's rows (no padding, no mask; MiniLM's head dim of 32 too).
 //
-// Built where the compiler targets AVX512-BF16 (has_prefill_attention()), for head dims 64 and
-// 128 (32 too for the encoder); the backend keeps torch_native's paths for everything else.
+// Built where the compiler targets AVX512-BF16 (has_prefill_attention()), for head dims 64, 128 and
+// 256 (Gemma 3's; 32, 64 and 128 for the encoder); the backend keeps torch_native's paths for everything else.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -144,7 +144,8 @@ void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, i
                  const at::BFloat16* vp, int64_t k0, int64_t window, bool causal, float scale, at::BFloat16* out,
                  int64_t ldo) {
   constexpr int NT = D / 16;                  // 16-wide tiles of an output row
-  constexpr int HALF = NT >= 8 ? 2 : 4;       // rows per p.v pass: HALF x NT accumulators
+  constexpr int TC = NT > 8 ? 8 : NT;         // tiles per p.v pass (D 256: two passes of 128 dims)
+  constexpr int HALF = TC >= 8 ? 2 : 4;       // rows per p.v pass: HALF x TC accumulators
   alignas(64) at::BFloat16 qb[ROWS][D];       // the rows, zero past n
   alignas(64) float o[ROWS][D];
   alignas(64) int32_t pb[ROWS][BLOCK / 2];    // a block's probabilities as bf16 pairs
@@ -212,22 +213,25 @@ void attend_rows(const at::BFloat16* q, int64_t ldq, int64_t n, int64_t start, i
     }
     // o += p . v over the block's 16 pairs of keys
     const at::BFloat16* vb = vp + ((b0 - k0) / 2) * NT * 32;
-    for (int r = 0; r < ROWS; r += HALF) {
-      __m512 acc[HALF][NT];
-      for (int i = 0; i < HALF; ++i)
-        for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
-      for (int c = 0; c < BLOCK / 2; ++c) {
-        __m512bh w[NT];
-        for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(vb + (c * NT + t) * 32);
-        for (int i = 0; i < HALF; ++i) {
-          const __m512bh x = (__m512bh)_mm512_set1_epi32(pb[r + i][c]);
-          for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], w[t], x);
+    for (int tc = 0; tc < NT; tc += TC)
+      for (int r = 0; r < ROWS; r += HALF) {
+        __m512 acc[HALF][TC];
+        for (int i = 0; i < HALF; ++i)
+          for (int t = 0; t < TC; ++t) acc[i][t] = _mm512_setzero_ps();
+        for (int c = 0; c < BLOCK / 2; ++c) {
+          __m512bh w[TC];
+          for (int t = 0; t < TC; ++t) w[t] = (__m512bh)_mm512_loadu_si512(vb + (c * NT + tc + t) * 32);
+          for (int i = 0; i < HALF; ++i) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pb[r + i][c]);
+            for (int t = 0; t < TC; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], w[t], x);
+          }
         }
+        for (int i = 0; i < HALF; ++i)
+          for (int t = 0; t < TC; ++t) {
+            float* dst = o[r + i] + 16 * (tc + t);
+            _mm512_store_ps(dst, _mm512_add_ps(_mm512_load_ps(dst), acc[i][t]));
+          }
       }
-      for (int i = 0; i < HALF; ++i)
-        for (int t = 0; t < NT; ++t)
-          _mm512_store_ps(o[r + i] + 16 * t, _mm512_add_ps(_mm512_load_ps(o[r + i] + 16 * t), acc[i][t]));
-    }
   }
   for (int64_t r = 0; r < ROWS && r0 + r < n; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / l[r]);
@@ -348,7 +352,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, co
     return s->contiguous();
   };
   const at::Tensor ks = scales_of(k_buffer, k_scale), vs = scales_of(v_buffer, v_scale);
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "prefill_attention: head dim 64 or 128");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128 || q.size(2) == 256, "prefill_attention: head dim 64, 128 or 256");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_buffer.is_contiguous() && v_buffer.is_contiguous(),
               "prefill_attention: q's heads and the buffers must be contiguous (q's rows may be strided)");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
@@ -381,8 +385,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer, co
 #if defined(__AVX512BF16__)
   if (q.size(2) == 64) {
     prefill<64>(q, k_buffer, v_buffer, ks, vs, chunks, window, scale, out);
-  } else {
+  } else if (q.size(2) == 128) {
     prefill<128>(q, k_buffer, v_buffer, ks, vs, chunks, window, scale, out);
+  } else {
+    prefill<256>(q, k_buffer, v_buffer, ks, vs, chunks, window, scale, out);
   }
 #endif
   return out;
