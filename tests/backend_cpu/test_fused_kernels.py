@@ -34,7 +34,7 @@ def test_the_loaded_backend_lends_its_kernels_for_the_cpu_alone(in_force):
     from astrai_backend_cpu.backend import CpuBackend
 
     lent = set(in_force)
-    assert {"rotary", "rms_norm", "add_rms_norm"} <= lent and "silu_and_mul" not in lent
+    assert {"rotary", "rms_norm", "add_rms_norm", "argmax"} <= lent and "silu_and_mul" not in lent
     assert ("linear" in lent) == torch.cpu._is_avx512_bf16_supported()
     assert type(get_registry().instance("cpu")) is CpuBackend
     assert CpuBackend().kernels("cuda") == {} and CpuBackend().kernels("meta") == {}
@@ -165,3 +165,50 @@ def test_linear_takes_any_number_of_rows_where_there_is_no_amx(in_force):
     close(got, F.linear(x, w))
     with pytest.raises(RuntimeError, match="bf16 rows"):
         torch.ops.astrai_cpu.linear_packed(x.float(), torch.ops.astrai_cpu.linear_pack(w), 40, None)
+
+
+# --- argmax: greedy tokens -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 1000, 16384, 16385, 49152, 262144 + 3])
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_argmax_is_max_indices_on_random_rows(width, rows):
+    gen = torch.Generator().manual_seed(width + rows)
+    logits = torch.randn(rows, width, generator=gen) * 8
+    got = torch.ops.astrai_cpu.argmax(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.max(dim=-1).indices)
+
+
+def test_argmax_takes_the_first_of_equal_maxima_and_the_first_nan():
+    """Ties inside a vector, across lanes and across the kernel's 16,384-logit pieces; NaN, infinities
+    and rows of -inf: the very indices torch.max gives."""
+    logits = torch.randn(9, 40_000)
+    logits[0, [5, 21, 37]] = 50.0  # one lane, then others
+    logits[1, [30_000, 20_000, 17_000]] = 50.0  # in later pieces, the first not the earliest written
+    logits[2, [39_999, 3]] = 50.0
+    logits[3, [100, 30_000]] = float("nan")  # a NaN wins, the first one
+    logits[3, 5] = float("inf")
+    logits[4, 7] = float("inf")
+    logits[4, 30_000] = float("nan")
+    logits[5] = float("-inf")
+    logits[6, [8, 9]] = float("inf")
+    logits[7, 39_998] = float("nan")  # in the tail of the last piece
+    logits[8, 16_384 * 2 + 5] = 60.0
+    want = logits.max(dim=-1).indices
+    assert want.tolist()[:6] == [5, 17_000, 3, 100, 30_000, 0]
+    assert torch.equal(torch.ops.astrai_cpu.argmax(logits), want)
+    wide = torch.randn(9, 50_000)  # rows of a wider tensor: a row stride past the width
+    wide[:, :40_000] = logits
+    assert torch.equal(torch.ops.astrai_cpu.argmax(wide[:, :40_000]), want)
+
+
+def test_argmax_refuses_what_it_does_not_take_and_the_model_falls_back():
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.astrai_cpu.argmax(torch.randn(2, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.astrai_cpu.argmax(torch.randn(8))
+    half = torch.randn(4, 1000).bfloat16()  # greedy_tokens: the torch formulation for other dtypes
+    assert torch.equal(fused.greedy_tokens(half), half.max(dim=-1).indices)
+    logits = torch.randn(4, 1000)
+    assert torch.equal(fused.greedy_tokens(logits), logits.max(dim=-1).indices)
+    assert torch.equal(fused.greedy_tokens(logits.t().contiguous().t()), logits.max(dim=-1).indices)

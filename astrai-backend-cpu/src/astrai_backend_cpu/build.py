@@ -43,6 +43,7 @@ SOURCES = [
         "paged_decode.cpp",
         "prefill.cpp",
         "fused.cpp",
+        "argmax.cpp",
         "linear.cpp",
         "decode_stack.cpp",
         "quant.cpp",

@@ -179,6 +179,7 @@ def fused_kernels(backend: type) -> dict[str, Kernel]:
             x.contiguous(), r.contiguous(), w.to(x.dtype), eps
         ),
     }
+    lent["argmax"] = ops.argmax
     lent["lora"] = LoraKernel()
     if ops.has_prefill_attention():
         lent["encoder_attention"] = EncoderAttentionKernel()

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 #: The ops a backend may lend a kernel for (``AttentionBackend.kernels`` gives each one's contract).
 OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
-OPS += ("quant_experts", "lora", "encoder_attention")
+OPS += ("quant_experts", "lora", "encoder_attention", "argmax")
 
 #: A fused kernel: a callable, or an object with the methods and attributes its op names.
 Kernel = Callable[..., Any]
@@ -129,6 +129,9 @@ class AttentionBackend(ABC):
           bidirectional attention over its own tokens alone, ``[T, heads * head_dim]`` (an
           encoder's, ``astrai.model.bert``; probabilities rounded to bf16 before their product with
           V, as PyTorch's flash attention rounds them); ``head_dims``: the head dims it takes.
+        - ``argmax``: ``kernel(logits)`` for float32 ``logits [B, V]`` (contiguous rows): int64
+          ``[B]``, each row's greedy token as ``logits.max(dim=-1).indices`` gives it (the first
+          position of the maximum; of the first NaN where the row holds one).
         - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
           hidden]``, the rotary rows ``freqs``, a list of ``[1, T, head_dim/2, 2]`` tables (the
           model's, then its local layers'; ``model.decoder_stack()`` says which turns each
