@@ -34,7 +34,9 @@ def test_the_loaded_backend_lends_its_kernels_for_the_cpu_alone(in_force):
     from astrai_backend_cpu.backend import CpuBackend
 
     lent = set(in_force)
-    assert {"rotary", "rms_norm", "add_rms_norm", "argmax"} <= lent and "silu_and_mul" not in lent
+    assert {"rotary", "rms_norm", "add_rms_norm", "argmax"} <= lent
+    assert ("silu_and_mul" in lent) == torch.ops.astrai_cpu.has_silu_and_mul()
+    assert torch.ops.astrai_cpu.has_silu_and_mul() == torch.cpu._is_avx512_bf16_supported()
     assert ("linear" in lent) == torch.cpu._is_avx512_bf16_supported()
     assert type(get_registry().instance("cpu")) is CpuBackend
     assert CpuBackend().kernels("cuda") == {} and CpuBackend().kernels("meta") == {}
@@ -75,6 +77,47 @@ def test_non_contiguous_rows_are_accepted():
     w = torch.randn(576)
     with torch.no_grad():
         close(fused.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), eps=1e-5) * w)
+
+
+SILU = pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(), reason="silu_and_mul is built for CPUs with AVX512-BF16"
+)
+
+
+@SILU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 2 x 1030: several threads' rows
+def test_silu_and_mul_is_the_pytorch_formulation(dtype, rows):
+    """``F.silu(gate) * up``, each rounded to the dtype: bf16 bit for bit nearly everywhere (the
+    kernel's exp is not SLEEF's: an ulp of float32 may move a rounding), float32 to an ulp or two;
+    rows with a strided view, a width that ends inside a vector, and the extremes (infinities,
+    NaN, gates far past exp's range)."""
+    gen = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 2 * 1030 + 48, generator=gen) * 6).to(dtype)
+    x = wide[:, : 2 * 1030]  # row stride 2108
+    x[0, :6] = torch.tensor([float("inf"), -float("inf"), float("nan"), 120.0, -120.0, 0.0]).to(dtype)
+    x[0, 1030:1036] = torch.tensor([2.0, 3.0, 1.0, -1.0, 5.0, float("nan")]).to(dtype)
+    with torch.no_grad():
+        assert fused.kernel_for("silu_and_mul", x) is not None
+        got = fused.silu_and_mul(x)
+    want = F.silu(x[:, :1030]) * x[:, 1030:]
+    assert got.dtype == dtype and got.shape == (rows, 1030) and got.is_contiguous()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got[0, 0].item() == 2 * float("inf") and got[0, 3].item() == -120.0 and got[0, 4].item() == 0.0
+    ok = ~want.isnan()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[ok], want[ok], atol=1e-6, rtol=3e-7)
+    else:
+        assert (got[ok] != want[ok]).float().mean() < 0.001
+        torch.testing.assert_close(got[ok].float(), want[ok].float(), atol=0, rtol=2**-7)
+
+
+@SILU
+def test_silu_and_mul_refuses_what_it_does_not_take():
+    op = torch.ops.astrai_cpu.silu_and_mul
+    for bad in (torch.zeros(3, 5), torch.zeros(4, 6).half(), torch.zeros(6), torch.zeros(8, 4).t()):
+        with pytest.raises(RuntimeError, match="silu_and_mul: x must be"):
+            op(bad)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -1,5 +1,5 @@
-"""The plugin's fused kernels: rotary, the norms, ``linear``, ``decoder_layers``, ``quant_linear``,
-``quant_experts``, ``lora``, ``encoder_attention``.
+"""The plugin's fused kernels: rotary, the norms, ``silu_and_mul``, ``linear``, ``decoder_layers``,
+``quant_linear``, ``quant_experts``, ``lora``, ``encoder_attention``, ``argmax``.
 
 ``fused_kernels(CpuBackend)`` makes them; ``CpuBackend.kernels("cpu")`` lends them to the model
 (the contract of each op is ``AttentionBackend.kernels``'s).
@@ -180,6 +180,8 @@ def fused_kernels(backend: type) -> dict[str, Kernel]:
         ),
     }
     lent["argmax"] = ops.argmax
+    if ops.has_silu_and_mul():  # (AVX512-BF16 builds: ATen's two ops elsewhere)
+        lent["silu_and_mul"] = ops.silu_and_mul
     lent["lora"] = LoraKernel()
     if ops.has_prefill_attention():
         lent["encoder_attention"] = EncoderAttentionKernel()

@@ -196,6 +196,7 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // the gate's activation times up (astrai.model.layers.GatedMLP), gate_up [rows, 2 width]
   at::Tensor activation(const at::Tensor& gate_up, int64_t width) const {
+    if (!gelu && has_silu_and_mul() && gate_up.size(1) == 2 * width) return silu_and_mul(gate_up);
     const at::Tensor gate = gate_up.narrow(1, 0, width);
     return at::mul(gelu ? at::gelu(gate, "tanh") : at::silu(gate), gate_up.narrow(1, width, width));
   }

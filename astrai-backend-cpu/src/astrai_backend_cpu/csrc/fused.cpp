@@ -1,14 +1,17 @@
 // astrai_cpu fused elementwise ops for the model's glue: RMSNorm (with and without the residual
-// add) and the rotary embedding. (SiLU-and-multiply is not here: without a vectorised exp a
-// one-call loop lost to ATen's three vectorised ops at every batch size.) Each replaces 5-12 ATen dispatches per call with one
-// and rounds exactly where the PyTorch formulation it replaces rounds (see each op), computing
-// in float32 between roundings. Rows are split over threads only when there are many of them.
+// add), the rotary embedding and, on AVX-512 builds, SiLU-and-multiply (with a vectorised exp: a
+// scalar loop of std::exp lost to ATen's vectorised ops at every batch size). Each replaces 2-12
+// ATen dispatches per call with one and rounds exactly where the PyTorch formulation it replaces
+// rounds (see each op), computing in float32 between roundings. Rows are split over threads only
+// when there are many of them.
 #include <torch/library.h>
 
 #include "kernels.h"
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
@@ -168,16 +171,89 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& freqs) {
   return out;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+namespace {
+
+// silu(g) = g / (1 + exp(-g)), 16 lanes: simd.h's exp (which clamps below at -104), -g clamped above
+// at 89 (e^89 overflows float32 to inf through scalef: a gate under -89 gives -0, as ATen's); a NaN
+// gate stays NaN through the quotient
+inline __m512 silu16(__m512 g) {
+  const __m512 e = astrai_cpu::exp_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(89.f)));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+// the value as the dtype holds it: bf16's rounding (to nearest even), float32's none
+inline __m512 rounded(const float*, __m512 v) { return v; }
+inline __m512 rounded(const c10::BFloat16*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t width, int64_t stride) {
+  at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * stride;
+      const T* u = g + width;
+      T* o = out + r * width;
+      for (int64_t i = 0; i < width; i += 16) {
+        const int64_t left = std::min<int64_t>(16, width - i);
+        const __mmask16 m = left == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        const __m512 s = rounded(o, silu16(load16(g + i, m)));
+        store16(o + i, m, _mm512_mul_ps(s, load16(u + i, m)));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool has_silu_and_mul() { return true; }
+
+// T(T(silu(gate)) * up) for x = [gate | up] [rows, 2 width] (rows may be strided): F.silu then the
+// product, each rounded to the dtype as PyTorch rounds them; silu's exp is simd.h's, not ATen's
+// (SLEEF's), so a value may differ from PyTorch's by an ulp of float32 before rounding.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "silu_and_mul: x must be [rows, 2 width] float32 or bf16 with contiguous rows");
+  const int64_t rows = x.size(0), width = x.size(1) / 2;
+  auto out = at::empty({rows, width}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    silu_and_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, width, x.stride(0));
+  else
+    silu_and_mul_rows(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, width, x.stride(0));
+  return out;
+}
+#else
+bool has_silu_and_mul() { return false; }
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(false, "silu_and_mul: this build has no AVX512-BF16 (has_silu_and_mul() is false)");
+  return x;
+}
+#endif
+
 }  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor freqs) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("has_silu_and_mul() -> bool", &astrai_cpu::has_silu_and_mul);
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
   m.impl("rms_norm", &astrai_cpu::rms_norm);
   m.impl("add_rms_norm", &astrai_cpu::add_rms_norm);
   m.impl("rotary", &astrai_cpu::rotary);
+  m.impl("silu_and_mul", &astrai_cpu::silu_and_mul);
 }

@@ -27,6 +27,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& freqs);
+bool has_silu_and_mul();
+at::Tensor silu_and_mul(const at::Tensor& x);  // T(T(silu(gate)) * up), x = [gate | up]
 
 // linear.cpp
 bool has_linear_packed();
