@@ -17,6 +17,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
 #include <cstdint>
@@ -47,6 +48,71 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& freqs) {
   const int64_t B = x.size(0), H = x.size(1), D = x.size(2);
   const at::Tensor pairs = at::view_as_complex(x.reshape({B, H, D / 2, 2}).contiguous());
   return at::view_as_real(pairs * at::view_as_complex(freqs).unsqueeze(1)).flatten(-2);
+}
+
+// SparseMoE.forward's grouping of a step's (token, choice) pairs by expert, its integer part done
+// here in one pass: ids [B, k] int64 and weights [B, k] (the routing, from ATen's topk as the layer
+// takes it) -> rows_of [B k] (each pair's token), scale [B k, 1] (its weight) and offsets [E + 1]
+// (expert e's pairs at offsets[e] .. offsets[e + 1]). A counting sort by expert that keeps the
+// pairs' order within an expert: the bits of the layer's stable argsort, floor_divide,
+// index_select, bincount and cumsum (eight ATen calls a layer, ~25 us at one row, in one).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_by_expert(const at::Tensor& ids, const at::Tensor& weights,
+                                                                int64_t E) {
+  const at::Tensor id = ids.contiguous(), w = weights.contiguous();
+  const int64_t k = id.size(1), P = id.numel();
+  at::Tensor rows_of = at::empty({P}, id.options()), offsets = at::zeros({E + 1}, id.options());
+  at::Tensor scale = at::empty({P, 1}, w.options());
+  const int64_t* e_of = id.data_ptr<int64_t>();
+  int64_t* rows = rows_of.data_ptr<int64_t>();
+  int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(e_of[p] >= 0 && e_of[p] < E, "DecodeStack: a routed expert out of range");
+    ++off[e_of[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  std::vector<int64_t> next(off, off + E);
+  const int64_t bytes = w.element_size();
+  const char* from = static_cast<const char*>(w.data_ptr());
+  char* to = static_cast<char*>(scale.data_ptr());
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t slot = next[e_of[p]]++;
+    rows[slot] = p / k;
+    std::memcpy(to + slot * bytes, from + p * bytes, bytes);
+  }
+  return {rows_of, scale, offsets};
+}
+
+// zeros_like(h).index_add_(0, rows_of, y * scale), SparseMoE.forward's combine, in one pass: each
+// product rounded to the dtype (at::mul's), then every token's products summed in float32 in pair
+// order and rounded once (what ATen's index_add_ does on bf16 and float32 rows: float32 sums in
+// index order). y [P, H], contiguous. The product is not fused into the sum (the build's
+// -ffast-math would contract them into one multiply-add, skipping the product's float32 rounding).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void combine_rows(const T* y, const T* scale, const int64_t* rows_of, int64_t P, int64_t B, int64_t H, T* out) {
+  at::parallel_for(0, H, 256, [&](int64_t h0, int64_t h1) {
+    std::vector<float> acc(B * (h1 - h0), 0.f);
+    for (int64_t p = 0; p < P; ++p) {
+      const float s = static_cast<float>(scale[p]);
+      float* a = acc.data() + rows_of[p] * (h1 - h0);
+      const T* yp = y + p * H;
+      for (int64_t h = h0; h < h1; ++h) a[h - h0] += static_cast<float>(static_cast<T>(static_cast<float>(yp[h]) * s));
+    }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = h0; h < h1; ++h) out[b * H + h] = static_cast<T>(acc[b * (h1 - h0) + h - h0]);
+  });
+}
+
+at::Tensor combine(const at::Tensor& like, const at::Tensor& y, const at::Tensor& rows_of, const at::Tensor& scale) {
+  const at::Tensor yc = y.contiguous();
+  const int64_t P = yc.size(0), B = like.size(0), H = like.size(1);
+  at::Tensor out = at::empty({B, H}, like.options());
+  if (like.scalar_type() == at::kBFloat16)
+    combine_rows(yc.data_ptr<at::BFloat16>(), scale.data_ptr<at::BFloat16>(), rows_of.data_ptr<int64_t>(), P, B, H,
+                 out.data_ptr<at::BFloat16>());
+  else
+    combine_rows(yc.data_ptr<float>(), scale.data_ptr<float>(), rows_of.data_ptr<int64_t>(), P, B, H,
+                 out.data_ptr<float>());
+  return out;
 }
 
 // What the layers are (DecodeStack's options): the stock pre-norm layer, or Gemma's sandwich
@@ -218,20 +284,14 @@ struct DecodeStack : torch::CustomClassHolder {
     auto [weights, ids] = at::topk(probs, top_k, -1);
     if (norm_topk) weights = at::div(weights, weights.sum(-1, true));
     weights = weights.to(h.scalar_type());
-    const at::Tensor flat = ids.reshape(-1);
-    const at::Tensor order = at::argsort(flat, true, 0, false);
-    const at::Tensor rows_of = at::floor_divide(order, top_k);
-    const at::Tensor scale = weights.reshape(-1).index_select(0, order).unsqueeze(1);
-    at::Tensor offsets = at::zeros({E + 1}, flat.options());
-    at::Tensor counts = offsets.narrow(0, 1, E);
-    at::cumsum_out(counts, at::bincount(flat, {}, E), 0);
+    const auto [rows_of, scale, offsets] = group_by_expert(ids, weights, E);
     const at::Tensor up = traced("astrai_cpu::quant_experts", [&] {
       return quant_experts(h.index_select(0, rows_of), offsets, x.gate_up, x.gate_up_layout);
     });
     const at::Tensor act = activation(up, expert_intermediate).contiguous();
-    const at::Tensor y = at::mul(
-        traced("astrai_cpu::quant_experts", [&] { return quant_experts(act, offsets, x.down, x.down_layout); }), scale);
-    at::Tensor out = at::zeros_like(h).index_add_(0, rows_of, y);
+    const at::Tensor y =
+        traced("astrai_cpu::quant_experts", [&] { return quant_experts(act, offsets, x.down, x.down_layout); });
+    at::Tensor out = combine(h, y, rows_of, scale);
     if (x.shared_gate.defined()) {
       const at::Tensor shared = linear(
           w + 3, activation(linear(w + 2, h, 2 * shared_intermediate, c10::nullopt), shared_intermediate), hidden(),
