@@ -98,22 +98,22 @@ def _bf16_kernels(activations: str) -> dict:
 
 
 @pytest.mark.parametrize("activations", ["dtype", "int8"])
-def test_a_bf16_mixture_keeps_its_router_and_runs_on_the_stack(
+def test_a_bf16_mixture_runs_its_packed_router_on_the_stack(
     family_gguf, make_engine, tiny_tokenizer, activations
 ):
-    """In bf16 the model's dense linears are packed for the CPU kernels (``prepack_linears``), but
-    not a mixture's router, which the stack computes as the layer does: the mixture's decode steps
-    run on the stack (it was refused a packed router) and give the layers' tokens and log-probs to
-    the bit, with bf16 activations and with int8 ones where the kernel takes them."""
+    """In bf16 the model's linears are packed for the CPU kernels (``prepack_linears``), a mixture's
+    router too, which the stack computes on the same packed weight as the layer: the mixture's
+    decode steps run on the stack and give the layers' tokens and log-probs to the bit, with bf16
+    activations and with int8 ones where the kernel takes them."""
     import torch
 
-    from astrai.model.cpu_linear import prepack_linears
+    from astrai.model.cpu_linear import PackedLinear, prepack_linears
 
     kernels = _bf16_kernels(activations)
     path, _ = family_gguf("qwen3_moe", "Q4_0")
     model = load_astrai(path, quantized=True, dtype=torch.bfloat16)
     assert prepack_linears(model) > 0
-    assert type(model.model.layers[0].mlp.gate) is torch.nn.Linear
+    assert type(model.model.layers[0].mlp.gate) is PackedLinear
     assert model.decoder_stack() is not None
     _stack_is_the_layers(
         make_engine(model, tiny_tokenizer, activations=activations, **ENGINE), kernels, seed=5

@@ -163,8 +163,13 @@ class DecoderLayersKernel:
             for mix in spec.experts:
                 moe_layers.append(int(mix is not None))
                 if mix is not None:
+                    router = mix.router  # an nn.Linear's weight (at::linear), or a PackedLinear's packing
+                    if isinstance(mix.router_linear, PackedLinear):
+                        if self._linear is None or router.dtype != torch.bfloat16:
+                            return None, frozenset(), None
+                        router = mix.router_linear.packed_for(self._linear)[0]
                     shared = mix.shared_gate if mix.shared_gate is not None else torch.empty(0, dtype=dtype)
-                    moe_tensors += [mix.router, shared, *mix.gate_up, *mix.down]
+                    moe_tensors += [router, shared, *mix.gate_up, *mix.down]
                     moe_ints += [*mix.gate_up_layout, *mix.down_layout]
         stack = torch.classes.astrai_cpu.DecodeStack(
             spec.n_heads,

@@ -126,7 +126,8 @@ enum Option : int64_t { SANDWICH = 0, QK_NORM = 1, GELU = 2, FLOAT_NORMS = 3, N_
 // quantized gate_up and down (one layout each), and where it has one the shared expert's gate (the
 // shared expert's own projections are the layer's linears 2 and 3).
 struct Experts {
-  at::Tensor router, shared_gate;
+  at::Tensor router, shared_gate;  // router: [experts, hidden], or linear_pack's tiles (router_packed)
+  bool router_packed = false;
   std::vector<at::Tensor> gate_up, down;
   std::vector<int64_t> gate_up_layout, down_layout;
 };
@@ -154,7 +155,7 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<int64_t> tables;  // per layer: which of forward's RoPE tables turns it; empty: the first
   // per layer: its experts (a router undefined: a dense MLP); empty: every MLP dense
   std::vector<Experts> experts;
-  int64_t top_k = 0, expert_intermediate = 0, shared_intermediate = 0;
+  int64_t n_experts = 0, top_k = 0, expert_intermediate = 0, shared_intermediate = 0;
   bool norm_topk = false;
 
   DecodeStack(int64_t n_heads_, int64_t n_kv_heads_, int64_t head_dim_, int64_t intermediate_, double eps_,
@@ -222,7 +223,8 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   // moe_layers: per layer 1 for a mixture of experts, 0 for a dense MLP (empty: all dense).
-  // moe_tensors: per mixture, its router [experts, hidden], the shared expert's gate [1, hidden] (or
+  // moe_tensors: per mixture, its router [experts, hidden] (or linear_pack's tiles of it: a bf16
+  // PackedLinear's, run by linear_packed as the layer runs it), the shared expert's gate [1, hidden] (or
   // an empty tensor), then every expert's packed gate_up, then every expert's packed down.
   // moe_ints: (experts, top_k, norm_topk, expert intermediate, shared intermediate), then per
   // mixture the 8 layout integers of its gate_up and of its down.
@@ -231,7 +233,7 @@ struct DecodeStack : torch::CustomClassHolder {
     if (moe_layers.empty()) return;
     TORCH_CHECK(moe_layers.size() == static_cast<size_t>(n_layers) && moe_ints.size() >= 5,
                 "DecodeStack: a kind per layer and the experts' five integers");
-    const int64_t E = moe_ints[0];
+    const int64_t E = n_experts = moe_ints[0];
     top_k = moe_ints[1], norm_topk = moe_ints[2] != 0, expert_intermediate = moe_ints[3];
     shared_intermediate = moe_ints[4];
     TORCH_CHECK(E >= 1 && top_k >= 1 && top_k <= E && expert_intermediate >= 1, "DecodeStack: bad expert sizes");
@@ -243,8 +245,10 @@ struct DecodeStack : torch::CustomClassHolder {
                   "DecodeStack: each mixture's tensors and layouts");
       Experts& x = experts[l];
       x.router = moe_tensors[t];
-      TORCH_CHECK(x.router.dim() == 2 && x.router.size(0) == E && x.router.scalar_type() == dtype,
-                  "DecodeStack: a router is [experts, hidden] in the model's dtype");
+      x.router_packed = x.router.dim() == 4;  // linear_pack's tiles (a bf16 PackedLinear's)
+      TORCH_CHECK(x.router_packed ? has_linear_packed() && dtype == at::kBFloat16 && x.router.size(0) * 16 >= E
+                                  : x.router.dim() == 2 && x.router.size(0) == E && x.router.scalar_type() == dtype,
+                  "DecodeStack: a router is [experts, hidden] in the model's dtype, or linear_pack's tiles of one");
       if (moe_tensors[t + 1].numel() > 0) x.shared_gate = moe_tensors[t + 1];
       TORCH_CHECK(x.shared_gate.defined() == (shared_intermediate > 0) &&
                       (first[4 * l + 3] - first[4 * l + 2] > 0) == (shared_intermediate > 0) &&
@@ -279,8 +283,11 @@ struct DecodeStack : torch::CustomClassHolder {
       return proj(w + 3, act, hidden(), c10::nullopt);
     }
     const Experts& x = experts[l];
-    const int64_t E = x.router.size(0);
-    const at::Tensor probs = at::linear(h, x.router).to(at::kFloat).softmax(-1);
+    const int64_t E = n_experts;
+    const at::Tensor logits = x.router_packed
+                                  ? traced("astrai_cpu::linear_packed", [&] { return linear_packed(h, x.router, E, c10::nullopt); })
+                                  : at::linear(h, x.router);
+    const at::Tensor probs = logits.to(at::kFloat).softmax(-1);
     auto [weights, ids] = at::topk(probs, top_k, -1);
     if (norm_topk) weights = at::div(weights, weights.sum(-1, true));
     weights = weights.to(h.scalar_type());

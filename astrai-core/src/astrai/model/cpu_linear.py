@@ -92,8 +92,10 @@ class PackedLinear(nn.Module):
 def prepack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many. The LM
     head's gives float32 logits (``float_out``) where a plugin's kernel runs it. A mixture of
-    experts' router and shared-expert gate (``SparseMoE.UNPACKED``) stay ``nn.Linear``: tiny, and the
-    whole-step decode kernel computes them with ``at::linear`` as the layer does (the same routing)."""
+    experts' shared-expert gate (``SparseMoE.UNPACKED``, one output) stays ``nn.Linear``, which the
+    whole-step decode kernel computes with ``at::linear`` as the layer does; its router is packed,
+    and the kernel runs it on the same packed weight (the same routing): one row of a Qwen3-MoE
+    router (32 x 1,024) took oneDNN 20-26 us, the ``linear`` kernel a few."""
     from astrai.model.moe import SparseMoE
 
     keep = {

@@ -66,8 +66,9 @@ class SparseMoE(nn.Module):
     """``sum_k w_k * expert_k(x)`` over each token's ``top_k`` experts (plus the gated shared
     expert's output where ``shared`` gives it intermediate rows)."""
 
-    #: the linears ``astrai.model.cpu_linear.prepack_linears`` leaves as ``nn.Linear``
-    UNPACKED = ("gate", "shared_expert_gate")
+    #: the linears ``astrai.model.cpu_linear.prepack_linears`` leaves as ``nn.Linear`` (the router,
+    #: ``gate``, is packed like the other linears: the whole-step kernel takes it packed)
+    UNPACKED = ("shared_expert_gate",)
 
     reduce = None  # tensor parallel: the sum over ranks of the experts' partial outputs
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from astrai.model.cpu_linear import PackedLinear
 from astrai.model.layers import (
     Attention,
     DecoderLayer,
@@ -47,6 +48,9 @@ class Experts:
     gate_up and its down in one quantized layout each (``SparseMoE._grouped``)."""
 
     router: torch.Tensor  # [experts, hidden], the model's dtype
+    #: the router as ``prepack_linears`` left it: a ``PackedLinear`` (the kernel runs its packed
+    #: weight, as the layer does) or an ``nn.Linear`` (``at::linear``)
+    router_linear: nn.Module
     gate_up: tuple[torch.Tensor, ...]  # per expert, packed
     gate_up_layout: tuple[int, ...]  # quant_linear's 8 integers
     down: tuple[torch.Tensor, ...]
@@ -121,7 +125,7 @@ def _experts(mlp: SparseMoE) -> tuple[Experts, tuple, nn.Module | None, nn.Modul
     """``mlp`` as ``Experts``, its sizes and activation, and the shared expert's projections."""
     grouped = mlp._grouped()
     router, shared = mlp.gate, mlp.shared_expert
-    if grouped is None or type(router) is not nn.Linear or router.bias is not None:
+    if grouped is None or type(router) not in (nn.Linear, PackedLinear) or router.bias is not None:
         return None
     act = mlp.experts[0].act_name
     if any(e.act_name != act for e in mlp.experts) or act not in _ACTIVATIONS:
@@ -143,6 +147,7 @@ def _experts(mlp: SparseMoE) -> tuple[Experts, tuple, nn.Module | None, nn.Modul
         shared_gate = gate.weight.detach().contiguous()
     experts = Experts(
         mlp.gate.weight.detach().contiguous(),
+        mlp.gate,
         tuple(gate_up),
         tuple(gate_up_layout),
         tuple(down),
