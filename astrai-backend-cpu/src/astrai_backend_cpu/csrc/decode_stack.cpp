@@ -86,10 +86,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_by_expert(const at::Tensor&
 // product rounded to the dtype (at::mul's), then every token's products summed in float32 in pair
 // order and rounded once (what ATen's index_add_ does on bf16 and float32 rows: float32 sums in
 // index order). y [P, H], contiguous. The product is not fused into the sum (the build's
-// -ffast-math would contract them into one multiply-add, skipping the product's float32 rounding).
+// -ffast-math would contract them into one multiply-add, skipping the product's float32 rounding:
+// the float32 mixtures of tests/core/test_families_stack.py then differ from the layers).
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void combine_rows(const T* y, const T* scale, const int64_t* rows_of, int64_t P, int64_t B, int64_t H, T* out) {
   at::parallel_for(0, H, 256, [&](int64_t h0, int64_t h1) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
     std::vector<float> acc(B * (h1 - h0), 0.f);
     for (int64_t p = 0; p < P; ++p) {
       const float s = static_cast<float>(scale[p]);
