@@ -6,6 +6,7 @@ arithmetic, and the engine and server options that select it (``astrai.model.act
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,19 @@ import pytest
 import torch
 
 from astrai.engine import EngineConfig
+from astrai.model import activations as switch
 from astrai.model import load_model
 from astrai.model.activations import use_int8_activations
-from astrai.model.quant import NATIVE, QuantizedLinear, dequantize, pack, split_blocks
+from astrai.model.quant import (
+    NATIVE,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    dequantize,
+    narrow_bits,
+    narrow_codes,
+    pack,
+    split_blocks,
+)
 from astrai.sampling import SamplingParams
 from astrai_backend_cpu.kernels import QuantLinearKernel
 from tests.backend_cpu.test_quant_model import _greedy
@@ -234,3 +245,106 @@ def test_auto_takes_int8_only_where_it_keeps_the_models_quality(default_model_pa
         make_engine(model, tokenizer, max_batch_size=1, activations=activations)
         layouts = [lay for m in model.modules() if isinstance(m, QuantizedLinear) for lay in m.layouts]
         assert layouts and all(lay.int8_rows == switched for lay in layouts), activations
+
+
+def narrow_build() -> None:
+    if not torch.ops.astrai_cpu.has_quant_narrow_codes():
+        pytest.skip(
+            "5- and 6-bit codes are read by the AVX512-VNNI kernel only (AVX2 builds keep int8 codes)"
+        )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 70])  # every row block of the AVX-512 kernel
+def test_narrowed_codes_give_the_int8_codes_products_to_the_bit(qtype, rows, dtype):
+    """``narrow_codes``' 5- and 6-bit layouts: the same outputs as the int8 codes they come from,
+    bit for bit (the same integer sums), with a bias, rounded to bf16 or float32 out."""
+    narrow_build()
+    dtype = int8_dtype(dtype)
+    _, (packed, layout) = weight(qtype, 100, 256, seed=rows)
+    narrowed, lay = narrow_codes(packed, layout, narrow_bits(packed, layout))
+    assert lay.spec.bits == (6 if qtype == "Q6_K" else 5)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    x[0, :32] = 0  # an all-zero group
+    bias = torch.randn(100, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ops = torch.ops.astrai_cpu
+    for b, float_out in ((None, False), (bias, False), (None, True)):
+        want = ops.quant_linear(x, packed, int8_layout(layout).ints(), b, float_out=float_out)
+        got = ops.quant_linear(x, narrowed, int8_layout(lay).ints(), b, float_out=float_out)
+        assert torch.equal(got, want)
+
+
+def test_narrowed_codes_are_refused_where_nothing_reads_them():
+    """A 5- or 6-bit layout outside quant_linear's int8 rows (the float path, dequantizing rows or
+    the whole weight) is refused with the reason, not misread."""
+    narrow_build()
+    _, (packed, layout) = weight("Q5_0", 32, 64, seed=0)
+    narrowed, lay = narrow_codes(packed, layout, 5)
+    ops, x = torch.ops.astrai_cpu, torch.randn(2, 64)
+    message = "5- and 6-bit codes are read by quant_linear on int8 rows only"
+    with pytest.raises(RuntimeError, match=message):
+        ops.quant_linear(x, narrowed, lay.ints(), None)
+    with pytest.raises(RuntimeError, match=message):
+        ops.quant_dequant(narrowed, int8_layout(lay).ints(), None, torch.float32)
+    with pytest.raises(RuntimeError, match=message):
+        ops.quant_weight_t(narrowed, int8_layout(lay).ints(), torch.float32)
+
+
+def test_a_tied_head_keeps_its_tables_codes(cpu_kernels):
+    """The switch narrows a linear's own codes, not a table it shares with the embedding (a tied
+    LM head): narrowing it would keep two copies."""
+    narrow_build()
+    _, (packed, layout) = weight("Q5_0", 48, 64, seed=0)
+    _, (other, other_layout) = weight("Q5_0", 48, 64, seed=1)
+    model = torch.nn.ModuleDict(
+        {
+            "embed": QuantizedEmbedding(packed, layout, torch.float32),
+            "head": QuantizedEmbedding(packed, layout, torch.float32).as_linear(),
+            "own": QuantizedLinear([(other, other_layout)]),
+            "norm": torch.nn.RMSNorm(64),  # (the switch reads the model's dtype off its parameters)
+        }
+    )
+    assert use_int8_activations(model) == 2
+    assert model["head"].layouts[0].spec.bits == 8 and model["head"].packed0 is packed
+    assert model["own"].layouts[0].spec.bits == 5 and model["own"].packed0.numel() < other.numel()
+
+
+@pytest.fixture(scope="module")
+def gemma_path():
+    from astrai.model.resolve import ModelNotFound, install_command, resolve_model
+
+    try:
+        return resolve_model("gemma3-270m")[1]
+    except ModelNotFound:
+        if os.environ.get("CI"):
+            pytest.fail("gemma3-270m is not installed; CI installs it: see the README's test command")
+        pytest.skip(f"gemma3-270m is not installed ({install_command('gemma3-270m')})")
+
+
+def test_gemma_reads_its_5_and_6_bit_codes_as_such_and_decodes_the_same_tokens(
+    gemma_path, make_engine, monkeypatch
+):
+    """Gemma 3 270M's Q4_K_M file holds its layers mostly as Q5_0 (and some Q6_K): with int8
+    activations (the default of a bf16 model on AVX512-VNNI) the engine reads them in 5 and 6 bits,
+    24 MB a token less than the int8 codes, and greedy decoding of a batch gives the tokens the
+    int8 codes give."""
+    narrow_build()
+    int8_dtype("bfloat16")
+    outputs, sizes = {}, {}
+    for narrowed in (True, False):
+        if not narrowed:
+            monkeypatch.setattr(switch, "_narrow", lambda *a: None)
+        model, tokenizer = load_model(str(gemma_path), dtype=torch.bfloat16, weights="gguf")
+        engine = make_engine(model, tokenizer, max_batch_size=3, activations="int8")
+        layouts = [lay for m in model.modules() if isinstance(m, QuantizedLinear) for lay in m.layouts]
+        bits = {lay.spec.bits for lay in layouts}
+        assert bits == ({4, 5, 6, 8} if narrowed else {4, 8}), bits
+        sizes[narrowed] = sum(lay.nbytes for lay in layouts)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+        requests = [engine.submit(tokenizer.encode(p), params) for p in prompts]  # a base model: no template
+        assert all(r.wait_completion(120) for r in requests)
+        outputs[narrowed] = [r.output_ids for r in requests]
+    assert outputs[True] == outputs[False]
+    assert 20e6 < sizes[False] - sizes[True] < 30e6

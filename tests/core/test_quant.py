@@ -8,7 +8,17 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from astrai.model.quant import NATIVE, QuantizedLinear, QuantLayout, dequantize, pack, split_blocks
+from astrai.model.quant import (
+    NATIVE,
+    TILE,
+    QuantizedLinear,
+    QuantLayout,
+    dequantize,
+    narrow_bits,
+    narrow_codes,
+    pack,
+    split_blocks,
+)
 
 # bytes per block, block size, and the offsets of the float16 fields (kept finite below)
 BLOCKS = {
@@ -80,6 +90,51 @@ def test_file_sized_formats_keep_the_files_bits_per_weight():
         assert NATIVE[qtype].bits_per_weight == bpw == size * 8 / block
         layout = QuantLayout(64, 1024, NATIVE[qtype])
         assert layout.nbytes == 64 * 1024 // block * size
+
+
+# the 5- and 6-bit formats the loader widens to int8 codes, and what narrow_codes makes of them:
+# (bits, signed, bits per weight: codes plus the layout's float16 or float32 scales and mins)
+NARROWED = {"Q5_0": (5, True, 5.5), "Q5_1": (5, False, 6.0), "Q5_K": (5, False, 7.0), "Q6_K": (6, True, 8.0)}
+
+
+@pytest.mark.parametrize("qtype", sorted(NATIVE))
+@pytest.mark.parametrize("rows", [16, 37])
+def test_narrow_codes_keep_every_weight_in_fewer_bits(qtype, rows):
+    """An int8 layout of 5- or 6-bit codes narrowed: the same weights to the bit (the reference
+    reads both), 2 to 3 bits a weight fewer; 4-bit layouts and Q8_0's codes are left as they are."""
+    raw = random_blocks(qtype, rows, 256, seed=rows)
+    packed, layout = pack(*split_blocks(raw, qtype), NATIVE[qtype])
+    if qtype not in NARROWED:
+        assert narrow_bits(packed, layout) is None
+        return
+    bits, signed, bpw = NARROWED[qtype]
+    assert narrow_bits(packed, layout) == bits
+    narrowed, lay = narrow_codes(packed, layout, bits)
+    assert (lay.spec.bits, lay.spec.signed, lay.spec.bits_per_weight) == (bits, signed, bpw)
+    assert (lay.n, lay.k, lay.spec.group, lay.spec.has_min) == (
+        rows,
+        256,
+        layout.spec.group,
+        layout.spec.has_min,
+    )
+    assert narrowed.numel() == lay.nbytes == lay.tiles * TILE * 256 * bpw / 8 < packed.numel()
+    assert torch.equal(dequantize(narrowed, lay), dequantize(packed, layout))
+
+
+def test_a_narrowed_codes_high_bits_are_where_the_layout_says():
+    """One code of 16 (bit 4 set) at row 5, column 4 * 3 + 2 of group 1: the low nibbles are all
+    zero and chunk 3's mask of group 1's record has bit 4 * 5 + 2 set, nothing else."""
+    codes = np.zeros((16, 64), np.int8)
+    codes[5, 32 + 4 * 3 + 2] = 16
+    scales, mins = np.ones((16, 2), np.float32), np.zeros((16, 2), np.float32)
+    packed, layout = pack(codes, scales, mins, NATIVE["Q5_1"])
+    narrowed, lay = narrow_codes(packed, layout, narrow_bits(packed, layout))
+    record = narrowed.view(2, lay.record_bytes)[1]  # group 1 of the one tile
+    head = 2 * TILE * 2  # float16 scales and mins
+    assert not record[head : head + 256].any()  # eight chunks of 32 bytes of low nibbles
+    masks = record[head + 256 :].view(8, 8)  # a 64-bit mask per chunk
+    assert int(masks[3].view(torch.int64)) == 1 << (4 * 5 + 2) and masks.count_nonzero() == 1
+    assert torch.equal(dequantize(narrowed, lay), torch.from_numpy(codes).float())
 
 
 def test_concat_merges_whole_tile_segments_of_one_format_and_keeps_others_apart():

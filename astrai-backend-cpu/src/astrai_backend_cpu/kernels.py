@@ -65,6 +65,8 @@ class QuantLinearKernel:
     ``features``: "int8_rows" where layouts may ask for 8-bit activations (``int8_dtypes``: float32
     rows on AVX2 builds, ``csrc/quant_q8_avx2.cpp``; bf16 and float32 rows on AVX512-BF16 builds for
     a CPU with AVX512-VNNI, ``csrc/quant_q8_avx512.cpp``); such rows stay on the kernel at any width.
+    "narrow_codes" where int8 layouts may hold 5- and 6-bit codes (``astrai.model.quant.narrow_codes``:
+    the VNNI kernel; ``use_int8_activations`` narrows the widened Q5/Q6 codes for it).
 
     ``max_rows``: inputs up to 64 rows (decode steps) run on the kernel, which reads the
     quantized weight once per step; larger bf16 ones (prefill) go to ``wide``: the weight as the bf16
@@ -90,7 +92,9 @@ class QuantLinearKernel:
         # layouts with int8_rows (astrai.model.activations): float32 rows on AVX2 builds, both
         # dtypes where the CPU has AVX512-VNNI too
         int8 = ops.has_quant_linear_int8()
-        self.features = ("int8_rows",) if int8 else ()
+        # "narrow_codes": int8 layouts of 5- and 6-bit codes (astrai.model.quant.narrow_codes)
+        narrow = int8 and ops.has_quant_narrow_codes()
+        self.features = ("int8_rows",) + (("narrow_codes",) if narrow else ()) if int8 else ()
         self.int8_dtypes = self.dtypes if int8 else ()
         # what activations="auto" takes int8 for (astrai.model.activations.int8_by_default): bf16
         # models on the VNNI kernel; float32 ones stay exact (their int8 perplexity missed the bar)

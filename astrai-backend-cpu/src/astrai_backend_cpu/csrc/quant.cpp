@@ -57,11 +57,24 @@ using astrai_cpu::quant::TILE;
 using astrai_cpu::quant::share;
 using astrai_cpu::Around;
 
-Layout parse(const std::vector<int64_t>& v, const at::Tensor& packed) {
+// narrow: the caller reads 5- and 6-bit codes (quant_linear on int8 rows, VNNI builds: 5 bits in
+// groups of 32, 6 bits signed in groups of 16, astrai.model.quant.narrow_codes' layouts)
+#if defined(ASTRAI_QUANT_VNNI)
+constexpr bool NARROW_BUILT = true;
+#else
+constexpr bool NARROW_BUILT = false;
+#endif
+Layout parse(const std::vector<int64_t>& v, const at::Tensor& packed, bool narrow = false) {
   TORCH_CHECK(v.size() == 7 || v.size() == 8,
               "quant: the layout is 7 or 8 integers (n, k, bits, group, has_min, f16_scales, signed[, int8_rows])");
   Layout L{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v.size() == 8 ? v[7] : 0};
-  TORCH_CHECK(L.n > 0 && L.k > 0 && (L.bits == 4 || L.bits == 8) && (L.group == 16 || L.group == 32) &&
+  if (L.bits == 5 || L.bits == 6) {
+    TORCH_CHECK(narrow && NARROW_BUILT && L.int8_rows,
+                "quant: 5- and 6-bit codes are read by quant_linear on int8 rows only, on builds for AVX512-VNNI");
+    TORCH_CHECK(L.bits == 5 ? L.group == 32 : (L.group == 16 && L.sign && !L.has_min),
+                "quant: 5-bit codes come in groups of 32, 6-bit ones signed in groups of 16 without mins");
+  }
+  TORCH_CHECK(L.n > 0 && L.k > 0 && L.bits >= 4 && L.bits <= 8 && L.bits != 7 && (L.group == 16 || L.group == 32) &&
                   L.k % L.group == 0,
               "quant: a layout of 4- or 8-bit codes in groups of 16 or 32 columns that divide k");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu() &&
@@ -526,6 +539,14 @@ bool has_quant_linear_int8() {  // layouts with int8_rows: AVX2 builds (float32 
 #endif
 }
 
+bool has_quant_narrow_codes() {  // 5- and 6-bit codes on int8 rows (quant_q8_avx512.cpp)
+#if defined(ASTRAI_QUANT_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_quant_linear_bf16() {
 #if defined(__AVX512BF16__)
   return true;
@@ -538,7 +559,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
                         const c10::optional<at::Tensor>& bias, bool float_out) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x must be bf16 or float32 rows [M, k] on the CPU");
   // float_out: float32 outputs whatever x's dtype (bf16 rows: the sums are not rounded to bf16)
-  at::Tensor out = at::empty({x.size(0), parse(layout, packed).n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  at::Tensor out = at::empty({x.size(0), parse(layout, packed, true).n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   quant_linear_into(x, packed, layout, bias, out, nullptr);
   return out;
 }
@@ -546,7 +567,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
 void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
                        const c10::optional<at::Tensor>& bias, at::Tensor& out, const Around* around) {
   TORCH_CHECK(has_quant_linear(), "quant_linear: built without AVX512-BF16 or AVX2");
-  const Layout L = parse(layout, packed);
+  const Layout L = parse(layout, packed, true);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == L.k && x.device().is_cpu() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "quant_linear: x must be bf16 or float32 rows [M, k] on the CPU");
@@ -568,7 +589,8 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, const std:
 #if defined(ASTRAI_QUANT_VNNI)
   if (L.int8_rows) {  // the rows quantized (and their groups' sums taken) in one pass
     quant::Rows8Buffers q8;
-    const int32_t offset = L.bits == 8 ? 128 : (L.sign ? 8 : 0);
+    // what the unsigned operand adds to a signed code: 128 for int8, 8, 16, 32 for 4-6 bits
+    const int32_t offset = L.bits == 8 ? 128 : (L.sign ? 1 << (L.bits - 1) : 0);
     if (x.scalar_type() == at::kFloat) {
       quant::quantize_rows_q8_512(xs.const_data_ptr<float>(), M, L.k, L.group, offset, L.has_min != 0, q8);
       const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
@@ -799,6 +821,7 @@ TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
   m.def("has_quant_linear() -> bool", &astrai_cpu::has_quant_linear);
   m.def("has_quant_linear_bf16() -> bool", &astrai_cpu::has_quant_linear_bf16);
   m.def("has_quant_linear_int8() -> bool", &astrai_cpu::has_quant_linear_int8);
+  m.def("has_quant_narrow_codes() -> bool", &astrai_cpu::has_quant_narrow_codes);
   m.def("quant_linear(Tensor x, Tensor packed, int[] layout, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("quant_dequant(Tensor packed, int[] layout, Tensor? rows, ScalarType dtype) -> Tensor");
   m.def("quant_weight_t(Tensor packed, int[] layout, ScalarType dtype) -> Tensor");

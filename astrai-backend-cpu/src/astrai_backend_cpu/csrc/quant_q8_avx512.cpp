@@ -14,6 +14,10 @@
 // `vdpbf16ps` per four columns, one instruction and no float conversion of the codes; the sums
 // are exact in integers, so a row's result depends on that row alone, whatever the batch.
 //
+// 5- and 6-bit codes (astrai.model.quant.narrow_codes: Q5_0, Q5_1, Q5_K and Q6_K, which the other
+// kernels read widened to int8) go in as 4-bit ones do, plus the bytes their chunk's 64-bit masks of
+// bit 4 (and 5) mark, 16 (and 32) added to each: one byte of the operand a mask bit.
+//
 // Up to 8 rows (decode) expand each tile's codes in registers as they are read (up to 4 rows two
 // tiles at a time, more a tile at a time); more rows expand a pair of tiles once into a buffer
 // (L1/L2) that every block of 4 rows then reads.
@@ -40,14 +44,28 @@ inline __m512 load_scales(const uint8_t* p, bool f16) {
 }
 
 // The unsigned operand for columns 4q .. 4q + 3 of a record's 16 rows (codes: the record's codes).
+// 5- and 6-bit codes (unsigned, signed ones stored plus 16 or 32): the low nibbles as 4-bit codes
+// are, then the chunk's 64-bit masks of bit 4 (and bit 5) at chunks * 32 bytes, one byte of the
+// operand a mask bit: added to the bytes they mark.
 template <int BITS, bool SIGNED>
-inline __m512i expand(const uint8_t* codes, int64_t q) {
-  if constexpr (BITS == 4) {
+inline __m512i expand(const uint8_t* codes, int64_t q, int64_t chunks) {
+  if constexpr (BITS != 8) {
     // dword j = byte 2j | byte 2j+1 << 8: columns 0, 1 in the low nibbles, 2, 3 in the high ones;
     // (v | v << 12) & 0x0F0F0F0F puts the high nibbles in bytes 2 and 3
     const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * 32)));
     __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
-    if constexpr (SIGNED) w = _mm512_xor_si512(w, _mm512_set1_epi32(0x08080808));  // -8..7 -> 0..15
+    if constexpr (BITS == 4 && SIGNED) w = _mm512_xor_si512(w, _mm512_set1_epi32(0x08080808));  // -8..7 -> 0..15
+    if constexpr (BITS > 4) {
+      const uint8_t* high = codes + chunks * 32 + q * 8 * (BITS - 4);
+      uint64_t bit4;
+      std::memcpy(&bit4, high, sizeof(bit4));
+      w = _mm512_mask_add_epi8(w, _cvtu64_mask64(bit4), w, _mm512_set1_epi8(16));
+      if constexpr (BITS == 6) {
+        uint64_t bit5;
+        std::memcpy(&bit5, high + 8, sizeof(bit5));
+        w = _mm512_mask_add_epi8(w, _cvtu64_mask64(bit5), w, _mm512_set1_epi8(32));
+      }
+    }
     return w;
   } else {
     const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * 64)));
@@ -75,7 +93,7 @@ struct InRecords {
     }
   }
   __m512i codes(int u, int64_t q) const {
-    return expand<BITS, SIGNED>(r[u] + L.scale_bytes() * (1 + L.has_min), q);
+    return expand<BITS, SIGNED>(r[u] + L.scale_bytes() * (1 + L.has_min), q, L.group / 4);
   }
   __m512 scales(int u) const { return load_scales(r[u], L.f16); }
   __m512 mins(int u) const { return load_scales(r[u] + L.scale_bytes(), L.f16); }
@@ -267,6 +285,8 @@ void linear_q8_512(const Rows8& x, int64_t M, const uint8_t* packed, const Layou
   TORCH_CHECK(L.group == 16 || L.group == 32, "quant_linear: 8-bit activations take groups of 16 or 32 columns");
   const bool wide = L.group == 32;
   if (L.bits == 8) wide ? run<8, false, 8>(x, M, packed, L, bias, out, around) : run<8, false, 4>(x, M, packed, L, bias, out, around);
+  else if (L.bits == 5) L.sign ? run<5, true, 8>(x, M, packed, L, bias, out, around) : run<5, false, 8>(x, M, packed, L, bias, out, around);
+  else if (L.bits == 6) run<6, true, 4>(x, M, packed, L, bias, out, around);  // (parse: signed, groups of 16)
   else if (L.sign) wide ? run<4, true, 8>(x, M, packed, L, bias, out, around) : run<4, true, 4>(x, M, packed, L, bias, out, around);
   else wide ? run<4, false, 8>(x, M, packed, L, bias, out, around) : run<4, false, 4>(x, M, packed, L, bias, out, around);
 }

@@ -14,15 +14,21 @@ values are gguf-py's to the bit); ``pack`` lays them out in tiles for the kernel
   ``j``'s code for column ``4c + e`` in its low nibble and for column ``4c + 2 + e`` in its high
   nibble (signed formats store ``code & 15`` of a code in -8..7);
 - 8-bit codes (int8): ``group / 2`` chunks of 32 bytes; byte ``2j + e`` of chunk ``c`` is row
-  ``j``'s code for column ``2c + e``.
+  ``j``'s code for column ``2c + e``;
+- 5- and 6-bit codes (``narrow_codes``: layouts with 8-bit activations only, whose kernel reads
+  them): the code as unsigned (signed codes plus 16 or 32), its low four bits as the 4-bit codes
+  are, then per chunk ``c`` of those (columns ``4c`` to ``4c + 3``) one 64-bit little-endian mask
+  per high bit (bit 4, then bit 5 for 6-bit codes): its bit ``4j + e`` is that bit of row ``j``'s
+  code for column ``4c + e`` (the byte that code takes in the kernel's operand).
 
 One 32-byte load expands to the operands of the AVX512-BF16 dot instruction for 16 outputs
 (astrai-backend-cpu's ``csrc/quant.cpp``). What each GGUF type becomes (``NATIVE``): Q4_0,
 Q4_1 and Q8_0 keep the file's own bits (4.5, 5 and 8.5 bits per weight); Q4_K keeps its
 4-bit codes with its sub-block scales and mins multiplied out to float32 at load (6 bits per
 weight, the file's 4.5); Q5_0, Q5_1, Q5_K and Q6_K widen their 5- and 6-bit codes to int8
-(8.5 to 10 bits per weight, the file's 5.5 to 6.6). Other types (F32, F16, BF16, Q2_K,
-Q3_K) are dequantized at load as before.
+(8.5 to 10 bits per weight, the file's 5.5 to 6.6), and take them back to 5 and 6 bits (5.5 to 8
+bits per weight) when the model switches to 8-bit activations on a kernel that reads them
+(``narrow_codes``). Other types (F32, F16, BF16, Q2_K, Q3_K) are dequantized at load as before.
 
 ``QuantizedLinear`` and ``QuantizedEmbedding`` hold the packed weights (one copy) and run on a
 plugin's ``quant_linear`` kernel (``astrai.extension.fused``); ``dequantize`` is the
@@ -263,6 +269,8 @@ def unpack(
         mins = rec[..., off : off + TILE * ssz].contiguous().view(sdt).float()
         off += TILE * ssz
     raw = rec[..., off:].contiguous()
+    if s.bits in (5, 6):
+        return _unpack_narrow(raw, layout, scales, mins)
     if s.bits == 4:
         b = raw.view(layout.tiles, groups, s.group // 4, TILE, 2)  # [t, g, c, j, e]
         lo, hi = (b & 0x0F).to(torch.int16), (b >> 4).to(torch.int16)
@@ -276,6 +284,65 @@ def unpack(
     if mins is not None:
         mins = mins.permute(0, 2, 1).reshape(-1, groups)[:n]
     return codes[:n], scales.permute(0, 2, 1).reshape(-1, groups)[:n], mins
+
+
+def _unpack_narrow(raw: torch.Tensor, layout: QuantLayout, scales: torch.Tensor, mins: torch.Tensor | None):
+    """``unpack`` of 5- and 6-bit codes: the low nibbles, then each chunk's masks of the high bits."""
+    s, n, k = layout.spec, layout.n, layout.k
+    groups, chunks = k // s.group, s.group // 4
+    low = raw[..., : chunks * 32].reshape(layout.tiles, groups, chunks, TILE, 2)  # [t, g, c, j, e]
+    codes = torch.stack([low & 0x0F, low >> 4], dim=4).to(torch.int16)  # [t, g, c, j, h, e]: 4c + 2h + e
+    masks = raw[..., chunks * 32 :].reshape(layout.tiles, groups, chunks, s.bits - 4, 8)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    for b in range(s.bits - 4):  # bit 4j + 2h + e of the chunk's mask
+        bits = (masks[..., b, :, None] >> shifts) & 1  # [t, g, c, 8 bytes, 8 bits]: bit 8i + l
+        codes += bits.reshape(layout.tiles, groups, chunks, TILE, 2, 2).to(torch.int16) << (4 + b)
+    if s.signed:
+        codes -= 1 << (s.bits - 1)
+    codes = codes.permute(0, 3, 1, 2, 4, 5).reshape(layout.tiles * TILE, k)
+    if mins is not None:
+        mins = mins.permute(0, 2, 1).reshape(-1, groups)[:n]
+    return codes[:n], scales.permute(0, 2, 1).reshape(-1, groups)[:n], mins
+
+
+def narrow_bits(packed: torch.Tensor, layout: QuantLayout) -> int | None:
+    """The 5 or 6 bits that every code of an 8-bit layout fits (``narrow_codes``), or None: 5 for
+    groups of 32 (codes -16..15, or 0..31 with mins: Q5_0, Q5_1, Q5_K), 6 for groups of 16 (-32..31:
+    Q6_K); None for other layouts and codes (Q8_0's)."""
+    s = layout.spec
+    if s.bits != 8:
+        return None
+    rec = packed.view(layout.tiles, layout.k // s.group, layout.record_bytes)
+    head = TILE * (2 if s.f16_scales else 4) * (1 + s.has_min)
+    lo, hi = (int(v) for v in torch.aminmax(rec[..., head:].view(torch.int8)))
+    if s.group == 32 and ((0 <= lo and hi <= 31) if s.has_min else (-16 <= lo and hi <= 15)):
+        return 5
+    if s.group == 16 and not s.has_min and -32 <= lo and hi <= 31:
+        return 6
+    return None
+
+
+def narrow_codes(packed: torch.Tensor, layout: QuantLayout, bits: int) -> tuple[torch.Tensor, QuantLayout]:
+    """An 8-bit layout's codes in ``bits`` (5 or 6, ``narrow_bits``): the same codes, scales and
+    mins (so the same products, to the bit), 2.5 or 2 bits a weight fewer to read. Straight from
+    the records, without the ``[n, k]`` codes."""
+    s = layout.spec
+    groups, chunks = layout.k // s.group, s.group // 4
+    head = TILE * (2 if s.f16_scales else 4) * (1 + s.has_min)
+    rec = packed.view(layout.tiles, groups, layout.record_bytes).numpy()
+    signed = not s.has_min
+    codes = rec[..., head:].view(np.int8).reshape(layout.tiles, groups, chunks, 2, TILE, 2)  # 4c + 2h + e
+    u = (codes.astype(np.int16) + ((1 << (bits - 1)) if signed else 0)).astype(np.uint8)
+    low = (u[:, :, :, 0] & 0x0F) | ((u[:, :, :, 1] & 0x0F) << 4)  # [t, g, c, j, e]
+    high = u.transpose(0, 1, 2, 4, 3, 5)  # [t, g, c, j, h, e]: bit 4j + 2h + e
+    masks = [np.packbits((high >> b) & 1, axis=None, bitorder="little") for b in range(4, bits)]
+    masks = np.stack([m.reshape(layout.tiles, groups, chunks, 8) for m in masks], axis=3)
+    parts = [rec[..., :head], low.reshape(layout.tiles, groups, -1), masks.reshape(layout.tiles, groups, -1)]
+    spec = replace(s, bits=bits, signed=signed)
+    out = replace(layout, spec=spec)
+    narrowed = np.concatenate(parts, axis=-1).reshape(-1)
+    assert narrowed.size == out.nbytes
+    return torch.from_numpy(narrowed), out
 
 
 # ----------------------------------------------------------------- the modules
