@@ -5,7 +5,7 @@ No MoE checkpoint can be downloaded here, so the script writes one: a Qwen3-MoE 
 16 query and 4 KV heads; ``large`` 12 layers, 64 experts, 8 chosen), the default model's tokenizer
 (its ``tokenizer.ggml.*`` metadata copied), written the way llama.cpp's converter writes ``qwen3moe``
 (``blk.N.ffn_{gate,up,down}_exps`` stacking every expert, the router ``ffn_gate_inp`` in F32) with
-the experts and the attention projections in ``--qtype`` (Q4_0, the default, or Q8_0; ``gguf.quants``)
+the experts and the attention projections in ``--qtype`` (Q4_0, the default, Q5_0 or Q8_0; ``gguf.quants``)
 and the embeddings (tied to the LM head) in Q8_0, as llama.cpp's ``Q4_0`` files keep them. llama-server
 loads the same file.
 
@@ -15,7 +15,7 @@ resident set, which the script also states against the sum of the file's tensor 
 JSON object. astrai keeps the file's blocks (``--weights auto``: quantized on AVX2 and AVX512
 machines) and runs each chosen expert on its rows (``astrai.model.moe``).
 
-Usage: python benchmarks/moe_bench.py [--size small|large] [--qtype Q4_0|Q8_0] [--quick] [--no-peer] [--out DIR]
+Usage: python benchmarks/moe_bench.py [--size small|large] [--qtype Q4_0|Q5_0|Q8_0] [--quick] [--no-peer] [--out DIR]
        [--astrai-arg=ARG ...]
 """
 
@@ -38,7 +38,7 @@ SIZES = {
 
 
 #: bytes per weight of each block type (a block of 32 weights: Q4_0 18 bytes, Q8_0 34)
-BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q8_0": 34 / 32}
+BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q5_0": 22 / 32, "Q8_0": 34 / 32}
 
 
 def write_moe_gguf(path: Path, size: dict, qtype: str = "Q4_0", seed: int = 0) -> dict:
