@@ -16,6 +16,7 @@ from astrai.model.quant import (
     dequantize,
     narrow_bits,
     narrow_codes,
+    narrow_scales,
     pack,
     split_blocks,
 )
@@ -135,6 +136,55 @@ def test_a_narrowed_codes_high_bits_are_where_the_layout_says():
     masks = record[head + 256 :].view(8, 8)  # a 64-bit mask per chunk
     assert int(masks[3].view(torch.int64)) == 1 << (4 * 5 + 2) and masks.count_nonzero() == 1
     assert torch.equal(dequantize(narrowed, lay), torch.from_numpy(codes).float())
+
+
+# the K-quants' scales and mins as the file's factors (narrow_scales, after narrow_codes): bits a
+# weight (the file's: 4.5, 5.5, 6.5625)
+K_SCALED = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625}
+
+
+@pytest.mark.parametrize("qtype", sorted(NATIVE))
+def test_narrow_scales_give_k_quants_the_files_factors_back(qtype):
+    """A K-quant's float32 scales (and mins) are float16 times small integers: held as those factors
+    (int8 in the records, float16 in a header per 256 columns) they give the same float32 values,
+    the same weights to the bit, in about the file's bits; other formats are left as they are."""
+    raw = random_blocks(qtype, 37, 512, seed=5)
+    packed, layout = pack(*split_blocks(raw, qtype), NATIVE[qtype])
+    bits = narrow_bits(packed, layout)
+    if bits is not None:
+        packed, layout = narrow_codes(packed, layout, bits)
+    narrowed = narrow_scales(packed, layout)
+    if qtype not in K_SCALED:
+        assert narrowed is None
+        return
+    data, lay = narrowed
+    assert lay.spec.k_scales and lay.ints()[5] == 2  # the kernels' f16_scales integer: 2
+    assert lay.spec.bits_per_weight == K_SCALED[qtype]
+    assert data.numel() == lay.nbytes == lay.tiles * TILE * 512 * K_SCALED[qtype] / 8
+    assert torch.equal(dequantize(data, lay), dequantize(packed, layout))
+
+
+def test_k_scales_sit_where_the_layout_says():
+    """One tile of 256 columns of Q4_K-like groups: row 3's scales 0.5 * (1..8) and mins -0.25 * 7:
+    the header holds each row's float16 factors (scales', then mins'), each record one int8 factor
+    a row for each, and nothing that is not a product of the two is taken."""
+    codes = np.zeros((16, 256), np.int8)
+    scales = np.zeros((16, 8), np.float32)
+    mins = np.zeros((16, 8), np.float32)
+    scales[3] = 0.5 * np.arange(1, 9)
+    mins[3] = -0.25 * 7
+    packed, layout = pack(codes, scales, mins, NATIVE["Q4_K"])
+    data, lay = narrow_scales(packed, layout)
+    header = data[: lay.header_bytes].view(torch.float16).view(2, TILE).float()
+    d, dmin = header[0, 3].item(), header[1, 3].item()
+    records = data[lay.header_bytes :].view(8, lay.record_bytes)
+    q = records[:, : 2 * TILE].view(torch.int8).view(8, 2, TILE)[:, :, 3].float()
+    assert torch.equal(d * q[:, 0], torch.from_numpy(scales[3])) and torch.equal(
+        dmin * q[:, 1], torch.from_numpy(mins[3])
+    )
+    assert header[:, :3].count_nonzero() == 0 and records[:, 2 * TILE :].count_nonzero() == 0
+    scales[3, 5] = 0.1234567  # no float16 times an int8
+    assert narrow_scales(*pack(codes, scales, mins, NATIVE["Q4_K"])) is None
 
 
 def test_concat_merges_whole_tile_segments_of_one_format_and_keeps_others_apart():

@@ -65,8 +65,9 @@ class QuantLinearKernel:
     ``features``: "int8_rows" where layouts may ask for 8-bit activations (``int8_dtypes``: float32
     rows on AVX2 builds, ``csrc/quant_q8_avx2.cpp``; bf16 and float32 rows on AVX512-BF16 builds for
     a CPU with AVX512-VNNI, ``csrc/quant_q8_avx512.cpp``); such rows stay on the kernel at any width.
-    "narrow_codes" where int8 layouts may hold 5- and 6-bit codes (``astrai.model.quant.narrow_codes``:
-    the VNNI kernel; ``use_int8_activations`` narrows the widened Q5/Q6 codes for it).
+    "narrow_codes" where int8 layouts may hold 5- and 6-bit codes and K-quant factors
+    (``astrai.model.quant.narrow_codes`` and ``narrow_scales``: the VNNI kernel;
+    ``use_int8_activations`` narrows the weights for it).
 
     ``max_rows``: inputs up to 64 rows (decode steps) run on the kernel, which reads the
     quantized weight once per step; larger bf16 ones (prefill) go to ``wide``: the weight as the bf16

@@ -68,6 +68,13 @@ Layout parse(const std::vector<int64_t>& v, const at::Tensor& packed, bool narro
   TORCH_CHECK(v.size() == 7 || v.size() == 8,
               "quant: the layout is 7 or 8 integers (n, k, bits, group, has_min, f16_scales, signed[, int8_rows])");
   Layout L{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v.size() == 8 ? v[7] : 0};
+  if (L.f16 == Layout::K_SCALES) {
+    TORCH_CHECK(narrow && NARROW_BUILT && L.int8_rows,
+                "quant: K-quant scales (float16 and int8 factors) are read by quant_linear on int8 rows only, on builds "
+                "for AVX512-VNNI");
+    TORCH_CHECK(L.k % Layout::SUPER == 0, "quant: K-quant scales come in super-blocks of 256 columns");
+  }
+  TORCH_CHECK(L.f16 >= 0 && L.f16 <= Layout::K_SCALES, "quant: f16_scales is 0, 1 or 2 (K-quant factors)");
   if (L.bits == 5 || L.bits == 6) {
     TORCH_CHECK(narrow && NARROW_BUILT && L.int8_rows,
                 "quant: 5- and 6-bit codes are read by quant_linear on int8 rows only, on builds for AVX512-VNNI");

@@ -45,14 +45,34 @@ constexpr int64_t PF_FAR_BYTES = 12288;
 // f16_scales, signed (4-bit codes read as -8..7 instead of 0..15; 8-bit codes are always int8),
 // and int8_rows (float32 rows quantized to 8 bits per group for the products: quant_q8_avx2.cpp;
 // an optional eighth integer, 0 where it is left out).
+//
+// f16 == 2 (K_SCALES): a K-quant's scales and mins as the file holds them (astrai.model.quant.
+// narrow_scales; quant_linear on int8 rows only): per record one int8 factor a row for the scales
+// (and one for the mins), and before each super-block's records (256 columns) a header of a float16
+// factor a row for each: scale = header factor * record factor, exactly (both are small integers
+// times a float16).
 struct Layout {
+  static constexpr int64_t K_SCALES = 2, SUPER = 256;
   int64_t n, k, bits, group, has_min, f16, sign, int8_rows = 0;
   int64_t groups() const { return k / group; }
-  int64_t scale_bytes() const { return TILE * (f16 ? 2 : 4); }
+  int64_t scale_bytes() const { return TILE * (f16 == K_SCALES ? 1 : f16 ? 2 : 4); }
   int64_t code_bytes() const { return TILE * group * bits / 8; }
   int64_t record() const { return scale_bytes() * (1 + has_min) + code_bytes(); }
   int64_t tiles() const { return (n + TILE - 1) / TILE; }
-  int64_t tile_bytes() const { return groups() * record(); }
+  // K_SCALES: a super-block's header, and its groups
+  int64_t header() const { return f16 == K_SCALES ? TILE * 2 * (1 + has_min) : 0; }
+  int64_t per_super() const { return SUPER / group; }
+  int64_t tile_bytes() const {
+    return groups() * record() + (f16 == K_SCALES ? groups() / per_super() * header() : 0);
+  }
+  // group g's record of tile t within packed, and (K_SCALES) its super-block's header
+  const uint8_t* record_at(const uint8_t* packed, int64_t t, int64_t g) const {
+    const uint8_t* tile = packed + t * tile_bytes();
+    return f16 == K_SCALES ? tile + (g / per_super() + 1) * header() + g * record() : tile + g * record();
+  }
+  const uint8_t* header_at(const uint8_t* packed, int64_t t, int64_t g) const {
+    return packed + t * tile_bytes() + (g / per_super()) * (header() + per_super() * record());
+  }
 };
 
 // body(u0, u1) over units [0, units) of unit_cols output columns each (n in all): shared out by

@@ -16,7 +16,9 @@
 //
 // 5- and 6-bit codes (astrai.model.quant.narrow_codes: Q5_0, Q5_1, Q5_K and Q6_K, which the other
 // kernels read widened to int8) go in as 4-bit ones do, plus the bytes their chunk's 64-bit masks of
-// bit 4 (and 5) mark, 16 (and 32) added to each: one byte of the operand a mask bit.
+// bit 4 (and 5) mark, 16 (and 32) added to each: one byte of the operand a mask bit. A K-quant's
+// scales and mins may come as the file's factors (Layout::K_SCALES: int8 in the records, float16
+// in each super-block's header), multiplied as a tile's record is read: the same float32 values.
 //
 // Up to 8 rows (decode) expand each tile's codes in registers as they are read (up to 4 rows two
 // tiles at a time, more a tile at a time); more rows expand a pair of tiles once into a buffer
@@ -41,6 +43,13 @@ constexpr int64_t ROWS = 4;
 inline __m512 load_scales(const uint8_t* p, bool f16) {
   return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
              : _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+// K_SCALES: 16 float16 factors (a header's) times 16 int8 ones (a record's), exact in float32
+inline __m512 k_scales(const uint8_t* header, const uint8_t* record) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
 }
 
 // The unsigned operand for columns 4q .. 4q + 3 of a record's 16 rows (codes: the record's codes).
@@ -83,9 +92,11 @@ struct InRecords {
   const Layout& L;
   int64_t t;
   const uint8_t* r[U] = {};
+  const uint8_t* h[U] = {};  // K_SCALES: the super-block's header
   void group(int64_t g) {
     for (int u = 0; u < U; ++u) {
-      r[u] = packed + (t + u) * L.tile_bytes() + g * L.record();
+      r[u] = L.record_at(packed, t + u, g);
+      if (L.f16 == Layout::K_SCALES) h[u] = L.header_at(packed, t + u, g);
       for (int64_t line = 0; line < L.record(); line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(r[u] + PF_BYTES + line), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(r[u] + PF_FAR_BYTES + line), _MM_HINT_T1);
@@ -95,8 +106,12 @@ struct InRecords {
   __m512i codes(int u, int64_t q) const {
     return expand<BITS, SIGNED>(r[u] + L.scale_bytes() * (1 + L.has_min), q, L.group / 4);
   }
-  __m512 scales(int u) const { return load_scales(r[u], L.f16); }
-  __m512 mins(int u) const { return load_scales(r[u] + L.scale_bytes(), L.f16); }
+  __m512 scales(int u) const {
+    return L.f16 == Layout::K_SCALES ? k_scales(h[u], r[u]) : load_scales(r[u], L.f16);
+  }
+  __m512 mins(int u) const {
+    return L.f16 == Layout::K_SCALES ? k_scales(h[u] + 2 * TILE, r[u] + TILE) : load_scales(r[u] + L.scale_bytes(), L.f16);
+  }
 };
 
 // Expanded: a pair of tiles expanded once (expand_pair) into buf: per group, per tile, the G / 4

@@ -10,9 +10,9 @@ implements them (astrai-backend-cpu's ``quant_linear``: ``csrc/quant_q8_avx2.cpp
 float32 rows; ``csrc/quant_q8_avx512.cpp`` on AVX512-BF16 builds for CPUs with AVX512-VNNI, bf16
 and float32 rows, four columns of 16 outputs a ``vpdpbusd``) runs every product so, prefill included (a row's result must not depend on the rows beside it,
 and on 2 AVX2 cores the kernel at 128-512 rows is within about 10% of the float32 sgemm path).
-Where the kernel reads them (``"narrow_codes"`` among its ``features``), the switch also takes the
-5- and 6-bit codes that the loader widened to int8 back to 5 and 6 bits (``narrow_codes``): the same
-products, 2.5-3 bits a weight fewer to read.
+Where the kernel reads them (``"narrow_codes"`` among its ``features``), the switch also gives it
+the file's bits back (``_narrow``): the 5- and 6-bit codes that the loader widened to int8 in 5 and
+6 bits, a K-quant's scales as the file's factors; the same products, 1.4-3 bits a weight fewer.
 Each row is quantized per group of the weight's columns (32, or Q6_K's 16), ``scale = amax /
 127``, codes rounded to nearest: at most half a step of error per value, and a row's result
 depends on that row alone. ``benchmarks/activations_ppl.py`` measures what it costs in perplexity.
@@ -27,7 +27,14 @@ from torch import nn
 
 from astrai.extension.fused import kernel_for
 from astrai.model.moe import SparseMoE
-from astrai.model.quant import QuantizedEmbedding, QuantizedLinear, narrow_bits, narrow_codes
+from astrai.model.quant import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantLayout,
+    narrow_bits,
+    narrow_codes,
+    narrow_scales,
+)
 
 __all__ = ["ACTIVATIONS", "int8_by_default", "use_int8_activations"]
 
@@ -92,30 +99,36 @@ def use_int8_activations(model: nn.Module) -> int:
 
 
 def _narrow(model: nn.Module, linears: list[QuantizedLinear]) -> None:
-    """Take the 5- and 6-bit codes that the loader widened to int8 (Q5_0, Q5_1, Q5_K, Q6_K) back
-    to 5 and 6 bits (``astrai.model.quant.narrow_codes``): the same products to the bit, 2 to 3 bits
-    a weight fewer to read each step. A segment shared with an embedding table (a tied LM head)
-    stays as it is (two copies would cost more than the bits save); a mixture's experts narrow
-    only all alike (their grouped kernel takes one layout)."""
+    """Give the int8 kernel the file's bits back: the 5- and 6-bit codes that the loader widened to
+    int8 (Q5_0, Q5_1, Q5_K, Q6_K) in 5 and 6 bits (``astrai.model.quant.narrow_codes``), and a
+    K-quant's scales and mins, which it multiplied out to float32, as the file's int8 and float16
+    factors (``narrow_scales``): the same products to the bit, 1.4 to 3 bits a weight fewer to read
+    each step. A segment shared with an embedding table (a tied LM head) stays as it is (two copies
+    would cost more than the bits save); a mixture's experts narrow only all alike (their grouped
+    kernel takes one layout)."""
     tables = {m.packed.data_ptr() for m in model.modules() if isinstance(m, QuantizedEmbedding)}
-    plan = {
-        (id(linear), i): narrow_bits(packed, lay)
-        for linear in linears
-        for i, (packed, lay) in enumerate(linear.segments)
-        if packed.data_ptr() not in tables
-    }
+    narrowed: dict[tuple[int, int], tuple[torch.Tensor, QuantLayout]] = {}
+    for linear in linears:
+        for i, (packed, lay) in enumerate(linear.segments):
+            if packed.data_ptr() in tables:
+                continue
+            bits = narrow_bits(packed, lay)
+            if bits is not None:
+                packed, lay = narrow_codes(packed, lay, bits)
+            packed, lay = narrow_scales(packed, lay) or (packed, lay)
+            if lay != linear.layouts[i]:
+                narrowed[id(linear), i] = (packed, lay)
     for module in model.modules():
         if isinstance(module, SparseMoE):
             for name in ("gate_up_proj", "down_proj"):
                 keys = [(id(getattr(e, name, None)), 0) for e in module.experts]
-                if len({plan.get(key) for key in keys}) > 1:
+                if len({narrowed[key][1] if key in narrowed else None for key in keys}) > 1:
                     for key in keys:
-                        plan[key] = None
+                        narrowed.pop(key, None)
     for linear in linears:
         layouts = list(linear.layouts)
-        for i, (packed, lay) in enumerate(linear.segments):
-            bits = plan.get((id(linear), i))
-            if bits is not None:
-                narrowed, layouts[i] = narrow_codes(packed, lay, bits)
-                setattr(linear, f"packed{i}", narrowed)
+        for i in range(len(layouts)):
+            if (id(linear), i) in narrowed:
+                packed, layouts[i] = narrowed[id(linear), i]
+                setattr(linear, f"packed{i}", packed)
         linear.layouts = layouts

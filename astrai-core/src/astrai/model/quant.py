@@ -19,16 +19,22 @@ values are gguf-py's to the bit); ``pack`` lays them out in tiles for the kernel
   them): the code as unsigned (signed codes plus 16 or 32), its low four bits as the 4-bit codes
   are, then per chunk ``c`` of those (columns ``4c`` to ``4c + 3``) one 64-bit little-endian mask
   per high bit (bit 4, then bit 5 for 6-bit codes): its bit ``4j + e`` is that bit of row ``j``'s
-  code for column ``4c + e`` (the byte that code takes in the kernel's operand).
+  code for column ``4c + e`` (the byte that code takes in the kernel's operand);
+- K-quant factors (``narrow_scales``, ``QuantSpec.k_scales``; 8-bit activations only): the scales
+  (and mins) as the file holds them, a float16 times a small integer: each record's 16 scales
+  (then 16 mins) as int8 factors, and before the records of each super-block of 256 columns a
+  header of the 16 rows' float16 factors (scales', then mins'); the kernels' ``f16_scales`` integer
+  is 2.
 
 One 32-byte load expands to the operands of the AVX512-BF16 dot instruction for 16 outputs
 (astrai-backend-cpu's ``csrc/quant.cpp``). What each GGUF type becomes (``NATIVE``): Q4_0,
 Q4_1 and Q8_0 keep the file's own bits (4.5, 5 and 8.5 bits per weight); Q4_K keeps its
 4-bit codes with its sub-block scales and mins multiplied out to float32 at load (6 bits per
 weight, the file's 4.5); Q5_0, Q5_1, Q5_K and Q6_K widen their 5- and 6-bit codes to int8
-(8.5 to 10 bits per weight, the file's 5.5 to 6.6), and take them back to 5 and 6 bits (5.5 to 8
-bits per weight) when the model switches to 8-bit activations on a kernel that reads them
-(``narrow_codes``). Other types (F32, F16, BF16, Q2_K, Q3_K) are dequantized at load as before.
+(8.5 to 10 bits per weight, the file's 5.5 to 6.6). When the model switches to 8-bit activations
+on a kernel that reads them, the codes go back to 5 and 6 bits (``narrow_codes``) and a K-quant's
+scales and mins to the file's factors (``narrow_scales``): about the file's bits (Q4_K 4.625, Q5_0
+5.5, Q5_1 6, Q5_K 5.625, Q6_K 6.5625). Other types (F32, F16, BF16, Q2_K, Q3_K) are dequantized at load as before.
 
 ``QuantizedLinear`` and ``QuantizedEmbedding`` hold the packed weights (one copy) and run on a
 plugin's ``quant_linear`` kernel (``astrai.extension.fused``); ``dequantize`` is the
@@ -51,6 +57,7 @@ from torch import nn
 from astrai.extension.fused import kernel_for
 
 TILE = 16
+SUPER = 256  # a K-quant's super-block of columns
 
 
 @dataclass(frozen=True)
@@ -62,9 +69,14 @@ class QuantSpec:
     has_min: bool
     f16_scales: bool
     signed: bool = False
+    #: a K-quant's scales (and mins) as two factors (``narrow_scales``): int8 in each record, float16
+    #: in a header before each super-block of 256 columns
+    k_scales: bool = False
 
     @property
     def bits_per_weight(self) -> float:
+        if self.k_scales:
+            return self.bits + (8 / self.group + 16 / SUPER) * (1 + self.has_min)
         scale = 16 if self.f16_scales else 32
         return self.bits + scale * (1 + self.has_min) / self.group
 
@@ -96,13 +108,26 @@ class QuantLayout:
         return -(-self.n // TILE)
 
     @property
+    def scale_bytes(self) -> int:
+        s = self.spec
+        return TILE * (1 if s.k_scales else 2 if s.f16_scales else 4)
+
+    @property
     def record_bytes(self) -> int:
         s = self.spec
-        return TILE * (2 if s.f16_scales else 4) * (1 + s.has_min) + TILE * s.group * s.bits // 8
+        return self.scale_bytes * (1 + s.has_min) + TILE * s.group * s.bits // 8
+
+    @property
+    def header_bytes(self) -> int:
+        """``k_scales``: the float16 factors before each super-block's records."""
+        return TILE * 2 * (1 + self.spec.has_min) if self.spec.k_scales else 0
 
     @property
     def nbytes(self) -> int:
-        return self.tiles * (self.k // self.spec.group) * self.record_bytes
+        groups = self.k // self.spec.group
+        return self.tiles * (
+            groups * self.record_bytes + groups * self.spec.group // SUPER * self.header_bytes
+        )
 
     def ints(self) -> list[int]:
         s = self.spec
@@ -112,7 +137,7 @@ class QuantLayout:
             s.bits,
             s.group,
             int(s.has_min),
-            int(s.f16_scales),
+            2 if s.k_scales else int(s.f16_scales),
             int(s.signed),
             int(self.int8_rows),
         ]
@@ -260,6 +285,8 @@ def unpack(
     mins ``[n, k // group]`` (float32; mins ``None`` where the format has none)."""
     s, n, k = layout.spec, layout.n, layout.k
     groups, ssz = k // s.group, 2 if s.f16_scales else 4
+    if s.k_scales:
+        return _unpack_k_scales(packed, layout)
     rec = packed.view(layout.tiles, groups, layout.record_bytes)
     sdt = torch.float16 if s.f16_scales else torch.float32
     scales = rec[..., : TILE * ssz].contiguous().view(sdt).float()  # [t, g, 16]
@@ -303,6 +330,84 @@ def _unpack_narrow(raw: torch.Tensor, layout: QuantLayout, scales: torch.Tensor,
     if mins is not None:
         mins = mins.permute(0, 2, 1).reshape(-1, groups)[:n]
     return codes[:n], scales.permute(0, 2, 1).reshape(-1, groups)[:n], mins
+
+
+def _unpack_k_scales(packed: torch.Tensor, layout: QuantLayout):
+    """``unpack`` of ``k_scales`` layouts: the records' codes as ``unpack`` reads them, the scales
+    and mins the float32 products of their two factors (exact)."""
+    s, tiles = layout.spec, layout.tiles
+    per, supers = SUPER // s.group, layout.k // SUPER
+    blocks = packed.view(tiles, supers, layout.header_bytes + per * layout.record_bytes)
+    header = blocks[..., : layout.header_bytes].contiguous().view(torch.float16).float()
+    header = header.view(tiles, supers, 1 + s.has_min, 1, TILE)  # [t, super, scales|mins, 1, row]
+    rec = blocks[..., layout.header_bytes :].reshape(tiles, supers, per, layout.record_bytes)
+    factors = rec[..., : TILE * (1 + s.has_min)].contiguous().view(torch.int8).float()
+    factors = factors.view(tiles, supers, per, 1 + s.has_min, TILE).transpose(2, 3)
+    values = (
+        (header * factors).permute(0, 1, 3, 2, 4).reshape(tiles, supers * per, -1)
+    )  # [t, g, (1 + min) * 16]
+    plain = replace(s, k_scales=False, f16_scales=False)
+    flat = QuantLayout(layout.n, layout.k, plain)
+    records = torch.cat(
+        [
+            values.contiguous().view(torch.uint8),
+            rec[..., TILE * (1 + s.has_min) :].reshape(tiles, supers * per, -1),
+        ],
+        -1,
+    )
+    return unpack(records.reshape(-1).contiguous(), flat)
+
+
+def _factor(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Rows of ``values`` ``[N, m]`` (float32) as ``d * q`` exactly: float16 ``d [N]`` times int8
+    ``q [N, m]`` (what a K-quant's scales are); None where some row has no such factors."""
+    big = np.abs(values).max(-1)
+    d = np.zeros(len(values), np.float16)
+    q = np.zeros(values.shape, np.int8)
+    todo = np.flatnonzero(big > 0)
+    # the largest value's factor: the formats' usual ones first (6-bit scales, Q6_K's int8), then any
+    for c in [63, -63, 127, 128, -127, -128, *range(1, 129), *range(-1, -129, -1)]:
+        if todo.size == 0:
+            return d, q
+        dc = (big[todo] / np.float32(c)).astype(np.float16)
+        df, v = dc.astype(np.float32), values[todo]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            qc = np.rint(v / df[:, None])
+            ok = (df != 0) & np.isfinite(df) & ((qc >= -128) & (qc <= 127)).all(-1)
+            ok[ok] = (qc[ok] * df[ok, None] == v[ok]).all(-1)  # (exact: a float16 times an int8)
+        d[todo[ok]], q[todo[ok]] = dc[ok], qc[ok].astype(np.int8)
+        todo = todo[~ok]
+    return (d, q) if todo.size == 0 else None
+
+
+def narrow_scales(packed: torch.Tensor, layout: QuantLayout) -> tuple[torch.Tensor, QuantLayout] | None:
+    """A K-quant layout's float32 scales (and mins) back to the file's two factors (``k_scales``):
+    int8 ones in the records, float16 ones in a header per super-block of 256 columns; the same
+    float32 values (their products are exact), 1.4 bits a weight fewer (Q4_K 6 -> 4.625 bits, Q5_K
+    in 5-bit codes 7 -> 5.625, Q6_K in 6-bit codes 8 -> 6.5625: the file's sizes). None for other
+    layouts, or where some super-block's values are no such products."""
+    s = layout.spec
+    if s.f16_scales or s.k_scales or layout.k % SUPER or SUPER % s.group:
+        return None
+    tiles, per, supers = layout.tiles, SUPER // s.group, layout.k // SUPER
+    parts = 1 + s.has_min
+    rec = packed.view(tiles, supers, per, layout.record_bytes).numpy()
+    values = rec[..., : TILE * 4 * parts].copy().view(np.float32).reshape(tiles, supers, per, parts, TILE)
+    values = values.transpose(0, 1, 3, 4, 2)  # [t, super, scales|mins, row, group]
+    factored = _factor(np.ascontiguousarray(values).reshape(-1, per))
+    if factored is None:
+        return None
+    d, q = (
+        factored[0].reshape(tiles, supers, parts, TILE),
+        factored[1].reshape(tiles, supers, parts, TILE, per),
+    )
+    header = d.reshape(tiles, supers, parts * TILE).view(np.uint8)
+    factors = q.transpose(0, 1, 4, 2, 3).reshape(tiles, supers, per, parts * TILE).view(np.uint8)
+    records = np.concatenate([factors, rec[..., TILE * 4 * parts :]], axis=-1).reshape(tiles, supers, -1)
+    out = replace(layout, spec=replace(s, k_scales=True))
+    narrowed = np.concatenate([header, records], axis=-1).reshape(-1)
+    assert narrowed.size == out.nbytes
+    return torch.from_numpy(narrowed), out
 
 
 def narrow_bits(packed: torch.Tensor, layout: QuantLayout) -> int | None:
