@@ -14,7 +14,8 @@ from the heap, freed heap stays (up to ``TRIM_THRESHOLD`` at its top, grown by `
 time). An engine on the CPU applies it when it starts (an embedding program's process included);
 ``astrai serve`` applies it at start whatever the device, before anything large is allocated, so a
 server's process has the same allocator before and after its model loads. Memory that a server
-frees in bulk and will not reuse soon (a large request body, a model loader's transient copies)
+frees in bulk and will not reuse soon (a large request body, a model loader's transient copies,
+the weights that int8 activations narrow to the file's bits: ``astrai.model.activations``)
 goes back to the system by ``trim_heap()``, which releases free heap whatever these thresholds
 say; a block at or above ``MMAP_THRESHOLD`` (a body of 32 MiB) is unmapped when it is freed.
 Nothing else in astrai calls ``mallopt`` or ``malloc_trim``.

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from astrai.extension.fused import kernel_for
+from astrai.malloc import trim_heap
 from astrai.model.moe import SparseMoE
 from astrai.model.quant import (
     QuantizedEmbedding,
@@ -105,7 +106,7 @@ def _narrow(model: nn.Module, linears: list[QuantizedLinear]) -> None:
     factors (``narrow_scales``): the same products to the bit, 1.4 to 3 bits a weight fewer to read
     each step. A segment shared with an embedding table (a tied LM head) stays as it is (two copies
     would cost more than the bits save); a mixture's experts narrow only all alike (their grouped
-    kernel takes one layout)."""
+    kernel takes one layout). The heap this frees goes back to the system (``trim_heap``)."""
     tables = {m.packed.data_ptr() for m in model.modules() if isinstance(m, QuantizedEmbedding)}
     narrowed: dict[tuple[int, int], tuple[torch.Tensor, QuantLayout]] = {}
     for linear in linears:
@@ -132,3 +133,5 @@ def _narrow(model: nn.Module, linears: list[QuantizedLinear]) -> None:
                 packed, layouts[i] = narrowed[id(linear), i]
                 setattr(linear, f"packed{i}", packed)
         linear.layouts = layouts
+    if narrowed:  # the int8 layouts and the copies made on the way back to the system
+        trim_heap()
