@@ -11,6 +11,7 @@ import torch
 from astrai.distributed.sharding import shard_config, shard_weights
 from astrai.model.config import ModelConfig
 from astrai.model.moe import SparseMoE
+from astrai.model.quant import TILE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -207,7 +208,20 @@ def test_quantized_experts_give_a_row_the_same_bits_in_any_batch(family_gguf) ->
     assert torch.equal(whole, alone) and torch.equal(whole, pairs)
 
 
-def test_the_grouped_kernel_gives_the_per_expert_loops_bits(family_gguf) -> None:
+@pytest.fixture
+def loaded_backends():
+    """The installed backends' kernels loaded, as an engine loads them when it starts (a fresh
+    registry before and after)."""
+    from astrai.extension.backend.policy import get_registry, load_backends, reset_registry
+
+    reset_registry()
+    get_registry()
+    load_backends()
+    yield
+    reset_registry()
+
+
+def test_the_grouped_kernel_gives_the_per_expert_loops_bits(family_gguf, loaded_backends) -> None:
     """Where a kernel lends ``quant_experts`` (astrai-backend-cpu), the quantized experts of a step run
     in two calls; the layer's output is the same bits as one ``quant_linear`` per expert, for a
     decode-sized step (experts as the parallel work) and a prefill-sized one (each in turn)."""
@@ -232,3 +246,43 @@ def test_the_grouped_kernel_gives_the_per_expert_loops_bits(family_gguf) -> None
             looped = layer(x)
             del layer._packed
         assert torch.equal(grouped, looped), rows
+
+
+def test_int8_activations_narrow_a_layers_experts_all_alike(
+    family_gguf, loaded_backends, monkeypatch
+) -> None:
+    """Experts kept in Q5_0 blocks (codes the loader widens to int8): switched to int8 activations
+    where the kernel reads 5-bit codes (astrai-backend-cpu on AVX512-VNNI), every expert of a layer
+    is narrowed and the layer keeps its grouped kernel, the same bits as on the int8 codes; where
+    one expert's codes do not fit 5 bits, none of that layer's experts is narrowed."""
+    from families import load_astrai
+
+    from astrai.extension.fused import kernel_for
+    from astrai.model import activations
+
+    path, _ = family_gguf("qwen3_moe", "Q5_0")
+    narrowed, wide, mixed = (load_astrai(path, quantized=True).model for _ in range(3))
+    with torch.no_grad():
+        kernel = kernel_for("quant_linear", torch.zeros(1, 1))
+    if "narrow_codes" not in getattr(kernel, "features", ()):
+        pytest.skip("no installed quant_linear reads 5-bit codes here (astrai-backend-cpu on AVX512-VNNI)")
+    activations.use_int8_activations(narrowed)
+    first = mixed.layers[0].mlp.experts[0].gate_up_proj
+    first.packed0[TILE * 2] = 100  # one code of expert 0 (past the record's 16 float16 scales): not 5 bits
+    activations.use_int8_activations(mixed)
+    monkeypatch.setattr(activations, "_narrow", lambda *a: None)
+    activations.use_int8_activations(wide)
+    for model, bits in ((narrowed, {5}), (wide, {8})):
+        layer = model.layers[0].mlp
+        assert {e.gate_up_proj.layouts[0].spec.bits for e in layer.experts} == bits
+        assert {e.down_proj.layouts[0].spec.bits for e in layer.experts} == bits
+    assert {e.gate_up_proj.layouts[0].spec.bits for e in mixed.layers[0].mlp.experts} == {8}
+    assert {e.down_proj.layouts[0].spec.bits for e in mixed.layers[0].mlp.experts} == {5}
+    for model in (narrowed, mixed):
+        assert all(
+            layer.mlp._grouped() is not None for layer in model.layers if isinstance(layer.mlp, SparseMoE)
+        )
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, first.in_features, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():
+            assert torch.equal(narrowed.layers[0].mlp(x), wide.layers[0].mlp(x)), rows
