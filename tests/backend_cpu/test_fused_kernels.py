@@ -255,3 +255,133 @@ def test_argmax_refuses_what_it_does_not_take_and_the_model_falls_back():
     logits = torch.randn(4, 1000)
     assert torch.equal(fused.greedy_tokens(logits), logits.max(dim=-1).indices)
     assert torch.equal(fused.greedy_tokens(logits.t().contiguous().t()), logits.max(dim=-1).indices)
+
+
+# --- categorical: sampled tokens ----------------------------------------------------------------
+
+
+def _race_reference(logits, temperature, seeds, steps):
+    """astrai.sampling.noise.categorical on softmax(logits / temperature), and whether each row's draw
+    is clear: the two best ratios of both of its races more than a float32 rounding apart."""
+    from astrai.sampling.noise import BLOCK, categorical, exponential_noise
+
+    y = logits if temperature is None else logits / temperature.masked_fill(temperature == 0, 1).unsqueeze(1)
+    probs = torch.softmax(y, dim=-1)
+    want = categorical(probs, seeds, steps)
+    rows, vocab = probs.shape
+    padded = F.pad(probs, (0, -vocab % BLOCK)).view(rows, -1, BLOCK)
+    mass = padded.sum(-1) / exponential_noise(seeds, steps, torch.arange(padded.shape[1]), stream=1)
+    block = want // BLOCK
+    tokens = block.unsqueeze(1) * BLOCK + torch.arange(BLOCK)
+    inner = padded[torch.arange(rows), block] / exponential_noise(seeds, steps, tokens, stream=0)
+
+    def margin(r):
+        top = r.topk(min(2, r.shape[1]), dim=-1).values
+        return (top[:, 0] - top[:, -1]) / top[:, 0] if r.shape[1] > 1 else torch.ones(rows)
+
+    return want, (margin(mass) > 1e-5) & (margin(inner) > 1e-5)
+
+
+@pytest.mark.parametrize("width", [1, 7, 255, 256, 257, 16384 + 300, 49152, 262144])
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_categorical_draws_the_python_races_token(width, rows):
+    """The kernel's token is ``categorical(softmax(logits / t))``'s wherever that race is not a near tie
+    (every row of these), with filtered (-inf) tokens, a shared and a per-row temperature."""
+    gen = torch.Generator().manual_seed(width * 100 + rows)
+    logits = torch.randn(rows, width, generator=gen) * 3
+    logits[::2, 1::3] = float("-inf")  # a filter's leftovers on every other row
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen)
+    steps = torch.randint(0, 2**31, (rows,), generator=gen)
+    op = torch.ops.astrai_cpu.categorical
+    for temperature in (None, torch.full((rows,), 0.7), torch.rand(rows, generator=gen) * 2 + 0.05):
+        want, clear = _race_reference(logits, temperature, seeds, steps)
+        got = op(logits, temperature, seeds, steps)
+        assert got.dtype == torch.int64 and bool(clear.all())
+        assert torch.equal(got, want)
+        assert bool((logits.gather(1, got.unsqueeze(1)) > float("-inf")).all())  # never a filtered token
+
+
+def test_categorical_rows_are_their_own_and_the_edges_are_the_pythons():
+    """A row's token does not depend on its batch; rows the softmax turns to NaN give token 0, as the
+    Python race does; a temperature of 0 (a greedy row, taken elsewhere) counts as 1; strided rows."""
+    from astrai.sampling.noise import categorical
+
+    op = torch.ops.astrai_cpu.categorical
+    logits = torch.randn(8, 3000) * 4
+    logits[1, 17] = float("nan")
+    logits[2, 2999] = float("inf")
+    logits[3] = float("-inf")
+    logits[4] = float("-inf")
+    logits[4, 2345] = -7.0  # the one token left
+    seeds, steps = torch.arange(8) * 7919, torch.arange(8) + 3
+    got = op(logits, None, seeds, steps)
+    want = categorical(torch.softmax(logits, dim=-1), seeds, steps)
+    assert got.tolist()[1:5] == [0, 0, 0, 2345] and torch.equal(got, want)
+    for row in range(8):
+        assert op(logits[row : row + 1], None, seeds[row : row + 1], steps[row : row + 1]).item() == got[row]
+    temps = torch.tensor([0.0, 1.0] * 4)
+    assert torch.equal(op(logits, temps, seeds, steps), got)
+    wide = torch.full((8, 4000), 5.0)
+    wide[:, :3000] = logits
+    assert torch.equal(op(wide[:, :3000], None, seeds, steps), got)
+
+
+def test_categorical_draws_from_the_softmax():
+    """Frequencies over 20,000 steps of one seed: softmax([log .5, log .3, log .2, -inf]) at temperature 1,
+    and the same logits halved at temperature 0.5."""
+    logits = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log().expand(20_000, 4).contiguous()
+    seeds, steps = torch.full((20_000,), 12345), torch.arange(20_000)
+    for x, t in ((logits, None), (logits / 2, torch.full((20_000,), 0.5))):
+        counts = torch.bincount(torch.ops.astrai_cpu.categorical(x, t, seeds, steps), minlength=4)
+        assert counts[3] == 0
+        assert torch.allclose(counts[:3] / 20_000, torch.tensor([0.5, 0.3, 0.2]), atol=0.015), counts
+
+
+def test_categorical_refuses_what_it_does_not_take():
+    op = torch.ops.astrai_cpu.categorical
+    s = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.randn(2, 8).bfloat16(), None, s, s)
+    with pytest.raises(RuntimeError, match="seeds"):
+        op(torch.randn(2, 8), None, s[:1], s)
+    with pytest.raises(RuntimeError, match="temperature"):
+        op(torch.randn(2, 8), torch.ones(2, dtype=torch.float64), s, s)
+
+
+def test_the_pipeline_draws_on_the_kernel_what_it_draws_without_it(in_force, monkeypatch):
+    """``SamplingPipeline.sample`` with the ``categorical`` kernel lent and without: the same tokens for
+    temperature-only rows (drawn in place: the logits are not modified), a batch mixing greedy rows,
+    and rows filtered by top-k / top-p / min-p and penalised first."""
+    from astrai.sampling import SamplingParams
+    from astrai.sampling import pipeline as pipeline_module
+    from astrai.sampling.batch import SamplingBatch
+    from astrai.sampling.pipeline import SamplingPipeline
+
+    assert "categorical" in in_force
+    pipeline = SamplingPipeline.default()
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 5000, generator=gen) * 3
+    batches = {
+        "temperature": [
+            SamplingParams(temperature=t, seed=i) for i, t in enumerate([1.0, 0.6, 1.3, 1.0, 0.2, 2.0])
+        ],
+        "greedy_mix": [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(6)],
+        "filtered": [
+            SamplingParams(temperature=0.9, top_k=40, seed=1),
+            SamplingParams(temperature=1.0, top_p=0.8, seed=2),
+            SamplingParams(temperature=0.7, min_p=0.05, seed=3),
+            SamplingParams(temperature=1.0, frequency_penalty=1.5, seed=4),
+            SamplingParams(temperature=1.0, logit_bias={7: 30.0}, seed=5),
+            SamplingParams(temperature=0.0),
+        ],
+    }
+    for name, params in batches.items():
+        batch = SamplingBatch.from_params(params, [3] * 6, "cpu", [[7, 8, 9]] * 6)
+        before = logits.clone()
+        with_kernel = pipeline.sample(logits, batch)
+        assert torch.equal(logits, before), name
+        with monkeypatch.context() as m:
+            m.setattr(pipeline_module, "kernel_for", lambda op, x: None)
+            without = pipeline.sample(logits, batch)
+        assert torch.equal(with_kernel, without), name
+    assert with_kernel[4] == 7 and with_kernel[5] == logits[5].argmax()

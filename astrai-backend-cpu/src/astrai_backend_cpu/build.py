@@ -44,6 +44,7 @@ SOURCES = [
         "prefill.cpp",
         "fused.cpp",
         "argmax.cpp",
+        "categorical.cpp",
         "linear.cpp",
         "decode_stack.cpp",
         "quant.cpp",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from astrai.errors import PluginError, RequestRejected
+from astrai.extension.fused import greedy_tokens, kernel_for
 from astrai.plugins import load_plugins
 from astrai.sampling.base import SAMPLING, SamplingStrategy, check_strategy_class
 from astrai.sampling.batch import SamplingBatch
@@ -77,6 +78,7 @@ class SamplingPipeline(SamplingStrategy):
         failures: Mapping[str, PluginFailure] | None = None,
     ) -> None:
         self.stages = [cls() for cls in BUILTINS.values()] if stages is None else list(stages)
+        self._builtin_stages = [type(stage) for stage in self.stages] == list(BUILTINS.values())
         self.extra: dict[str, SamplingStrategy] = {}
         for strategy in extra:
             if not isinstance(strategy, SamplingStrategy):
@@ -247,14 +249,41 @@ class SamplingPipeline(SamplingStrategy):
         """
         if batch.all_greedy and not batch.changes_logits:
             return self._check(logits, batch, copy=False).argmax(dim=-1)
+        draw = kernel_for("categorical", logits)
+        if draw is not None and self._temperature_only(logits, batch):
+            # Nothing but a temperature between the logits and the draw: the kernel divides as it
+            # reads them, in place (no copy, no softmax tensor).
+            self._check(logits, batch, copy=False)
+            ids = draw(
+                logits, batch.temperature if batch.needs_temperature else None, batch.seeds, batch.steps
+            )
+            return torch.where(batch.greedy, greedy_tokens(logits), ids) if batch.any_greedy else ids
         logits = apply_penalties(self._check(logits, batch, copy=True), batch)
         # Greedy rows read the penalised logits before any stage divides or filters them.
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
         if batch.all_greedy:
             return greedy_ids
-        probs = torch.softmax(self._filter(logits, batch), dim=-1)
-        ids = categorical(probs, batch.seeds, batch.steps)
+        filtered = self._filter(logits, batch)
+        if draw is not None and filtered.dtype == torch.float32 and filtered.stride(-1) == 1:
+            ids = draw(filtered, None, batch.seeds, batch.steps)
+        else:
+            ids = categorical(torch.softmax(filtered, dim=-1), batch.seeds, batch.steps)
         return ids if greedy_ids is None else torch.where(batch.greedy, greedy_ids, ids)
+
+    def _temperature_only(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        """The draw of ``batch`` is ``softmax(logits / temperature)``'s: float32 rows, the built-in stages
+        with no row filtering, no penalty, bias or ban, no extra strategy that would run."""
+        return (
+            logits.dtype == torch.float32
+            and logits.dim() == 2
+            and logits.stride(-1) == 1
+            and self._builtin_stages
+            and not (batch.changes_logits or batch.max_top_k or batch.needs_top_p or batch.needs_min_p)
+            and not any(
+                name in self.enabled or any(self._selected(name, p) for p in batch.params)
+                for name in self.extra
+            )
+        )
 
     def _check(self, logits: torch.Tensor, batch: SamplingBatch, copy: bool) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != batch.size:

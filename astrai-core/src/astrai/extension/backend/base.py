@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 #: The ops a backend may lend a kernel for (``AttentionBackend.kernels`` gives each one's contract).
 OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
-OPS += ("quant_experts", "lora", "encoder_attention", "argmax")
+OPS += ("quant_experts", "lora", "encoder_attention", "argmax", "categorical")
 
 #: A fused kernel: a callable, or an object with the methods and attributes its op names.
 Kernel = Callable[..., Any]
@@ -132,6 +132,12 @@ class AttentionBackend(ABC):
         - ``argmax``: ``kernel(logits)`` for float32 ``logits [B, V]`` (contiguous rows): int64
           ``[B]``, each row's greedy token as ``logits.max(dim=-1).indices`` gives it (the first
           position of the maximum; of the first NaN where the row holds one).
+        - ``categorical``: ``kernel(logits, temperature, seeds, steps)`` for float32 ``logits [B, V]``
+          (contiguous rows; -inf for tokens a filter removed), ``temperature`` float32 ``[B]`` or
+          ``None`` (1; a row's 0 counts as 1), ``seeds``/``steps`` int64 ``[B]``: int64 ``[B]``, each
+          row's draw from ``softmax(logits / temperature)`` by ``astrai.sampling.noise.categorical``'s
+          race on its noise (the same token wherever that race's two best ratios are not within a
+          float32 rounding of each other); token 0 for a row whose softmax is NaN. Not modified.
         - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
           hidden]``, the rotary rows ``freqs``, a list of ``[1, T, head_dim/2, 2]`` tables (the
           model's, then its local layers'; ``model.decoder_stack()`` says which turns each
