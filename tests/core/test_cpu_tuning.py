@@ -18,45 +18,6 @@ def test_tune_malloc_applies_once_on_glibc():
     assert out.stdout.split() == ["True", "True"]
 
 
-_REUSE = """
-import ctypes, resource, sys, threading
-from astrai.malloc import tune_malloc
-if sys.argv[1] == "tuned":
-    tune_malloc()
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-faults = []
-def steps():  # a step's 32 MiB of float32 logits (Gemma 3 at 32 rows), written and freed, five times
-    for _ in range(5):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        block = libc.malloc(32 << 20)
-        ctypes.memset(block, 1, 32 << 20)
-        libc.free(block)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-thread = threading.Thread(target=steps)  # the engine's thread (an arena of its own), then the main one
-thread.start()
-thread.join()
-steps()
-print(*faults)
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt tuning targets glibc")
-def test_a_32_mib_step_temporary_is_not_faulted_in_again_each_step():
-    """A block of 32 MiB allocated, written and freed again and again (on the engine's thread and on
-    the main one): once tuned, every allocation after the first reuses the heap's pages (glibc would
-    map each afresh and fault its 8,192 pages in, as it does untuned)."""
-
-    def faults(mode):
-        out = subprocess.run([sys.executable, "-c", _REUSE, mode], capture_output=True, text=True, check=True)
-        runs = [int(n) for n in out.stdout.split()]
-        return [runs[i + 1 : i + 5] for i in range(0, len(runs), 5)]
-
-    assert all(n > 8000 for run in faults("untuned") for n in run)
-    assert all(n < 100 for run in faults("tuned") for n in run)
-
-
 def test_tune_malloc_is_a_no_op_off_linux(monkeypatch):
     monkeypatch.setattr(malloc.sys, "platform", "darwin")
     malloc._libc.cache_clear()

@@ -9,19 +9,15 @@ benchmark, 4x fewer faults and a third of the system time once tuned). Keeping f
 heap is what tcmalloc/jemalloc do by default, and what vLLM's CPU guide gets by preloading one of
 them; ``mallopt`` reaches the same effect without a preload.
 
-**The decision.** One setting per process, ``tune_malloc()``: blocks come from the heap, freed heap
-stays (up to ``TRIM_THRESHOLD`` at its top, grown by ``TOP_PAD`` at a time). No block is mapped on its
-own (``mallopt(M_MMAP_MAX, 0)``): glibc's mmap threshold cannot go past 32 MiB, and a step's logits
-reach that (Gemma 3's 262,144 float32 logits are 32 MiB at 32 rows), so a 32-row step mapped them
-afresh and faulted their 8,192 pages in again every step (~9 ms of a ~65 ms step on 2 Zen 4 cores;
-a freed heap block of that size is simply reused). A thread's arena (the engine's) still maps a
-block past its 64 MiB heaps (glibc's fallback), as before. An engine on the CPU applies it when it starts (an embedding program's process included);
+**The decision.** One setting per process, ``tune_malloc()``: blocks under ``MMAP_THRESHOLD`` come
+from the heap, freed heap stays (up to ``TRIM_THRESHOLD`` at its top, grown by ``TOP_PAD`` at a
+time). An engine on the CPU applies it when it starts (an embedding program's process included);
 ``astrai serve`` applies it at start whatever the device, before anything large is allocated, so a
 server's process has the same allocator before and after its model loads. Memory that a server
 frees in bulk and will not reuse soon (a large request body, a model loader's transient copies,
 the weights that int8 activations narrow to the file's bits: ``astrai.model.activations``)
 goes back to the system by ``trim_heap()``, which releases free heap whatever these thresholds
-say.
+say; a block at or above ``MMAP_THRESHOLD`` (a body of 32 MiB) is unmapped when it is freed.
 Nothing else in astrai calls ``mallopt`` or ``malloc_trim``.
 """
 
@@ -39,9 +35,9 @@ __all__ = ["MMAP_THRESHOLD", "TOP_PAD", "TRIM_THRESHOLD", "trim_heap", "tune_mal
 
 logger = logging.getLogger(__name__)
 
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -2, -3, -4  # glibc's mallopt options
-#: Where glibc would map a block on its own were it allowed to (``M_MMAP_MAX`` 0: it is not; its ceiling
-#: on 64-bit, DEFAULT_MMAP_THRESHOLD_MAX; a fixed value also stops glibc raising it).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt options
+#: Blocks of this size or more are mapped on their own and unmapped when freed (glibc's ceiling for
+#: the threshold on 64-bit, DEFAULT_MMAP_THRESHOLD_MAX; a fixed value also stops glibc raising it).
 MMAP_THRESHOLD = 32 << 20
 #: Free heap at the top is given back only beyond this (the step temporaries stay mapped).
 TRIM_THRESHOLD = 1 << 30
@@ -70,7 +66,6 @@ def tune_malloc() -> bool:
         return False
     options = (
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-        (_M_MMAP_MAX, 0),
         (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         (_M_TOP_PAD, TOP_PAD),
     )
