@@ -199,3 +199,37 @@ def test_bad_inputs_are_refused():
     if torch.ops.astrai_cpu.has_quant_linear_amx():
         with pytest.raises(RuntimeError, match="bf16 rows"):
             torch.ops.astrai_cpu.quant_linear_amx(torch.randn(70, 64), packed, layout.ints(), None)
+
+
+def test_an_lm_heads_large_logits_reuse_one_block_once_it_is_let_go():
+    """``float_out`` outputs of 16 MiB and more (a step's logits: Gemma 3's are 32 MiB at 32 rows) come
+    from one block kept between calls whenever nothing holds it any more, so a step does not fault
+    its pages in afresh; a caller still holding the last logits, or a view of them, gets a new block
+    and its values stay as they were."""
+    import resource
+
+    packed, layout = packed_weight("Q8_0", 65536, 64)
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(3))  # 70 x 65,536 floats: 17.5 MiB
+
+    def head(rows):
+        return torch.ops.astrai_cpu.quant_linear(rows, packed, layout.ints(), None, True)
+
+    first = head(x)
+    want, block = first.clone(), first.data_ptr()
+    second = head(x[:64])  # the first still held
+    assert second.data_ptr() != block and torch.equal(first, want)
+    del first
+    third = head(x)  # let go: the kept block again
+    assert third.data_ptr() == block and torch.equal(third, want)
+    held = third[:2]
+    del third
+    fourth = head(x)  # a view still holds it
+    assert fourth.data_ptr() != block and torch.equal(held, want[:2]) and torch.equal(fourth, want)
+    del held, fourth, second
+    assert head(x[:1]).data_ptr() != block  # small outputs: the allocator's own blocks
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    again = head(x)
+    assert (
+        resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 100
+    )  # 4,480 pages written, none faulted
+    assert again.data_ptr() == block and torch.equal(again, want)

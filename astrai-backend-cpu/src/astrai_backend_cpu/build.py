@@ -45,6 +45,7 @@ SOURCES = [
         "fused.cpp",
         "argmax.cpp",
         "categorical.cpp",
+        "logits_out.cpp",
         "linear.cpp",
         "decode_stack.cpp",
         "quant.cpp",

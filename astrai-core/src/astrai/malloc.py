@@ -17,7 +17,11 @@ server's process has the same allocator before and after its model loads. Memory
 frees in bulk and will not reuse soon (a large request body, a model loader's transient copies,
 the weights that int8 activations narrow to the file's bits: ``astrai.model.activations``)
 goes back to the system by ``trim_heap()``, which releases free heap whatever these thresholds
-say; a block at or above ``MMAP_THRESHOLD`` (a body of 32 MiB) is unmapped when it is freed.
+say; a block at or above ``MMAP_THRESHOLD`` (a body of 32 MiB) is unmapped when it is freed, so
+one that a step allocates each time would be faulted in each time: the CPU plugin keeps an LM
+head's logits (32 MiB for Gemma 3 at 32 rows) in a block of its own between steps instead
+(``csrc/logits_out.cpp``; disabling ``mmap`` outright kept ~250 MB more resident for Gemma after
+32-row steps).
 Nothing else in astrai calls ``mallopt`` or ``malloc_trim``.
 """
 

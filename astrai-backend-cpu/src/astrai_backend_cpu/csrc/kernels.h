@@ -22,6 +22,10 @@ struct Around {
   std::function<void(int64_t, int64_t)> after;
 };
 
+// logits_out.cpp: a float32 [rows, cols] output for an LM head (float_out), from one buffer kept
+// between calls once nothing else holds it, where it is at least LOGITS_KEPT_BYTES
+at::Tensor logits_out(int64_t rows, int64_t cols);
+
 // fused.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

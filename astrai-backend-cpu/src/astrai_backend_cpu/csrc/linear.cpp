@@ -138,7 +138,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const at::Tensor xs = x.size(1) % 2 ? at::constant_pad_nd(x, {0, 1}) : x.contiguous();
   const int64_t M = xs.size(0), K2 = packed.size(1), n_tiles = (n + TILE - 1) / TILE;
   // float_out: float32 outputs, the sums not rounded to bf16 (an LM head's logits)
-  auto out = at::empty({M, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  auto out = float_out ? logits_out(M, n) : at::empty({M, n}, x.options().dtype(at::kBFloat16));
 #if defined(__AVX512BF16__)
   const at::BFloat16* xp = xs.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();

@@ -566,7 +566,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
                         const c10::optional<at::Tensor>& bias, bool float_out) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x must be bf16 or float32 rows [M, k] on the CPU");
   // float_out: float32 outputs whatever x's dtype (bf16 rows: the sums are not rounded to bf16)
-  at::Tensor out = at::empty({x.size(0), parse(layout, packed, true).n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  const int64_t n = parse(layout, packed, true).n;
+  at::Tensor out = float_out ? logits_out(x.size(0), n) : at::empty({x.size(0), n}, x.options());
   quant_linear_into(x, packed, layout, bias, out, nullptr);
   return out;
 }
