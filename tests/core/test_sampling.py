@@ -226,6 +226,28 @@ def test_top_p_keeps_smallest_set_reaching_top_p(vocab, scale):
         assert len(_reference_nucleus(logits[1], 0.9)) > 256
 
 
+def test_a_wide_nucleus_takes_the_cut_off_a_full_sort_gives():
+    """Rows whose nucleus passes the first 256 candidates, of widths from a few hundred tokens to the
+    whole vocabulary (a flat row, a row of -inf gaps): each keeps exactly the tokens that sorting
+    the full row keeps (``_cutoff`` over every logit), whichever group of candidates it falls in."""
+    from astrai.sampling.top_p import _candidates, _cutoff
+
+    gen = torch.Generator().manual_seed(11)
+    scales = [6.0, 3.0, 3.0, 1.0, 0.3, 0.0, 2.0, 4.0]
+    logits = torch.randn(8, 20_000, generator=gen) * torch.tensor(scales).unsqueeze(1)
+    logits[6, ::3] = NEG_INF
+    tops = [0.999, 0.9, 0.99, 0.95, 0.7, 0.5, 0.95, 0.99]
+    b = make_batch([SamplingParams(top_p=p) for p in tops])
+    got = TopPStrategy().apply(logits.clone(), b)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    cut = _cutoff(logits.sort(dim=-1, descending=True).values, lse, b.top_p)[0]
+    assert torch.equal(got, logits.masked_fill(logits < cut, NEG_INF))
+    widths = torch.isfinite(got).sum(dim=-1)
+    assert widths.min() > 256 and widths[5] == 20_000  # every row past the first candidates; flat: all
+    needed = _candidates(logits, lse, b.top_p)
+    assert (needed >= widths).all() and (needed[:5] < 20_000).all()  # enough, and no full sort for most
+
+
 def test_top_k_then_top_p_in_pipeline_order():
     torch.manual_seed(3)
     logits = torch.randn(3, 500) * 2
