@@ -16,13 +16,15 @@ reports:
   VmHWM, summed over the server's process tree).
 
 Requests go to ``/v1/completions`` (a base model has no chat template), the prompt sent as
-written, streamed; astrai and llama-server both take ``ignore_eos``. astrai runs with its defaults
+written, streamed, greedy unless ``--sampling`` gives the sampling fields every request sends to
+both servers; astrai and llama-server both take ``ignore_eos``. astrai runs with its defaults
 for this machine (dtype, ``--weights auto``: say which in ``config.astrai_log``); llama-server
 is ``../shared/peers/start.sh llamacpp`` (2 threads, 8 slots of 2,048 tokens, continuous batching,
 the file's own quantization), with ``PEER_GGUF`` set to the model's file.
 
 Usage: python benchmarks/family_bench.py [--quick] [--models gemma3-270m,smollm2-135m]
        [--workloads gemma3-270m] [--no-peer] [--peers DIR] [--llama-arg=ARG ...] [--astrai-arg=ARG ...]
+       [--sampling JSON]
 
 Reuses serve_bench.py and quant_bench.py, which must sit beside it.
 """
@@ -136,6 +138,14 @@ def main() -> int:
     ap.add_argument(
         "--astrai-arg", action="append", default=[], help="an extra astrai serve argument, repeatable"
     )
+    ap.add_argument(
+        "--sampling",
+        type=json.loads,
+        default={},
+        help="sampling fields every request sends to both servers (JSON; default greedy), e.g. "
+        '\'{"temperature": 1.0, "top_p": 0.95, "top_k": 0, "min_p": 0}\' (llama-server applies its own '
+        "top_k 40 and min_p 0.05 unless told)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -155,6 +165,7 @@ def main() -> int:
         "cores": os.cpu_count(),
         "server_logs": str(log_dir),
         "loadavg_at_start": os.getloadavg(),
+        "sampling": args.sampling or {"temperature": 0},
     }
     for model in args.models.split(","):
         gguf = resolve_model(model)[1]
@@ -174,7 +185,7 @@ def main() -> int:
                 f"astrai-{label}",
                 [*astrai, model, "--host", "127.0.0.1", "--port", str(port), *args.astrai_arg],
                 "astrai",
-                {"ignore_eos": True},
+                {"ignore_eos": True, **args.sampling},
                 port,
             )
         }
@@ -191,7 +202,7 @@ def main() -> int:
                     *args.llama_arg,
                 ],
                 model,
-                {"ignore_eos": True},
+                {"ignore_eos": True, **args.sampling},
                 port,
             )
         results[model] = {}
