@@ -385,3 +385,83 @@ def test_the_pipeline_draws_on_the_kernel_what_it_draws_without_it(in_force, mon
             without = pipeline.sample(logits, batch)
         assert torch.equal(with_kernel, without), name
     assert with_kernel[4] == 7 and with_kernel[5] == logits[5].argmax()
+
+
+# --- top_p: the nucleus without a sort -----------------------------------------------------------
+
+
+def _nucleus_bounds(row: torch.Tensor, top_p: float) -> tuple[float, float]:
+    """The mass strictly ahead of each token of ``row`` in descending order, in float64: ``(lowest kept,
+    highest dropped)`` logits that a cut-off within 1e-6 of ``top_p`` may give (ties count as one)."""
+    values = row.double().sort(descending=True).values
+    probs = torch.softmax(values, dim=-1)
+    ahead = torch.cumsum(probs, 0) - probs
+    first = torch.ones_like(values, dtype=torch.bool)  # the first position of each run of equal values
+    first[1:] = values[1:] != values[:-1]
+    surely_kept = values[(ahead < top_p - 1e-6) & first]
+    surely_dropped = values[(ahead > top_p + 1e-6) & first & torch.isfinite(values)]
+    return float(surely_kept.min()), float(surely_dropped.max()) if surely_dropped.numel() else float("-inf")
+
+
+@pytest.mark.parametrize("width", [1, 2, 300, 3000, 49152, 262144])
+def test_top_p_keeps_the_nucleus_of_the_float64_sums(width):
+    """Each row keeps every token whose mass ahead is under top_p and none whose mass ahead reaches it
+    (within 1e-6, float64 reference), ties with the last kept one too; -inf stays -inf; rows with
+    top_p 1 are untouched; flat rows, a long run of equal logits, peaked and wide rows."""
+    gen = torch.Generator().manual_seed(width)
+    scales = torch.tensor([0.0, 0.3, 1.0, 3.0, 6.0, 20.0, 3.0, 3.0])
+    logits = torch.randn(8, width, generator=gen) * scales.unsqueeze(1)
+    if width > 10:
+        logits[::3, ::7] = float("-inf")
+        logits[2, : width // 2] = logits[2, 0]  # half the row tied
+    tops = torch.tensor([0.5, 0.9, 0.95, 0.99, 0.3, 0.999, 1.0, 0.01])
+    got = torch.ops.astrai_cpu.top_p(logits.clone(), tops)
+    assert torch.equal(got[6], logits[6])
+    for row in range(8):
+        if tops[row] == 1.0:
+            continue
+        kept = torch.isfinite(got[row])
+        assert torch.equal(got[row][kept], logits[row][kept])  # kept logits untouched
+        lowest, highest_dropped = _nucleus_bounds(logits[row], float(tops[row]))
+        assert bool((logits[row] >= lowest).le(kept).all()), row  # every sure token kept
+        assert not bool(kept[logits[row] <= highest_dropped].any()), row  # no sure drop kept
+        cut = float(got[row][kept].min())
+        assert torch.equal(kept, logits[row] >= cut)  # one cut-off: ties with it kept
+
+
+def test_top_p_leaves_rows_it_cannot_order_and_refuses_what_it_does_not_take():
+    op = torch.ops.astrai_cpu.top_p
+    logits = torch.randn(4, 500)
+    logits[0, 3] = float("nan")
+    logits[1, 9] = float("inf")
+    logits[2] = float("-inf")
+    got = op(logits.clone(), torch.full((4,), 0.5))
+    assert torch.equal(got[:3].nan_to_num(), logits[:3].nan_to_num()) and torch.isfinite(got[3]).sum() < 500
+    with pytest.raises(RuntimeError, match="float32"):
+        op(logits.bfloat16(), torch.full((4,), 0.5))
+    with pytest.raises(RuntimeError, match="top_p"):
+        op(logits, torch.full((3,), 0.5))
+
+
+def test_top_p_strategy_runs_on_the_kernel_where_top_k_does_not_bound_it(in_force, monkeypatch):
+    """``TopPStrategy`` on the CPU plugin's kernel (rows without a top-k bound) keeps what it keeps on
+    PyTorch's sort for rows whose boundary is clear; greedy rows and top_p 1 rows untouched."""
+    from astrai.sampling import SamplingParams
+    from astrai.sampling import top_p as top_p_module
+    from astrai.sampling.batch import SamplingBatch
+    from astrai.sampling.top_p import TopPStrategy
+
+    assert "top_p" in in_force
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 40_000, generator=gen) * torch.tensor([[4.0], [1.0], [2.0], [8.0], [3.0]])
+    params = [
+        SamplingParams(top_p=p, temperature=t) for p, t in [(0.9, 1), (0.5, 1), (1.0, 1), (0.8, 0), (0.95, 1)]
+    ]
+    batch = SamplingBatch.from_params(params, [0] * 5, "cpu")
+    got = TopPStrategy().apply(logits.clone(), batch)
+    with monkeypatch.context() as m:
+        m.setattr(top_p_module, "kernel_for", lambda op, x: None)
+        want = TopPStrategy().apply(logits.clone(), batch)
+    assert torch.equal(got, want)
+    assert torch.equal(got[2], logits[2]) and torch.equal(got[3], logits[3])
+    assert 256 < int(torch.isfinite(got[1]).sum()) < 40_000  # past PyTorch's first 256 candidates

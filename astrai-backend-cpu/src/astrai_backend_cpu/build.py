@@ -46,6 +46,7 @@ SOURCES = [
         "argmax.cpp",
         "categorical.cpp",
         "logits_out.cpp",
+        "top_p.cpp",
         "linear.cpp",
         "decode_stack.cpp",
         "quant.cpp",

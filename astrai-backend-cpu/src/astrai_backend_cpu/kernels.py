@@ -1,5 +1,5 @@
 """The plugin's fused kernels: rotary, the norms, ``silu_and_mul``, ``linear``, ``decoder_layers``,
-``quant_linear``, ``quant_experts``, ``lora``, ``encoder_attention``, ``argmax``, ``categorical``.
+``quant_linear``, ``quant_experts``, ``lora``, ``encoder_attention``, ``argmax``, ``categorical``, ``top_p``.
 
 ``fused_kernels(CpuBackend)`` makes them; ``CpuBackend.kernels("cpu")`` lends them to the model
 (the contract of each op is ``AttentionBackend.kernels``'s).
@@ -186,6 +186,7 @@ def fused_kernels(backend: type) -> dict[str, Kernel]:
     }
     lent["argmax"] = ops.argmax
     lent["categorical"] = ops.categorical
+    lent["top_p"] = ops.top_p
     if ops.has_silu_and_mul():  # (AVX512-BF16 builds: ATen's two ops elsewhere)
         lent["silu_and_mul"] = ops.silu_and_mul
     lent["lora"] = LoraKernel()

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 #: The ops a backend may lend a kernel for (``AttentionBackend.kernels`` gives each one's contract).
 OPS = ("rotary", "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "decoder_layers", "quant_linear")
-OPS += ("quant_experts", "lora", "encoder_attention", "argmax", "categorical")
+OPS += ("quant_experts", "lora", "encoder_attention", "argmax", "categorical", "top_p")
 
 #: A fused kernel: a callable, or an object with the methods and attributes its op names.
 Kernel = Callable[..., Any]
@@ -138,6 +138,11 @@ class AttentionBackend(ABC):
           row's draw from ``softmax(logits / temperature)`` by ``astrai.sampling.noise.categorical``'s
           race on its noise (the same token wherever that race's two best ratios are not within a
           float32 rounding of each other); token 0 for a row whose softmax is NaN. Not modified.
+        - ``top_p``: ``kernel(logits, top_p)`` for float32 ``logits [B, V]`` (contiguous rows) and
+          ``top_p`` float32 ``[B]``: in place, each row with ``top_p < 1`` keeps the tokens whose logit
+          is at least that of the last token, in descending order, whose probability mass strictly
+          ahead of it is under ``top_p`` (``TopPStrategy``'s nucleus, ties with it kept), the others
+          -inf; rows with a NaN, +inf or nothing above -inf unchanged. Returns ``logits``.
         - ``decoder_layers``: ``kernel(model, x, freqs, kv_cache)`` with the embeddings ``x [T,
           hidden]``, the rotary rows ``freqs``, a list of ``[1, T, head_dim/2, 2]`` tables (the
           model's, then its local layers'; ``model.decoder_stack()`` says which turns each
