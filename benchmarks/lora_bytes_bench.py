@@ -81,11 +81,11 @@ def measure(linears: list[tuple], rows: int, adapters: int, rounds: int) -> dict
 
     def around():
         for k, packed, lay, mod in linears:
-            ops.quant_linear_lora(xs[k], packed, lay, None, slots, mod.a, mod.bt, mod.spans)
+            ops.quant_linear_lora(xs[k], packed, lay, None, slots, mod.a, mod.b, mod.spans)
 
     def updates():
         for (k, _, _, mod), y in zip(linears, ys, strict=True):
-            ops.lora_apply(y, xs[k], slots, mod.a, mod.bt, mod.spans)
+            ops.lora_apply(y, xs[k], slots, mod.a, mod.b, mod.spans)
 
     runs = {"linears": alone, "linears_with_updates": around, "updates_alone": updates}
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -100,7 +100,7 @@ def measure(linears: list[tuple], rows: int, adapters: int, rounds: int) -> dict
     med = {name: statistics.median(t) for name, t in times.items()}
     used = sorted(set(slots.tolist()))
     nbytes = sum(
-        t.numel() * t.element_size() for *_, mod in linears for s in used for t in (mod.a[s], mod.bt[s])
+        t.numel() * t.element_size() for *_, mod in linears for s in used for t in (mod.a[s], mod.b[s])
     )
     extra = med["linears_with_updates"] - med["linears"]
     return {

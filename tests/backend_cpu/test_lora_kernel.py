@@ -43,7 +43,7 @@ def test_lora_apply_equals_the_reference_and_leaves_base_rows_alone(cpu_kernels,
     x = torch.randn(len(slots), 64).to(dtype)
     y = torch.randn(len(slots), 96).to(dtype)
     kernel_out = y.clone()
-    torch.ops.astrai_cpu.lora_apply(kernel_out, x, lora.rows, mod.a, mod.bt, mod.spans)
+    torch.ops.astrai_cpu.lora_apply(kernel_out, x, lora.rows, mod.a, mod.b, mod.spans)
     reference = lora_reference(y.clone(), x, mod)
     formula = _by_rows(y, x, slots, parts)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -82,7 +82,7 @@ def test_adapters_kept_in_16_bits_give_their_widened_values_update_exactly(cpu_k
         for mod in mods.values():
             mod.lora.bind(slots, [1] * len(slots))
             out = y.clone()
-            torch.ops.astrai_cpu.lora_apply(out, x, mod.lora.rows, mod.a, mod.bt, mod.spans)
+            torch.ops.astrai_cpu.lora_apply(out, x, mod.lora.rows, mod.a, mod.b, mod.spans)
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
         stored = {1: [(o0, o1, a.to(store).float(), b.to(store).float()) for o0, o1, a, b in parts]}
@@ -97,10 +97,10 @@ def test_a_rows_result_does_not_depend_on_its_batch(cpu_kernels):
     y = torch.randn(24, 96)
     alone = y.clone()
     lora.bind([1] * 24, [1] * 24)
-    torch.ops.astrai_cpu.lora_apply(alone, x, lora.rows, mod.a, mod.bt, mod.spans)
+    torch.ops.astrai_cpu.lora_apply(alone, x, lora.rows, mod.a, mod.b, mod.spans)
     mixed = y.clone()
     lora.bind([1, -1] * 12, [1] * 24)
-    torch.ops.astrai_cpu.lora_apply(mixed, x, lora.rows, mod.a, mod.bt, mod.spans)
+    torch.ops.astrai_cpu.lora_apply(mixed, x, lora.rows, mod.a, mod.b, mod.spans)
     torch.testing.assert_close(mixed[::2], alone[::2], atol=1e-4, rtol=1e-5)
 
 
@@ -109,11 +109,11 @@ def test_the_kernel_refuses_what_does_not_fit(cpu_kernels):
     lora.bind([0, 1], [1, 1])
     with pytest.raises(RuntimeError, match="weights are not what the module's input takes"):
         torch.ops.astrai_cpu.lora_apply(
-            torch.zeros(2, 96), torch.zeros(2, 32), lora.rows, mod.a, mod.bt, mod.spans
+            torch.zeros(2, 96), torch.zeros(2, 32), lora.rows, mod.a, mod.b, mod.spans
         )
     with pytest.raises(RuntimeError, match="rows int32"):
         torch.ops.astrai_cpu.lora_apply(
-            torch.zeros(2, 96), torch.zeros(2, 64), lora.rows.long(), mod.a, mod.bt, mod.spans
+            torch.zeros(2, 96), torch.zeros(2, 64), lora.rows.long(), mod.a, mod.b, mod.spans
         )
 
 
@@ -152,10 +152,51 @@ def test_quantized_linear_with_its_updates_in_one_region_is_lora_apply_after_it(
                     x, bias = torch.randn(len(slots), k).to(dtype), torch.randn(n).to(dtype)
                     rows = torch.tensor(slots, dtype=torch.int32)
                     want = torch.ops.astrai_cpu.quant_linear(x, packed, layout.ints(), bias)
-                    torch.ops.astrai_cpu.lora_apply(want, x, rows, mod.a, mod.bt, mod.spans)
+                    torch.ops.astrai_cpu.lora_apply(want, x, rows, mod.a, mod.b, mod.spans)
                     got = torch.ops.astrai_cpu.quant_linear_lora(
-                        x, packed, layout.ints(), bias, rows, mod.a, mod.bt, mod.spans
+                        x, packed, layout.ints(), bias, rows, mod.a, mod.b, mod.spans
                     )
                     assert torch.equal(got, want), (count, slots, dtype)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_slot_is_kept_in_the_kernel_blocks_and_plain_views_give_it_back(cpu_kernels):
+    """``set_slot``'s blocks: A's rows in groups of 4 with 16 columns of each side by side, B in
+    blocks of 16 output columns, each part from a block, rank and widths padded with zeros;
+    ``plain_a``/``plain_b`` undo them. Widths that are no multiple of 16 (input 70, parts of 20 and
+    30 columns) and rank 3 give the kernel's update the formula's, for single rows and a GEMM run."""
+    from astrai.lora import LoraLinear, LoraSet, plain_a, plain_b
+
+    torch.manual_seed(2)
+    parts = [
+        (0, 20, torch.randn(3, 70), torch.randn(20, 3)),
+        (25, 55, torch.randn(2, 70), torch.randn(30, 2)),
+    ]
+    mod = LoraLinear(nn.Linear(70, 55, bias=False), LoraSet(2))
+    mod.set_slot(1, parts)
+    a, b = mod.a[1], mod.b[1]
+    assert a.shape == (2, 5, 4, 16) and b.shape == (
+        2 + 2,
+        4,
+        16,
+    )  # rank 3 -> 4; 20 -> 32 and 30 -> 32 columns
+    assert mod.spans[1].tolist() == [[0, 20, 0], [25, 55, 32]]
+    for g, k, i, lane in [(0, 0, 0, 0), (0, 3, 2, 5), (1, 4, 1, 5), (1, 2, 1, 9)]:
+        row, col = 4 * g + i, 16 * k + lane
+        part, r = divmod(row, 4)
+        assert a[g, k, i, lane] == (parts[part][2][r, col] if r < parts[part][2].shape[0] else 0.0)
+    assert torch.equal(a[:, 4, :, 6:], torch.zeros(2, 4, 10))  # columns past the input's 70
+    assert b[1, 2, 3] == parts[0][3][16 + 3, 2] and b[2, 1, 15] == parts[1][3][15, 1]
+    assert torch.equal(b[1, :, 4:], torch.zeros(4, 12)) and torch.equal(b[:, 3], torch.zeros(4, 16))
+    dense_a, dense_b = plain_a(a, 70), plain_b(b)
+    assert torch.equal(dense_a[:3], parts[0][2]) and torch.equal(dense_a[4:6], parts[1][2])
+    assert torch.equal(dense_b[:3, :20], parts[0][3].t()) and torch.equal(dense_b[:2, 32:62], parts[1][3].t())
+    for slots in ([1, -1, 1], [1] * 17 + [-1]):
+        mod.lora.bind(slots, [1] * len(slots))
+        x, y = torch.randn(len(slots), 70), torch.randn(len(slots), 55)
+        out = y.clone()
+        torch.ops.astrai_cpu.lora_apply(out, x, mod.lora.rows, mod.a, mod.b, mod.spans)
+        want = _by_rows(y, x, slots, {1: parts})
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-5)
+        assert torch.equal(out[:, 20:25], y[:, 20:25])  # the columns between the parts

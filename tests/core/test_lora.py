@@ -128,11 +128,15 @@ def test_one_batch_mixing_three_adapters_and_the_base(engine, expected):
     assert engine.get_stats()["preemptions"] > before["preemptions"]
 
 
-def test_adapter_rows_decode_on_the_whole_step_kernel_to_the_bit(default_model_path, oracle, expected):
+def test_adapter_rows_decode_on_the_whole_step_kernel_to_the_bit(
+    default_model_path, oracle, expected, tmp_path
+):
     """A decode step with adapter rows runs on the cpu backend's whole-step kernel, each projection's
     updates added in it (in the projection's own parallel region on quantized weights): a batch of
     three adapters and the base, and one adapter's row alone, give the tokens and log-probs of the
-    layers run one by one with their LoRA wrappers, to the bit (and peft's)."""
+    layers run one by one with their LoRA wrappers, to the bit (and peft's). The kernel keeps the
+    slots' weights between steps: an adapter loaded after those steps, into a slot they saw empty,
+    runs on its own weights there."""
     from stack_spy import counted, cpu_kernels, without_stack
 
     from astrai.engine import EngineConfig, InferenceEngine
@@ -169,6 +173,15 @@ def test_adapter_rows_decode_on_the_whole_step_kernel_to_the_bit(default_model_p
         for name, (tokens, logprobs) in [*stacked.items(), *alone.items()]:
             assert tokens == expected[name][0]
             assert logprobs == pytest.approx(expected[name][1], abs=LOGPROB_TOL)
+        shutil.copytree(oracle.folders["a1"], tmp_path / "a1copy")
+        late = eng.loras.load("late", tmp_path / "a1copy")
+        assert late.slot not in {a.slot for a in eng.loras.adapters if a.name != "late"}
+        ran.clear()
+        with counted(kernels, ran):
+            tokens, logprobs = batch(["late"])["late"]
+        assert ran.count(True) >= N - 1
+        assert tokens == expected["a1"][0]
+        assert logprobs == pytest.approx(expected["a1"][1], abs=LOGPROB_TOL)
 
 
 def test_prefix_cache_is_per_adapter(engine, oracle, expected, tmp_path):

@@ -155,8 +155,8 @@ class LoraKernel:
 
     dtypes = (torch.float32, torch.bfloat16)
 
-    def __call__(self, y, x, rows, a, bt, spans) -> None:
-        torch.ops.astrai_cpu.lora_apply(y, x, rows, a, bt, spans)
+    def __call__(self, y, x, rows, a, b, spans) -> None:
+        torch.ops.astrai_cpu.lora_apply(y, x, rows, a, b, spans)
 
 
 class EncoderAttentionKernel:

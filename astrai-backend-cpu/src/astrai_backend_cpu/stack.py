@@ -49,7 +49,8 @@ class DecoderLayersKernel:
     """
 
     #: It takes a step's LoRA rows (``model.stack_lora()``): each projection's updates added after
-    #: it by ``astrai_cpu::lora_apply``, as the layers' LoRA wrappers add them.
+    #: it by ``astrai_cpu::lora_apply``, as the layers' LoRA wrappers add them, from the slots'
+    #: weights the stack keeps (``set_lora``, again whenever the lists' version moves).
     lora = True
 
     def __init__(self, linear, quant, backend: type, experts=None) -> None:
@@ -58,6 +59,7 @@ class DecoderLayersKernel:
         self._experts = experts
         self._backend = backend
         self._stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lora_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> set_lora's
 
     def __call__(
         self, model, x: torch.Tensor, freqs: list[torch.Tensor], kv_cache: KVCache
@@ -100,7 +102,12 @@ class DecoderLayersKernel:
         groups = getattr(kv_cache, "groups", None) or (kv_cache,)  # layer groups (astrai.kvcache.layout)
         slots = [i for slot in getattr(kv_cache, "layer_slots", None) or () for i in slot]
         adapters = model.stack_lora() if hasattr(model, "stack_lora") else None
-        lora_rows, lora_lists = (None, ([], [], [])) if adapters is None else (adapters[0], adapters[1:])
+        lora_rows = None
+        if adapters is not None:
+            lora_rows, version, *weights = adapters
+            if self._lora_versions.get(model) != version:
+                stack.set_lora(*weights)
+                self._lora_versions[model] = version
         return stack.forward(
             x,
             [f.reshape(t, -1, 2) for f in freqs],
@@ -114,7 +121,6 @@ class DecoderLayersKernel:
             kv_cache.k_scale,
             kv_cache.v_scale,
             lora_rows,
-            *lora_lists,
         )
 
     def _row_limits(self, kinds: frozenset[str]) -> list[int | None]:

@@ -161,6 +161,8 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<Experts> experts;
   int64_t n_experts = 0, top_k = 0, expert_intermediate = 0, shared_intermediate = 0;
   bool norm_topk = false;
+  // set_lora's: per linear (4 a layer), every LoRA slot's a, b and spans side by side
+  std::vector<at::Tensor> lora_a, lora_b, lora_spans;
 
   DecodeStack(int64_t n_heads_, int64_t n_kv_heads_, int64_t head_dim_, int64_t intermediate_, double eps_,
               double scale_, std::vector<at::Tensor> norms_, std::vector<at::Tensor> packed_,
@@ -338,6 +340,16 @@ struct DecodeStack : torch::CustomClassHolder {
     return at::cat(outs, 1);
   }
 
+  // The LoRA adapters' weights the steps' LoRA rows read (astrai.lora.LoraSet.stacked): for each
+  // layer's qkv, o, gate_up and down projections in turn, every slot's a, b and spans (empty tensors:
+  // no update there), kept until the next call (held here, not passed with every step: thousands of
+  // tensors through the dispatcher cost a step more than a millisecond).
+  void set_lora(std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> spans) {
+    TORCH_CHECK(a.size() % (4 * n_layers) == 0 && b.size() == a.size() && spans.size() == a.size(),
+                "DecodeStack.set_lora: each linear's a, b, spans per slot");
+    lora_a = std::move(a), lora_b = std::move(b), lora_spans = std::move(spans);
+  }
+
   // x [B, hidden] in the model's dtype (the embeddings of the step's tokens) -> the hidden states
   // after the last layer. freqs: RoPE tables [B, head_dim / 2, 2] float32 (cos, sin), a layer
   // turning by tables[layer]; k_buffer/v_buffer [slots, size, Hkv, D]; rows/seq_lens [B] int64
@@ -345,15 +357,14 @@ struct DecodeStack : torch::CustomClassHolder {
   // out_loc [B] int64; slots: per layer its group and its index in k_buffer (empty: group 0, the
   // layer's own index). An int8 K (V) pool comes with its float32 scales k_scale [slots, size, Hkv]
   // (astrai.kvcache.quant): the step's rows are quantized into it (store_kv) and read back by
-  // paged_decode, as the layers do. LoRA rows (lora_rows given): after each projection the rows'
-  // adapter updates are added (lora_apply), as astrai.lora's wrappers add them.
+  // paged_decode, as the layers do. LoRA rows (lora_rows given: each row's adapter slot, -1 none):
+  // after each projection the rows' adapter updates are added (lora_apply), as astrai.lora's
+  // wrappers add them, from the slots' weights set_lora holds.
   at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& freqs, const at::Tensor& k_buffer,
                      const at::Tensor& v_buffer, const std::vector<at::Tensor>& req_to_token, const at::Tensor& rows,
                      const at::Tensor& seq_lens, const std::vector<at::Tensor>& out_loc,
                      const std::vector<int64_t>& slots, const c10::optional<at::Tensor>& k_scale,
-                     const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lora_rows,
-                     const std::vector<at::Tensor>& lora_a, const std::vector<at::Tensor>& lora_bt,
-                     const std::vector<at::Tensor>& lora_spans) {
+                     const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lora_rows) {
     const int64_t B = x.size(0), Hq = n_heads, Hkv = n_kv_heads, D = head_dim;
     const int64_t width = qkv_width(), n_qk = (Hq + Hkv) * D, kv_row = Hkv * D;
     TORCH_CHECK(x.dim() == 2 && B >= 1 && x.size(1) == hidden() && x.scalar_type() == dtype,
@@ -383,14 +394,14 @@ struct DecodeStack : torch::CustomClassHolder {
       const int64_t* lp = locs.back().data_ptr<int64_t>();
       for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lp[b] >= 0 && lp[b] < size, "DecodeStack.forward: out_loc outside the pool");
     }
-    // LoRA rows (astrai.lora): each row's index among the step's adapters (-1: none), and per linear
-    // (4 a layer) the adapters' a, bt and spans side by side (empty tensors: that linear has none)
+    // LoRA rows (astrai.lora): each row's adapter slot (-1: none), its weights set_lora's
     const int64_t n_lora = static_cast<int64_t>(lora_a.size()) / (4 * n_layers);
     if (lora_rows.has_value()) {
-      TORCH_CHECK(lora_rows->scalar_type() == at::kInt && lora_rows->numel() == B && n_lora >= 1 &&
-                      lora_a.size() == static_cast<size_t>(4 * n_layers * n_lora) && lora_bt.size() == lora_a.size() &&
-                      lora_spans.size() == lora_a.size(),
-                  "DecodeStack.forward: LoRA rows int32 [B] and each linear's a, bt, spans per adapter");
+      TORCH_CHECK(lora_rows->scalar_type() == at::kInt && lora_rows->numel() == B && n_lora >= 1,
+                  "DecodeStack.forward: LoRA rows int32 [B], after set_lora");
+      const int32_t* lr = lora_rows->data_ptr<int32_t>();
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(lr[b] >= -1 && lr[b] < n_lora, "DecodeStack.forward: a LoRA row's slot outside set_lora's");
     }
     const auto lora = [&](size_t i, const at::Tensor& y, const at::Tensor& in) -> at::Tensor {
       if (!lora_rows.has_value()) return y;
@@ -398,7 +409,7 @@ struct DecodeStack : torch::CustomClassHolder {
         return std::vector<at::Tensor>(v.begin() + i * n_lora, v.begin() + (i + 1) * n_lora);
       };
       traced("astrai_cpu::lora_apply", [&] {
-        lora_apply(y, in, *lora_rows, part(lora_a), part(lora_bt), part(lora_spans));
+        lora_apply(y, in, *lora_rows, part(lora_a), part(lora_b), part(lora_spans));
         return 0;
       });
       return y;
@@ -414,7 +425,7 @@ struct DecodeStack : torch::CustomClassHolder {
         at::Tensor y = at::empty({in.size(0), n}, in.options());
         const at::Tensor xs = in.contiguous();
         const bool done = traced("astrai_cpu::quant_linear_lora", [&] {
-          return lora_around(y, xs, *lora_rows, part(lora_a), part(lora_bt), part(lora_spans),
+          return lora_around(y, xs, *lora_rows, part(lora_a), part(lora_b), part(lora_spans),
                              [&](const Around& around) { quant_linear_into(xs, packed[s], layouts[s], b, y, &around); });
         });
         if (done) return y;
@@ -493,5 +504,6 @@ TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
                        std::vector<at::Tensor>, std::vector<int64_t>>())
-      .def("forward", &astrai_cpu::DecodeStack::forward);
+      .def("forward", &astrai_cpu::DecodeStack::forward)
+      .def("set_lora", &astrai_cpu::DecodeStack::set_lora);
 }

@@ -58,15 +58,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
 at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& offsets, const std::vector<at::Tensor>& packed,
                          const std::vector<int64_t>& layout);
 
-// lora.cpp: each row's adapter update added in place to y (rows: the row's index in a/bt/spans, -1 none)
+// lora.cpp: each row's adapter update added in place to y (rows: the row's index in a/b/spans, -1 none;
+// a and b in lora.cpp's blocks)
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
-                const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans);
+                const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans);
 // rows x [T, in] through linear(around) into y [T, out], with the rows' adapter updates (rows, a,
-// bt, spans: as lora_apply takes them) in the same parallel region: A's rows shared out ahead of the
+// b, spans: as lora_apply takes them) in the same parallel region: A's rows shared out ahead of the
 // linear's columns, each thread's columns updated once written; bit for bit lora_apply after the
-// linear. False (nothing done) from 16 rows (lora_apply's GEMMs) or for slots of mixed dtypes.
+// linear. False (nothing done) from 16 rows (lora_apply's GEMMs), with as many adapter rows as
+// threads (lora_apply's row a thread is faster) or for slots of mixed dtypes.
 bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
-                 const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans,
+                 const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans,
                  const std::function<void(const Around&)>& linear);
 
 // paged_decode.cpp

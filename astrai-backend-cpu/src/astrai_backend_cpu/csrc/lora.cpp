@@ -4,11 +4,19 @@
 //
 // y [T, out] and x [T, in]: float32 or bf16, the same dtype, contiguous rows. rows int32 [T]: each
 // row's adapter slot, -1 for none. Per slot s (empty tensors where the module has no update for
-// it): a[s] [P*R, in] (the A of each of its P parts, zero-padded to rank R), bt[s] [R, C] (each
-// part's scaled B, transposed, side by side), float32, float16 or bf16 (a slot's two alike: the
-// adapter's storage, EngineConfig.lora_dtype), and spans[s] int64 [P, 3]: part p adds
-// s_p @ bt[:, c0 : c0 + o1 - o0] to y[:, o0:o1], with s_p = x @ a[p*R:(p+1)*R].T. Sums are float32,
-// of the stored weights widened exactly to float32.
+// it), float32, float16 or bf16 (a slot's two alike: the adapter's storage, EngineConfig.lora_dtype),
+// in blocks that a row reads as few long streams (astrai.lora.layers' layout):
+//   a[s] [P*R/4, ceil(in/16), 4, 16]: the A of each of its P parts, zero-padded to rank R (a multiple
+//     of 4), its rows in groups of 4 and each group's columns 16 at a time, the 4 rows side by side
+//     (a[g, k, i, l] = A[4g + i, 16k + l], zeros past in);
+//   b[s] [C/16, R, 16]: each part's scaled B in blocks of 16 output columns, a block's R rows of 16
+//     one after another (b[c, r, l] = B[16c + l, r]), each part starting at a block (zeros between);
+//   spans[s] int64 [P, 3]: part p adds s_p @ B_p^T to y[:, o0:o1], its B from column c0 (a multiple
+//     of 16), with s_p = x @ A[p*R:(p+1)*R].T.
+// Sums are float32, of the stored weights widened exactly to float32. Rows of A as [R, in] and B as
+// [R, C] read R short streams each (a rank-16 B of a 576-wide projection: 16 streams of 1,152 bytes),
+// which the hardware prefetchers ramp up on too late: eight rows of the default model on eight
+// adapters read them at 10-15 GB/s (2 Zen 4 cores, 78 MB a step) against ~30 in these blocks.
 //
 // A run of at least GEMM_ROWS consecutive rows of one slot (a prefill chunk) goes through ATen's
 // GEMMs; other rows (decode, speculative verification) are done row by row here, each row's update
@@ -17,7 +25,8 @@
 // one parallel region: A's rows, a barrier, then the output columns of every part (its bytes are read
 // at the bandwidth of every core, not one's, at the cost of one fork and join a module).
 //
-// lora_around (the whole-step kernel's way on quantized weights, up to 15 rows): the same updates,
+// lora_around (the whole-step kernel's way on quantized weights, fewer adapter rows than threads:
+// a lone stream's, which lora_apply would split over the threads in two regions): the same updates,
 // the same bits, inside the linear's own parallel region (quant_linear_into with an Around): each
 // thread its share of A's rows, a barrier, its share of the linear's columns, then the updates of
 // those columns. That saves a fork and join per projection (120 a SmolLM2 token) and sends each
@@ -97,103 +106,89 @@ inline void fetch(const void* p, int64_t bytes) {
 inline void fetch(const void*, int64_t) {}
 #endif
 
-// A slot's weights, stored as W (float, at::Half or at::BFloat16)
+// A slot's weights, stored as W (float, at::Half or at::BFloat16), in the layout of the module
+// comment: a [groups, kb, 4, 16], b [cb, R, 16]
 template <typename W>
 struct Slot {
   const W* a = nullptr;
-  const W* bt = nullptr;
+  const W* b = nullptr;
   const int64_t* spans = nullptr;
-  int64_t parts = 0, rank = 0, cols = 0;
+  int64_t parts = 0, rank = 0, kb = 0;
+  // part p's first column block
+  const W* part(int64_t p) const { return b + spans[3 * p + 2] * rank; }
 };
 
-// sv[j] = A[j] . xf for j in [j0, j1): four rows of A against each load of x
+// sv[j] = A[j] . xf for the rows [j0, j1) of A (multiples of 4: whole groups), xf zero-padded to
+// kb * 16 values. A group's 4 rows are read as one stream, 16 weights of each a step, each row's
+// sums in 16 lanes added up at the end (the same order whatever W is).
 template <typename W>
-void shrink(const W* a, const float* xf, int64_t in, float* sv, int64_t j0, int64_t j1) {
-  int64_t j = j0;
+void shrink(const W* a, const float* xf, int64_t kb, float* sv, int64_t j0, int64_t j1) {
+  for (int64_t j = j0; j < j1; j += 4) {
+    const W* g = a + j * kb * 16;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  const int64_t kv = in & ~int64_t(7);
-  for (; j + 4 <= j1; j += 4) {
-    const W* r0 = a + j * in;
-    const W *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    for (int64_t k = 0; k < kv; k += 8) {
-      const __m256 xv = _mm256_loadu_ps(xf + k);
-      c0 = _mm256_fmadd_ps(load8(r0 + k), xv, c0);
-      c1 = _mm256_fmadd_ps(load8(r1 + k), xv, c1);
-      c2 = _mm256_fmadd_ps(load8(r2 + k), xv, c2);
-      c3 = _mm256_fmadd_ps(load8(r3 + k), xv, c3);
+    __m256 c[8];
+    for (auto& v : c) v = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kb; ++k, g += 64) {
+      const __m256 x0 = _mm256_loadu_ps(xf + k * 16), x1 = _mm256_loadu_ps(xf + k * 16 + 8);
+      for (int i = 0; i < 4; ++i) {
+        c[2 * i] = _mm256_fmadd_ps(load8(g + 16 * i), x0, c[2 * i]);
+        c[2 * i + 1] = _mm256_fmadd_ps(load8(g + 16 * i + 8), x1, c[2 * i + 1]);
+      }
     }
-    float s0 = hsum(c0), s1 = hsum(c1), s2 = hsum(c2), s3 = hsum(c3);
-    for (int64_t k = kv; k < in; ++k) {
-      s0 += load(r0, k) * xf[k];
-      s1 += load(r1, k) * xf[k];
-      s2 += load(r2, k) * xf[k];
-      s3 += load(r3, k) * xf[k];
+    for (int i = 0; i < 4; ++i) sv[j + i] = hsum(_mm256_add_ps(c[2 * i], c[2 * i + 1]));
+#else
+    float c[4][16] = {};
+    for (int64_t k = 0; k < kb; ++k, g += 64)
+      for (int i = 0; i < 4; ++i)
+        for (int l = 0; l < 16; ++l) c[i][l] += load(g, 16 * i + l) * xf[k * 16 + l];
+    for (int i = 0; i < 4; ++i) {
+      float sum = 0.f;
+      for (int l = 0; l < 16; ++l) sum += c[i][l];
+      sv[j + i] = sum;
     }
-    sv[j] = s0, sv[j + 1] = s1, sv[j + 2] = s2, sv[j + 3] = s3;
-  }
 #endif
-  for (; j < j1; ++j) {
-    const W* aj = a + j * in;
-    float sum = 0.f;
-    for (int64_t k = 0; k < in; ++k) sum += load(aj, k) * xf[k];
-    sv[j] = sum;
   }
 }
 
-// y[o] += sum_r sv[r] * b[r * cols + o] for o in [lo, hi) (b: part p's first column of bt; y: its
-// first output column). Each output's sum runs over r in order from zero, then goes into y: the
-// columns in blocks whose running sums stay in L1, each block reading B's rows one after another
-// (one contiguous stream at a time, which the hardware prefetcher follows; reading a few columns of
-// every row at once, as a register tile over the columns did, keeps R streams in flight, past what
-// it tracks: a lone row's rank-64 update of a 4096-wide q/k/v from memory, 2 Zen 3 cores, took
-// 157 us with the tile, 110 and 150 us in two runs of this on a noisy machine). The last columns
-// of a block (under 8) go through 8 zero-padded lanes: every column gets the same fused
-// multiply-adds whatever W is, so 16-bit weights give the float32 kernel's result on their values.
+// y[o] += sum_r sv[r] * B[r][o] for o in [lo, hi) of a part (b: its first column block, y: its first
+// output column). Each block of 16 columns is one contiguous read of R * 16 weights, its sums in
+// registers, r in order from zero; a block cut by lo or hi is summed whole (B's columns are padded
+// to blocks with zeros) and only its columns in [lo, hi) added.
 template <typename W, typename T>
-void expand(const W* b, int64_t cols, int64_t R, const float* sv, int64_t lo, int64_t hi, T* y) {
-  constexpr int64_t BLOCK = 2048;
-  alignas(32) float acc[BLOCK];
-  for (int64_t c0 = lo; c0 < hi; c0 += BLOCK) {
-    const int64_t n = std::min(BLOCK, hi - c0);
-    int64_t vec = 0;
+void expand(const W* b, int64_t R, const float* sv, int64_t lo, int64_t hi, T* y) {
+  for (int64_t bo = lo / 16; bo * 16 < hi; ++bo) {
+    const W* q = b + bo * R * 16;
+    const int64_t o = bo * 16, from = std::max(lo, o), to = std::min(hi, o + 16);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    vec = n & ~int64_t(7);
-    for (int64_t o = 0; o < vec; o += 8) _mm256_store_ps(acc + o, _mm256_setzero_ps());
-    for (int64_t r = 0; r < R; ++r) {
-      const __m256 sr = _mm256_set1_ps(sv[r]);
-      const W* br = b + r * cols + c0;
-      for (int64_t o = 0; o < vec; o += 8)
-        _mm256_store_ps(acc + o, _mm256_fmadd_ps(sr, load8(br + o), _mm256_load_ps(acc + o)));
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+    for (int64_t r = 0; r < R; ++r, q += 16) {
+      const __m256 s = _mm256_set1_ps(sv[r]);
+      c0 = _mm256_fmadd_ps(s, load8(q), c0);
+      c1 = _mm256_fmadd_ps(s, load8(q + 8), c1);
     }
-    for (int64_t o = 0; o < vec; o += 8) add8(y + c0 + o, _mm256_load_ps(acc + o));
-    if (vec < n) {  // the last columns, widened into 8 lanes (zeros past the end): the same sums
-      const int64_t left = n - vec;
-      __m256 c = _mm256_setzero_ps();
-      alignas(32) float w[8] = {};
-      for (int64_t r = 0; r < R; ++r) {
-        for (int64_t j = 0; j < left; ++j) w[j] = load(b, r * cols + c0 + vec + j);
-        c = _mm256_fmadd_ps(_mm256_set1_ps(sv[r]), _mm256_load_ps(w), c);
-      }
-      _mm256_store_ps(w, c);
-      for (int64_t j = 0; j < left; ++j) add_to(y, c0 + vec + j, w[j]);
-      vec = n;
+    if (from == o && to == o + 16) {
+      add8(y + o, c0);
+      add8(y + o + 8, c1);
+      continue;
     }
+    alignas(32) float w[16];
+    _mm256_store_ps(w, c0);
+    _mm256_store_ps(w + 8, c1);
+#else
+    float w[16] = {};
+    for (int64_t r = 0; r < R; ++r, q += 16)
+      for (int l = 0; l < 16; ++l) w[l] += sv[r] * load(q, l);
 #endif
-    for (int64_t o = c0 + vec; o < c0 + n; ++o) {
-      float sum = 0.f;
-      for (int64_t r = 0; r < R; ++r) sum += sv[r] * load(b, r * cols + o);
-      add_to(y, o, sum);
-    }
+    for (int64_t c = from; c < to; ++c) add_to(y, c, w[c - o]);
   }
 }
 
 // one row's update: with ``split``, in one parallel region of the intra-op threads: each its share of
-// A's rows (blocks of 4), a barrier, then its share of every part's output columns (units of 32): the
+// A's groups of 4 rows, a barrier, then its share of every part's output columns (units of 32): the
 // same sums as without, in the same order (a row of A, a column of the output: one thread each)
 template <typename T, typename W>
 void one_row(const T* x, T* y, const Slot<W>& s, int64_t in, bool split) {
-  std::vector<float> xf(in), sv(s.parts * s.rank);
+  std::vector<float> xf(s.kb * 16, 0.f), sv(s.parts * s.rank);
   for (int64_t k = 0; k < in; ++k) xf[k] = load(x, k);
   const int64_t PR = s.parts * s.rank;
   const auto columns = [&](int64_t u0, int64_t u1) {  // output units [u0, u1) of all parts, in order
@@ -201,24 +196,23 @@ void one_row(const T* x, T* y, const Slot<W>& s, int64_t in, bool split) {
     for (int64_t p = 0; p < s.parts; ++p) {
       const int64_t o0 = s.spans[3 * p], n = s.spans[3 * p + 1] - o0, units = (n + 31) / 32;
       const int64_t lo = std::max(u0, first) - first, hi = std::min(u1, first + units) - first;
-      if (lo < hi)
-        expand(s.bt + s.spans[3 * p + 2], s.cols, s.rank, sv.data() + p * s.rank, lo * 32, std::min(n, hi * 32), y + o0);
+      if (lo < hi) expand(s.part(p), s.rank, sv.data() + p * s.rank, lo * 32, std::min(n, hi * 32), y + o0);
       first += units;
     }
     return first;
   };
   if (!split) {
-    shrink(s.a, xf.data(), in, sv.data(), 0, PR);
+    shrink(s.a, xf.data(), s.kb, sv.data(), 0, PR);
     columns(0, INT64_MAX);
     return;
   }
   int64_t units = 0;
   for (int64_t p = 0; p < s.parts; ++p) units += (s.spans[3 * p + 1] - s.spans[3 * p] + 31) / 32;
-  const int64_t blocks = (PR + 3) / 4;
+  const int64_t groups = PR / 4;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    shrink(s.a, xf.data(), in, sv.data(), std::min(PR, blocks * t / nt * 4), std::min(PR, blocks * (t + 1) / nt * 4));
+    shrink(s.a, xf.data(), s.kb, sv.data(), groups * t / nt * 4, groups * (t + 1) / nt * 4);
 #pragma omp barrier
     columns(units * t / nt, units * (t + 1) / nt);
   }
@@ -244,54 +238,115 @@ void row(const at::Tensor& x, at::Tensor& y, int64_t r, const Slots& s, int64_t 
 }
 
 template <typename W>
-void fill(Slot<W>& sl, const at::Tensor& a, const at::Tensor& bt, const at::Tensor& spans) {
-  sl.parts = spans.size(0), sl.rank = bt.size(0), sl.cols = bt.size(1);
-  sl.a = a.data_ptr<W>(), sl.bt = bt.data_ptr<W>(), sl.spans = spans.data_ptr<int64_t>();
+void fill(Slot<W>& sl, const at::Tensor& a, const at::Tensor& b, const at::Tensor& spans) {
+  sl.parts = spans.size(0), sl.rank = b.size(1), sl.kb = a.size(1);
+  sl.a = a.data_ptr<W>(), sl.b = b.data_ptr<W>(), sl.spans = spans.data_ptr<int64_t>();
 }
 
 // a slot's weights checked against the module's input and output widths; their dtype
-at::ScalarType check_slot(const at::Tensor& a, const at::Tensor& bt, const at::Tensor& spans, int64_t in, int64_t out,
+at::ScalarType check_slot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& spans, int64_t in, int64_t out,
                           int64_t s) {
   const at::ScalarType wt = a.scalar_type();
-  TORCH_CHECK((wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16) && bt.scalar_type() == wt &&
-                  spans.scalar_type() == at::kLong && a.is_contiguous() && bt.is_contiguous() && spans.is_contiguous() &&
-                  a.dim() == 2 && a.size(1) == in && bt.dim() == 2 && spans.dim() == 2 && spans.size(1) == 3 &&
-                  a.size(0) == spans.size(0) * bt.size(0),
-              "lora_apply: slot ", s, "'s weights are not what the module's input takes (a [parts * rank, in] and ",
-              "bt [rank, cols] in float32, float16 or bf16 alike, spans int64 [parts, 3])");
+  TORCH_CHECK((wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16) && b.scalar_type() == wt &&
+                  spans.scalar_type() == at::kLong && a.is_contiguous() && b.is_contiguous() && spans.is_contiguous() &&
+                  a.dim() == 4 && a.size(1) == (in + 15) / 16 && a.size(2) == 4 && a.size(3) == 16 && b.dim() == 3 &&
+                  b.size(2) == 16 && spans.dim() == 2 && spans.size(1) == 3 &&
+                  a.size(0) * 4 == spans.size(0) * b.size(1),
+              "lora_apply: slot ", s, "'s weights are not what the module's input takes (a [parts * rank / 4, ",
+              "ceil(in / 16), 4, 16] and b [column blocks, rank, 16] in float32, float16 or bf16 alike, spans ",
+              "int64 [parts, 3])");
   const int64_t* sp = spans.data_ptr<int64_t>();
   for (int64_t p = 0; p < spans.size(0); ++p)
     TORCH_CHECK(sp[3 * p] >= 0 && sp[3 * p] <= sp[3 * p + 1] && sp[3 * p + 1] <= out && sp[3 * p + 2] >= 0 &&
-                    sp[3 * p + 2] + sp[3 * p + 1] - sp[3 * p] <= bt.size(1),
+                    sp[3 * p + 2] % 16 == 0 && sp[3 * p + 2] + sp[3 * p + 1] - sp[3 * p] <= b.size(0) * 16,
                 "lora_apply: a span outside the output");
   return wt;
 }
 
+// a slot's weights in plain float32 rows for ATen's GEMMs: A [parts * rank, in] and B [rank, columns],
+// widened in one pass each (no ATen op per view and copy: a prefill chunk's call does this per
+// module and adapter)
+template <typename W>
+std::pair<at::Tensor, at::Tensor> plain(const Slot<W>& sl, int64_t in, int64_t cols) {
+  const int64_t PR = sl.parts * sl.rank, R = sl.rank, kb = sl.kb;
+  at::Tensor af = at::empty({PR, in}, at::kFloat), bf = at::empty({R, cols}, at::kFloat);
+  float* ap = af.data_ptr<float>();
+  float* bp = bf.data_ptr<float>();
+  // 16 stored weights from q into dst (n of them: the last block of a row may be cut)
+  const auto widen16 = [](const W* q, float* dst, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (n == 16) {
+      _mm256_storeu_ps(dst, load8(q));
+      _mm256_storeu_ps(dst + 8, load8(q + 8));
+      return;
+    }
+#endif
+    for (int64_t l = 0; l < n; ++l) dst[l] = load(q, l);
+  };
+  at::parallel_for(0, PR / 4, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t k = 0; k < kb; ++k)
+        for (int64_t i = 0; i < 4; ++i)
+          widen16(sl.a + ((g * kb + k) * 4 + i) * 16, ap + (4 * g + i) * in + 16 * k, std::min<int64_t>(16, in - 16 * k));
+  });
+  at::parallel_for(0, cols / 16, 16, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t r = 0; r < R; ++r) widen16(sl.b + (c * R + r) * 16, bp + r * cols + 16 * c, 16);
+  });
+  return {af, bf};
+}
+
+// rows [t, e) of y: + d [e - t, o1 - o0] (float32) in columns [o0, o1), one rounding to T
+template <typename T>
+void add_block(T* y, int64_t out, int64_t t, int64_t e, int64_t o0, int64_t o1, const at::Tensor& d) {
+  const float* dp = d.data_ptr<float>();
+  const int64_t w = o1 - o0;
+  at::parallel_for(t, e, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < w; ++c) add_to(y + r * out, o0 + c, dp[(r - t) * w + c]);
+  });
+}
+
+// a run of rows [t, e) of one slot (a prefill chunk) through ATen's GEMMs, in float32
+template <typename W>
+void gemm_rows(const at::Tensor& x, at::Tensor& y, int64_t t, int64_t e, const Slot<W>& sl, int64_t cols) {
+  const int64_t in = x.size(1), out = y.size(1), R = sl.rank;
+  const at::Tensor xs = x.scalar_type() == at::kFloat ? x.narrow(0, t, e - t) : x.narrow(0, t, e - t).to(at::kFloat);
+  const auto [af, bf] = plain(sl, in, cols);
+  const at::Tensor sv = at::mm(xs, af.t());
+  for (int64_t p = 0; p < sl.parts; ++p) {
+    const int64_t o0 = sl.spans[3 * p], o1 = sl.spans[3 * p + 1], c0 = sl.spans[3 * p + 2];
+    const at::Tensor d = at::mm(sv.narrow(1, p * R, R), bf.narrow(1, c0, o1 - o0)).contiguous();
+    if (y.scalar_type() == at::kFloat) add_block(y.data_ptr<float>(), out, t, e, o0, o1, d);
+    else add_block(y.data_ptr<at::BFloat16>(), out, t, e, o0, o1, d);
+  }
+}
+
 // lora_around's work for stored weights W and rows T: the rows' updates with one_row's sums (the
-// same bits), in the linear's region: the blocks of 4 rows of A of every row's adapter shared out
+// same bits), in the linear's region: the groups of 4 rows of A of every row's adapter shared out
 // over the threads, a barrier, and each thread's own columns of every row updated once the linear
 // has written them.
 template <typename T, typename W>
 void around_rows(const T* x, T* y, int64_t in, int64_t out, const std::vector<int64_t>& job_rows,
                  const std::vector<const Slot<W>*>& jobs, const std::function<void(const Around&)>& linear) {
-  const int64_t J = static_cast<int64_t>(jobs.size());
-  std::vector<int64_t> first(J + 1, 0), blocks(J + 1, 0);  // each job's s values, and its blocks of A's rows
+  const int64_t J = static_cast<int64_t>(jobs.size()), kb = (in + 15) / 16;
+  std::vector<int64_t> first(J + 1, 0), groups(J + 1, 0);  // each job's s values, and its groups of A's rows
   for (int64_t j = 0; j < J; ++j) {
     const int64_t PR = jobs[j]->parts * jobs[j]->rank;
-    first[j + 1] = first[j] + PR, blocks[j + 1] = blocks[j] + (PR + 3) / 4;
+    first[j + 1] = first[j] + PR, groups[j + 1] = groups[j] + PR / 4;
   }
-  std::vector<float> xf(J * in), sv(first[J]);
+  std::vector<float> xf(J * kb * 16, 0.f), sv(first[J]);
   for (int64_t j = 0; j < J; ++j)
-    for (int64_t k = 0; k < in; ++k) xf[j * in + k] = load(x + job_rows[j] * in, k);
-  // this thread's blocks of A: fetched (prefetch) or multiplied into their s values
+    for (int64_t k = 0; k < in; ++k) xf[j * kb * 16 + k] = load(x + job_rows[j] * in, k);
+  // this thread's groups of A: fetched (prefetch) or multiplied into their s values
   const auto shrink_share = [&](int64_t t, int64_t nt, bool prefetch) {
-    const int64_t b0 = blocks[J] * t / nt, b1 = blocks[J] * (t + 1) / nt;
+    const int64_t g0 = groups[J] * t / nt, g1 = groups[J] * (t + 1) / nt;
     for (int64_t j = 0; j < J; ++j) {
-      const int64_t lo = std::max(b0, blocks[j]), hi = std::min(b1, blocks[j + 1]), PR = first[j + 1] - first[j];
+      const int64_t lo = std::max(g0, groups[j]), hi = std::min(g1, groups[j + 1]);
       if (lo >= hi) continue;
-      const int64_t j0 = std::min(PR, (lo - blocks[j]) * 4), j1 = std::min(PR, (hi - blocks[j]) * 4);
-      if (prefetch) fetch(jobs[j]->a + j0 * in, (j1 - j0) * in * static_cast<int64_t>(sizeof(W)));
-      else shrink(jobs[j]->a, xf.data() + j * in, in, sv.data() + first[j], j0, j1);
+      const int64_t j0 = (lo - groups[j]) * 4, j1 = (hi - groups[j]) * 4;
+      if (prefetch) fetch(jobs[j]->a + j0 * kb * 16, (j1 - j0) * kb * 16 * static_cast<int64_t>(sizeof(W)));
+      else shrink(jobs[j]->a, xf.data() + j * kb * 16, kb, sv.data() + first[j], j0, j1);
     }
   };
   // each part of job j within columns [c0, c1): f(slot, p, lo, hi), lo and hi from the part's first column
@@ -304,13 +359,11 @@ void around_rows(const T* x, T* y, int64_t in, int64_t out, const std::vector<in
   };
   Around around;
   around.before = [&](int64_t t, int64_t nt, int64_t c0, int64_t c1) {
-    // its rows of A, then its columns of B (read after the linear's), requested at once: many lines
-    // in flight (short streams, which the hardware prefetcher meets too late on its own)
+    // its groups of A, then its column blocks of B (read after the linear's), requested at once
     shrink_share(t, nt, true);
     for (int64_t j = 0; j < J; ++j)
       parts_in(j, c0, c1, [&](const Slot<W>& sl, int64_t p, int64_t lo, int64_t hi) {
-        for (int64_t r = 0; r < sl.rank; ++r)
-          fetch(sl.bt + sl.spans[3 * p + 2] + r * sl.cols + lo, (hi - lo) * static_cast<int64_t>(sizeof(W)));
+        fetch(sl.part(p) + lo / 16 * sl.rank * 16, ((hi + 15) / 16 - lo / 16) * sl.rank * 16 * static_cast<int64_t>(sizeof(W)));
       });
     shrink_share(t, nt, false);
   };
@@ -318,8 +371,7 @@ void around_rows(const T* x, T* y, int64_t in, int64_t out, const std::vector<in
     for (int64_t j = 0; j < J; ++j) {
       T* yr = y + job_rows[j] * out;
       parts_in(j, c0, c1, [&](const Slot<W>& sl, int64_t p, int64_t lo, int64_t hi) {
-        expand(sl.bt + sl.spans[3 * p + 2], sl.cols, sl.rank, sv.data() + first[j] + p * sl.rank, lo, hi,
-               yr + sl.spans[3 * p]);
+        expand(sl.part(p), sl.rank, sv.data() + first[j] + p * sl.rank, lo, hi, yr + sl.spans[3 * p]);
       });
     }
   };
@@ -329,7 +381,7 @@ void around_rows(const T* x, T* y, int64_t in, int64_t out, const std::vector<in
 }  // namespace
 
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
-                const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans) {
+                const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_apply: x [T, in], y [T, out]");
   TORCH_CHECK(x.scalar_type() == y.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -337,18 +389,18 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous(), "lora_apply: contiguous x and y");
   TORCH_CHECK(rows.scalar_type() == at::kInt && rows.numel() == x.size(0) && rows.is_contiguous(),
               "lora_apply: rows int32 [T]");
-  TORCH_CHECK(a.size() == bt.size() && a.size() == spans.size(), "lora_apply: one a, bt, spans per slot");
+  TORCH_CHECK(a.size() == b.size() && a.size() == spans.size(), "lora_apply: one a, b, spans per slot");
   const int64_t T = x.size(0), in = x.size(1), out = y.size(1), S = static_cast<int64_t>(a.size());
   Slots slots;
   slots.f32.resize(S), slots.f16.resize(S), slots.bf16.resize(S);
   slots.dtype.assign(S, at::ScalarType::Undefined);
   for (int64_t s = 0; s < S; ++s) {
     if (!a[s].defined() || a[s].numel() == 0) continue;
-    const at::ScalarType wt = check_slot(a[s], bt[s], spans[s], in, out, s);
+    const at::ScalarType wt = check_slot(a[s], b[s], spans[s], in, out, s);
     slots.dtype[s] = wt;
-    if (wt == at::kHalf) fill(slots.f16[s], a[s], bt[s], spans[s]);
-    else if (wt == at::kBFloat16) fill(slots.bf16[s], a[s], bt[s], spans[s]);
-    else fill(slots.f32[s], a[s], bt[s], spans[s]);
+    if (wt == at::kHalf) fill(slots.f16[s], a[s], b[s], spans[s]);
+    else if (wt == at::kBFloat16) fill(slots.bf16[s], a[s], b[s], spans[s]);
+    else fill(slots.f32[s], a[s], b[s], spans[s]);
   }
   const int32_t* slot_of = rows.data_ptr<int32_t>();
   std::vector<int64_t> single;  // rows done one by one
@@ -358,17 +410,10 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
     const int32_t s = slot_of[t];
     if (s >= 0 && s < S && slots.dtype[s] != at::ScalarType::Undefined) {
       if (e - t >= GEMM_ROWS) {  // a prefill chunk: ATen's GEMMs, in float32 (the weights widened)
-        const int64_t parts = spans[s].size(0), rank = bt[s].size(0);
-        const int64_t* sp = spans[s].data_ptr<int64_t>();
-        const at::Tensor xs = x.narrow(0, t, e - t).to(at::kFloat);
-        const at::Tensor sv = at::mm(xs, a[s].to(at::kFloat).t());
-        const at::Tensor b = bt[s].to(at::kFloat);
-        for (int64_t p = 0; p < parts; ++p) {
-          const int64_t o0 = sp[3 * p], o1 = sp[3 * p + 1], c0 = sp[3 * p + 2];
-          const at::Tensor d = at::mm(sv.narrow(1, p * rank, rank), b.narrow(1, c0, o1 - o0));
-          at::Tensor dst = y.narrow(0, t, e - t).narrow(1, o0, o1 - o0);
-          dst.copy_(dst.to(at::kFloat).add_(d));
-        }
+        const int64_t cols = b[s].size(0) * 16;
+        if (slots.dtype[s] == at::kHalf) gemm_rows(x, y, t, e, slots.f16[s], cols);
+        else if (slots.dtype[s] == at::kBFloat16) gemm_rows(x, y, t, e, slots.bf16[s], cols);
+        else gemm_rows(x, y, t, e, slots.f32[s], cols);
       } else {
         for (int64_t r = t; r < e; ++r) single.push_back(r);
       }
@@ -388,13 +433,13 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
   }
   for (int64_t i = 0; i < n; ++i) {  // fewer rows than threads: each row's work split over them
     const int64_t r = single[i], s = slot_of[r];
-    const bool split = a[s].numel() + bt[s].numel() >= SPLIT_WEIGHTS;
+    const bool split = a[s].numel() + b[s].numel() >= SPLIT_WEIGHTS;
     f32 ? row<float>(x, y, r, slots, s, in, split) : row<at::BFloat16>(x, y, r, slots, s, in, split);
   }
 }
 
 bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
-                 const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans,
+                 const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans,
                  const std::function<void(const Around&)>& linear) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.scalar_type() == y.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
@@ -402,27 +447,35 @@ bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, cons
               "lora_around: contiguous rows x [T, in] and y [T, out], float32 or bf16 alike");
   TORCH_CHECK(rows.scalar_type() == at::kInt && rows.numel() == x.size(0) && rows.is_contiguous(),
               "lora_around: rows int32 [T]");
-  TORCH_CHECK(a.size() == bt.size() && a.size() == spans.size(), "lora_around: one a, bt, spans per slot");
+  TORCH_CHECK(a.size() == b.size() && a.size() == spans.size(), "lora_around: one a, b, spans per slot");
   const int64_t T = x.size(0), in = x.size(1), out = y.size(1), S = static_cast<int64_t>(a.size());
   if (T >= GEMM_ROWS) return false;  // (runs of one adapter long enough for lora_apply's GEMMs)
   const int32_t* slot_of = rows.data_ptr<int32_t>();
   std::vector<int64_t> job_rows;
+  std::vector<char> checked(S, 0);
   at::ScalarType wt = at::ScalarType::Undefined;
   for (int64_t r = 0; r < T; ++r) {
     const int32_t s = slot_of[r];
     if (s < 0 || s >= S || !a[s].defined() || a[s].numel() == 0) continue;
-    const at::ScalarType w = check_slot(a[s], bt[s], spans[s], in, out, s);
-    if (wt != at::ScalarType::Undefined && w != wt) return false;  // (slots of one set share a dtype)
-    wt = w;
+    if (!checked[s]) {
+      const at::ScalarType w = check_slot(a[s], b[s], spans[s], in, out, s);
+      if (wt != at::ScalarType::Undefined && w != wt) return false;  // (slots of one set share a dtype)
+      wt = w, checked[s] = 1;
+    }
     job_rows.push_back(r);
   }
+  // as many adapter rows as threads: lora_apply's row a thread after the linear reads each row's
+  // adapter as two long streams, and beats the shared region (the default model, 8 rows on 8
+  // adapters, in process: the stack's step 15.5 -> 13.9 ms; a thread's rows' weights sent into its
+  // L2 while it computed its columns of the linear did no better)
+  if (static_cast<int64_t>(job_rows.size()) >= at::get_num_threads()) return false;
   const auto go = [&](auto w) {
     using W = decltype(w);
     std::vector<Slot<W>> slots(S);
     std::vector<const Slot<W>*> jobs;
     for (const int64_t r : job_rows) {
       const int32_t s = slot_of[r];
-      if (slots[s].a == nullptr) fill(slots[s], a[s], bt[s], spans[s]);
+      if (slots[s].a == nullptr) fill(slots[s], a[s], b[s], spans[s]);
       jobs.push_back(&slots[s]);
     }
     if (x.scalar_type() == at::kFloat) around_rows(x.data_ptr<float>(), y.data_ptr<float>(), in, out, job_rows, jobs, linear);
@@ -446,16 +499,16 @@ bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, cons
 // quant_linear with the rows' adapter updates in its region (DecodeStack's way for a few rows)
 at::Tensor quant_linear_lora(const at::Tensor& x, const at::Tensor& packed, const std::vector<int64_t>& layout,
                              const c10::optional<at::Tensor>& bias, const at::Tensor& rows, const std::vector<at::Tensor>& a,
-                             const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& spans) {
+                             const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans) {
   TORCH_CHECK(x.dim() == 2 && !layout.empty() && layout[0] > 0, "quant_linear_lora: rows x [T, k]");
   at::Tensor y = at::empty({x.size(0), layout[0]}, x.options());
   const at::Tensor xs = x.contiguous();
-  const bool done = lora_around(y, xs, rows, a, bt, spans, [&](const Around& around) {
+  const bool done = lora_around(y, xs, rows, a, b, spans, [&](const Around& around) {
     quant_linear_into(xs, packed, layout, bias, y, &around);
   });
   if (!done) {
     y = quant_linear(xs, packed, layout, bias);
-    lora_apply(y, xs, rows, a, bt, spans);
+    lora_apply(y, xs, rows, a, b, spans);
   }
   return y;
 }
@@ -463,9 +516,9 @@ at::Tensor quant_linear_lora(const at::Tensor& x, const at::Tensor& packed, cons
 }  // namespace astrai_cpu
 
 TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
-  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor rows, Tensor[] a, Tensor[] bt, Tensor[] spans) -> ()");
+  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor rows, Tensor[] a, Tensor[] b, Tensor[] spans) -> ()");
   m.def(
-      "quant_linear_lora(Tensor x, Tensor packed, int[] layout, Tensor? bias, Tensor rows, Tensor[] a, Tensor[] bt, "
+      "quant_linear_lora(Tensor x, Tensor packed, int[] layout, Tensor? bias, Tensor rows, Tensor[] a, Tensor[] b, "
       "Tensor[] spans) -> Tensor");
 }
 

@@ -5,7 +5,15 @@ a step's rows to the model's projections, ``manager`` loads, evicts and unloads 
 """
 
 from astrai.lora.adapter import LoraAdapter, read_adapter, resolve_adapter
-from astrai.lora.layers import LoraLinear, LoraSet, install_lora, lora_dtype, lora_reference
+from astrai.lora.layers import (
+    LoraLinear,
+    LoraSet,
+    install_lora,
+    lora_dtype,
+    lora_reference,
+    plain_a,
+    plain_b,
+)
 from astrai.lora.manager import Adapter, LoraManager
 
 __all__ = [
@@ -17,6 +25,8 @@ __all__ = [
     "install_lora",
     "lora_dtype",
     "lora_reference",
+    "plain_a",
+    "plain_b",
     "read_adapter",
     "resolve_adapter",
 ]

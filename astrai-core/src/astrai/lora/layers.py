@@ -9,11 +9,17 @@ belong to several adapters and to none: the base product runs once for all of th
 row's own adapter's update in place, the segmented ("punica") scheme. A step without adapter rows
 runs the model exactly as it runs without LoRA.
 
-An adapter lives in a slot: per projection, ``a`` ``[parts * R, in]`` (each targeted part's A,
-zero-padded to the largest rank ``R``), ``bt`` ``[R, C]`` (each part's scaled B, transposed, side
-by side) and ``spans`` ``[parts, 3]`` int64 ``(o0, o1, c0)``: the output columns each part adds
-to and where its B starts. Slots are written by ``LoraSet.put`` only while no step runs rows of
-that slot (``astrai.lora.manager`` sees to it).
+An adapter lives in a slot: per projection, ``a``, ``b`` and ``spans``. ``A`` ``[parts * R, in]``
+is each targeted part's A, zero-padded to the largest rank rounded up to a multiple of 4 (``R``);
+``B`` ``[R, C]`` each part's scaled B, transposed, side by side, each part from a multiple of 16
+columns (zeros between); ``spans`` ``[parts, 3]`` int64 ``(o0, o1, c0)``: the output columns each
+part adds to and where its columns of ``B`` start. They are kept in blocks that a row's update reads
+as a few long streams (a decode row reads every weight of its adapter once, so the read pattern is
+its speed): ``a`` ``[parts * R / 4, ceil(in / 16), 4, 16]`` holds A's rows in groups of 4, each
+group's columns 16 at a time with its 4 rows side by side, and ``b`` ``[C / 16, R, 16]`` holds B in
+blocks of 16 columns, each block's ``R`` rows one after another (``plain_a`` and ``plain_b`` undo
+them). Slots are written by ``LoraSet.put`` only while no step runs rows of that slot
+(``astrai.lora.manager`` sees to it).
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ from astrai.extension.fused import kernel_for
 if TYPE_CHECKING:
     from astrai.lora.adapter import LoraAdapter
 
-__all__ = ["LoraLinear", "LoraSet", "install_lora", "lora_dtype", "lora_reference"]
+__all__ = [
+    "LoraLinear",
+    "LoraSet",
+    "install_lora",
+    "lora_dtype",
+    "lora_reference",
+    "plain_a",
+    "plain_b",
+]
 
 _EMPTY = torch.empty(0)
 
@@ -54,7 +68,7 @@ class LoraSet:
         self.swaps: list[tuple[nn.Module, str, LoraLinear]] = []
         self._swapped = False
         self.version = 0  # counts ``put``s: a whole-stack kernel's weight lists (``stacked``) follow it
-        self._stacked: tuple[tuple, tuple[list, list, list]] | None = None
+        self._stacked: tuple[tuple, tuple[list, list, list]] | None = None  # (version, layers): lists
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -108,16 +122,17 @@ class LoraSet:
         finally:
             self._swap(was)
 
-    def stacked(self, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, list, list, list]:
-        """The step's adapter rows for a whole-stack kernel: ``(compact, a, bt, spans)``, each token's
-        index among the step's adapters (``present``; -1: none) and, for each layer's ``qkv_proj``,
-        ``o_proj``, ``gate_up_proj`` and ``down_proj`` in turn, every present adapter's ``a``, ``bt``
-        and ``spans`` (empty where a projection has no wrapper: a mixture of experts' MLP). The lists
-        are made once per set of present adapters until the next ``put``."""
-        key = (self.version, tuple(self.present), len(layers))
+    def stacked(self, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, int, list, list, list]:
+        """The step's adapter rows for a whole-stack kernel: ``(rows, version, a, b, spans)``, each
+        token's slot (int32, -1: none), the ``version`` of the weight lists and, for each layer's
+        ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj`` in turn, every slot's ``a``,
+        ``b`` and ``spans`` (empty where a projection has no wrapper, a mixture of experts' MLP, or
+        the slot no update there). The lists are made once per ``put``: a kernel that keeps them
+        (the CPU plugin's ``DecodeStack.set_lora``) takes them again when ``version`` moves."""
+        key = (self.version, len(layers))
         if self._stacked is None or self._stacked[0] != key:
             wrappers = {(id(owner), attr): mod for owner, attr, mod in self.swaps}
-            a, bt, spans = [], [], []
+            a, b, spans = [], [], []
             for layer in layers:
                 for owner, attr in (
                     (layer.self_attn, "qkv_proj"),
@@ -126,12 +141,12 @@ class LoraSet:
                     (layer.mlp, "down_proj"),
                 ):
                     mod = wrappers.get((id(owner), attr))
-                    for slot in self.present:
+                    for slot in range(self.slots):
                         a.append(_EMPTY if mod is None else mod.a[slot])
-                        bt.append(_EMPTY if mod is None else mod.bt[slot])
+                        b.append(_EMPTY if mod is None else mod.b[slot])
                         spans.append(_EMPTY.long() if mod is None else mod.spans[slot])
-            self._stacked = (key, (a, bt, spans))
-        return (self.compact, *self._stacked[1])
+            self._stacked = (key, (a, b, spans))
+        return (self.rows, self.version, *self._stacked[1])
 
     def put(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Write ``adapter``'s weights into ``slot`` of every projection (None: empty the slot)."""
@@ -155,7 +170,7 @@ class LoraLinear(nn.Module):
         held = next(itertools.chain(base.parameters(), base.buffers()), None)  # the adapters live beside it
         self.device = held.device if held is not None else torch.device("cpu")
         self.a: list[torch.Tensor] = [_EMPTY] * lora.slots
-        self.bt: list[torch.Tensor] = [_EMPTY] * lora.slots
+        self.b: list[torch.Tensor] = [_EMPTY] * lora.slots
         self.spans: list[torch.Tensor] = [_EMPTY.long()] * lora.slots
 
     @property
@@ -169,19 +184,22 @@ class LoraLinear(nn.Module):
     def set_slot(self, slot: int, parts: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
         """``parts``: ``(o0, o1, A [r, in], B [o1 - o0, r])`` per targeted part (empty: no update)."""
         if not parts:
-            self.a[slot], self.bt[slot], self.spans[slot] = _EMPTY, _EMPTY, _EMPTY.long()
+            self.a[slot], self.b[slot], self.spans[slot] = _EMPTY, _EMPTY, _EMPTY.long()
             return
-        rank = max(a.shape[0] for _, _, a, _ in parts)
-        dtype = self.lora.dtype  # A and the scaled B rounded once to it, from float32
-        a_cat = torch.zeros(len(parts) * rank, self.in_features, device=self.device, dtype=dtype)
-        bt = torch.zeros(rank, sum(o1 - o0 for o0, o1, _, _ in parts), device=self.device, dtype=dtype)
+        rank = -(-max(a.shape[0] for _, _, a, _ in parts) // 4) * 4
+        widths = [-(-(o1 - o0) // 16) * 16 for o0, o1, _, _ in parts]
+        kb = -(-self.in_features // 16)
+        a_rows = torch.zeros(len(parts) * rank, kb * 16, device=self.device)
+        b_cols = torch.zeros(rank, sum(widths), device=self.device)
         spans, c0 = [], 0
         for p, (o0, o1, a, b) in enumerate(sorted(parts, key=lambda part: part[0])):
-            a_cat[p * rank : p * rank + a.shape[0]] = a
-            bt[: b.shape[1], c0 : c0 + o1 - o0] = b.t()
+            a_rows[p * rank : p * rank + a.shape[0], : self.in_features] = a
+            b_cols[: b.shape[1], c0 : c0 + o1 - o0] = b.t()
             spans.append((o0, o1, c0))
-            c0 += o1 - o0
-        self.a[slot], self.bt[slot] = a_cat.contiguous(), bt.contiguous()
+            c0 += -(-(o1 - o0) // 16) * 16
+        dtype = self.lora.dtype  # A and the scaled B rounded once to it, from float32
+        self.a[slot] = a_rows.view(-1, 4, kb, 16).transpose(1, 2).contiguous().to(dtype)
+        self.b[slot] = b_cols.view(rank, -1, 16).transpose(0, 1).contiguous().to(dtype)
         self.spans[slot] = torch.tensor(spans, dtype=torch.int64)  # (host values: the kernel reads them)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,13 +209,13 @@ class LoraLinear(nn.Module):
         kernel = kernel_for("lora", x)
         if kernel is not None and x.dtype in kernel.dtypes and x.dim() == 2:
             present = self.lora.present
-            a, bt, spans = self.a, self.bt, self.spans
+            a, b, spans = self.a, self.b, self.spans
             kernel(
                 y,
                 x.contiguous(),
                 self.lora.compact,
                 [a[s] for s in present],
-                [bt[s] for s in present],
+                [b[s] for s in present],
                 [spans[s] for s in present],
             )
             return y
@@ -208,6 +226,17 @@ class LoraLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={used}"
 
 
+def plain_a(a: torch.Tensor, in_features: int) -> torch.Tensor:
+    """A slot's ``a`` blocks as ``[parts * R, in_features]``."""
+    groups, kb = a.shape[:2]
+    return a.transpose(1, 2).reshape(groups * 4, kb * 16)[:, :in_features]
+
+
+def plain_b(b: torch.Tensor) -> torch.Tensor:
+    """A slot's ``b`` blocks as ``[R, C]``."""
+    return b.transpose(0, 1).reshape(b.shape[1], -1)
+
+
 def lora_reference(y: torch.Tensor, x: torch.Tensor, mod: LoraLinear) -> torch.Tensor:
     """The ``lora`` kernel's contract in torch ops: per adapter in the step, its rows' updates."""
     for slot in mod.lora.present:
@@ -216,11 +245,11 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, mod: LoraLinear) -> torch.T
             continue
         idx = mod.lora.index(slot).to(x.device)
         xs = x.index_select(0, idx).float()
-        rank = mod.bt[slot].shape[0]
-        s = xs @ a.float().t()
-        bt = mod.bt[slot].float()
+        rank = mod.b[slot].shape[1]
+        s = xs @ plain_a(a, x.shape[-1]).float().t()
+        b = plain_b(mod.b[slot]).float()
         for p, (o0, o1, c0) in enumerate(mod.spans[slot].tolist()):
-            d = s[:, p * rank : (p + 1) * rank] @ bt[:, c0 : c0 + o1 - o0]
+            d = s[:, p * rank : (p + 1) * rank] @ b[:, c0 : c0 + o1 - o0]
             cols = y[:, o0:o1]
             cols.index_copy_(0, idx, (cols.index_select(0, idx).float() + d).to(y.dtype))
     return y

@@ -147,10 +147,10 @@ class DecoderLM(nn.Module):
         with lora.unwrapped():
             return describe(self)
 
-    def stack_lora(self) -> tuple[torch.Tensor, list, list, list] | None:
+    def stack_lora(self) -> tuple[torch.Tensor, int, list, list, list] | None:
         """The step's LoRA rows for a whole-stack kernel that takes them (``decoder_layers`` with
         ``lora = True``): ``None`` without adapter rows, else ``astrai.lora.LoraSet.stacked``'s
-        ``(rows, a, bt, spans)``, the projections in ``decoder_stack().linears``'s order."""
+        ``(rows, version, a, b, spans)``, the projections in ``decoder_stack().linears``'s order."""
         lora = getattr(self, "lora", None)
         if lora is None or lora.rows is None:
             return None

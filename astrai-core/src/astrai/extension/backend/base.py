@@ -117,12 +117,14 @@ class AttentionBackend(ABC):
           ``[experts + 1]``), ``packed`` one tile-layout weight per expert, all of ``layout``;
           each row's result ``quant_linear``'s on that row (no bias), ``[R, N]``; ``dtypes`` as
           ``quant_linear``'s.
-        - ``lora``: ``kernel(y, x, rows, a, bt, spans)``: adds the LoRA updates of a step's rows to
+        - ``lora``: ``kernel(y, x, rows, a, b, spans)``: adds the LoRA updates of a step's rows to
           a linear's output ``y [T, N]`` in place (``astrai.lora``); ``x [T, K]`` its input, ``rows``
-          int32 ``[T]`` each row's adapter slot (-1: none), per slot ``a`` ``[parts * R, K]``,
-          ``bt`` ``[R, C]`` (float32) and ``spans`` int64 ``[parts, 3]`` ``(o0, o1, c0)``: part ``p``
-          adds ``(x @ a[p*R:(p+1)*R].T) @ bt[:, c0:c0 + o1 - o0]`` to ``y[:, o0:o1]`` (empty tensors
-          for a slot the module has no update for); ``dtypes`` the ``x`` dtypes it takes.
+          int32 ``[T]`` each row's adapter slot (-1: none), per slot ``a``, ``b`` and ``spans`` in
+          ``astrai.lora.layers``' blocks (``a [parts * R / 4, ceil(K / 16), 4, 16]``, ``b [C / 16,
+          R, 16]``; ``plain_a``/``plain_b`` give them as ``[parts * R, K]`` and ``[R, C]``) and
+          ``spans`` int64 ``[parts, 3]`` ``(o0, o1, c0)``: part ``p`` adds ``(x @ A[p*R:(p+1)*R].T)
+          @ B[:, c0:c0 + o1 - o0]`` to ``y[:, o0:o1]`` (empty tensors for a slot the module has no
+          update for); ``dtypes`` the ``x`` dtypes it takes.
         - ``encoder_attention``: ``kernel(qkv, lengths, heads, scale)`` for bf16 ``qkv [T, 3 * heads *
           head_dim]`` (each row a token's q, k and v heads side by side; rows may be strided), the
           sequences one after another, ``lengths`` int64 ``[B]`` their tokens: each sequence's
