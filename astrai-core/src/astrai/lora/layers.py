@@ -2,12 +2,11 @@
 
 ``install_lora(model, slots)`` wraps each of a decoder's LoRA-capable projections (the fused
 ``qkv_proj`` and ``gate_up_proj`` with their parts, ``o_proj``, ``down_proj``) once, at start; a
-wrapper stands in for its projection from a step with adapter rows to the next step without
-(where, without rows, it runs the projection alone). A step's rows may
-belong to several adapters and to none: the base product runs once for all of them, then the
-``lora`` kernel (``astrai.extension``; ``lora_reference`` where no backend lends one) adds each
-row's own adapter's update in place, the segmented ("punica") scheme. A step without adapter rows
-runs the model exactly as it runs without LoRA.
+wrapper stands in for its projection from a step with adapter rows to the next step without. A
+step's rows may belong to several adapters and to none: the base product runs once for all of
+them, then the ``lora`` kernel (``astrai.extension``; ``lora_reference`` where no backend lends
+one) adds each row's own adapter's update in place, the segmented ("punica") scheme. A step
+without adapter rows runs the model exactly as it runs without LoRA.
 
 An adapter lives in a slot: per projection, ``a``, ``b`` and ``spans``. ``A`` ``[parts * R, in]``
 is each targeted part's A, zero-padded to the largest rank rounded up to a multiple of 4 (``R``);
@@ -37,15 +36,7 @@ from astrai.extension.fused import kernel_for
 if TYPE_CHECKING:
     from astrai.lora.adapter import LoraAdapter
 
-__all__ = [
-    "LoraLinear",
-    "LoraSet",
-    "install_lora",
-    "lora_dtype",
-    "lora_reference",
-    "plain_a",
-    "plain_b",
-]
+__all__ = ["LoraLinear", "LoraSet", "install_lora", "lora_dtype", "lora_reference", "plain_a", "plain_b"]
 
 _EMPTY = torch.empty(0)
 
