@@ -161,8 +161,10 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<Experts> experts;
   int64_t n_experts = 0, top_k = 0, expert_intermediate = 0, shared_intermediate = 0;
   bool norm_topk = false;
-  // set_lora's: per linear (4 a layer), every LoRA slot's a, b and spans side by side
+  // set_lora's: per linear (4 a layer), every LoRA slot's a, b and spans side by side; each linear's
+  // slots checked (lora_slots) at its first LoRA rows after set_lora
   std::vector<at::Tensor> lora_a, lora_b, lora_spans;
+  std::vector<std::shared_ptr<const LoraSlots>> lora_checked;
 
   DecodeStack(int64_t n_heads_, int64_t n_kv_heads_, int64_t head_dim_, int64_t intermediate_, double eps_,
               double scale_, std::vector<at::Tensor> norms_, std::vector<at::Tensor> packed_,
@@ -348,6 +350,20 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(a.size() % (4 * n_layers) == 0 && b.size() == a.size() && spans.size() == a.size(),
                 "DecodeStack.set_lora: each linear's a, b, spans per slot");
     lora_a = std::move(a), lora_b = std::move(b), lora_spans = std::move(spans);
+    lora_checked.assign(4 * n_layers, nullptr);
+  }
+
+  // linear i's LoRA slots, checked for its input and output widths
+  const LoraSlots& lora_slots_of(size_t i, int64_t in, int64_t out) {
+    std::shared_ptr<const LoraSlots>& checked = lora_checked[i];
+    if (!checked) {
+      const int64_t n = static_cast<int64_t>(lora_a.size()) / (4 * n_layers);
+      const auto part = [&](const std::vector<at::Tensor>& v) {
+        return std::vector<at::Tensor>(v.begin() + i * n, v.begin() + (i + 1) * n);
+      };
+      checked = lora_slots(part(lora_a), part(lora_b), part(lora_spans), in, out);
+    }
+    return *checked;
   }
 
   // x [B, hidden] in the model's dtype (the embeddings of the step's tokens) -> the hidden states
@@ -405,11 +421,8 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     const auto lora = [&](size_t i, const at::Tensor& y, const at::Tensor& in) -> at::Tensor {
       if (!lora_rows.has_value()) return y;
-      const auto part = [&](const std::vector<at::Tensor>& v) {
-        return std::vector<at::Tensor>(v.begin() + i * n_lora, v.begin() + (i + 1) * n_lora);
-      };
       traced("astrai_cpu::lora_apply", [&] {
-        lora_apply(y, in, *lora_rows, part(lora_a), part(lora_b), part(lora_spans));
+        lora_apply(y, in, *lora_rows, lora_slots_of(i, in.size(1), y.size(1)));
         return 0;
       });
       return y;
@@ -419,13 +432,10 @@ struct DecodeStack : torch::CustomClassHolder {
     const auto proj = [&](size_t i, const at::Tensor& in, int64_t n, const c10::optional<at::Tensor>& b) {
       const size_t s = first[i];
       if (lora_rows.has_value() && first[i + 1] - s == 1 && layouts[s][0] != 0) {
-        const auto part = [&](const std::vector<at::Tensor>& v) {
-          return std::vector<at::Tensor>(v.begin() + i * n_lora, v.begin() + (i + 1) * n_lora);
-        };
         at::Tensor y = at::empty({in.size(0), n}, in.options());
         const at::Tensor xs = in.contiguous();
         const bool done = traced("astrai_cpu::quant_linear_lora", [&] {
-          return lora_around(y, xs, *lora_rows, part(lora_a), part(lora_b), part(lora_spans),
+          return lora_around(y, xs, *lora_rows, lora_slots_of(i, xs.size(1), n),
                              [&](const Around& around) { quant_linear_into(xs, packed[s], layouts[s], b, y, &around); });
         });
         if (done) return y;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -62,6 +63,15 @@ at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& offsets, const s
 // a and b in lora.cpp's blocks)
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
                 const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans);
+// One module's adapter slots (a, b, spans as lora_apply takes them) checked once against its input
+// and output widths, for a caller that applies the same slots step after step (DecodeStack): the
+// tensors held, each slot's pointers and sizes read out.
+struct LoraSlots;
+std::shared_ptr<const LoraSlots> lora_slots(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                                            const std::vector<at::Tensor>& spans, int64_t in, int64_t out);
+void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const LoraSlots& slots);
+bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const LoraSlots& slots,
+                 const std::function<void(const Around&)>& linear);
 // rows x [T, in] through linear(around) into y [T, out], with the rows' adapter updates (rows, a,
 // b, spans: as lora_apply takes them) in the same parallel region: A's rows shared out ahead of the
 // linear's columns, each thread's columns updated once written; bit for bit lora_apply after the

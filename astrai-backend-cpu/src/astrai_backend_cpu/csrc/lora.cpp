@@ -51,6 +51,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace astrai_cpu {
@@ -380,20 +382,25 @@ void around_rows(const T* x, T* y, int64_t in, int64_t out, const std::vector<in
 
 }  // namespace
 
-void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
-                const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans) {
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_apply: x [T, in], y [T, out]");
-  TORCH_CHECK(x.scalar_type() == y.scalar_type() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "lora_apply: x and y float32 or bf16 alike");
-  TORCH_CHECK(x.is_contiguous() && y.is_contiguous(), "lora_apply: contiguous x and y");
-  TORCH_CHECK(rows.scalar_type() == at::kInt && rows.numel() == x.size(0) && rows.is_contiguous(),
-              "lora_apply: rows int32 [T]");
-  TORCH_CHECK(a.size() == b.size() && a.size() == spans.size(), "lora_apply: one a, b, spans per slot");
-  const int64_t T = x.size(0), in = x.size(1), out = y.size(1), S = static_cast<int64_t>(a.size());
+// One module's slots, checked (lora_slots): their weights in their dtypes and, per slot, B's columns
+// (its blocks, 16 each) and how many weights A and B hold
+struct LoraSlots {
   Slots slots;
+  std::vector<int64_t> cols, weights;
+  std::vector<at::Tensor> held;  // every slot's a, b and spans, alive while the pointers are read
+  int64_t in = 0, out = 0;
+};
+
+std::shared_ptr<const LoraSlots> lora_slots(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                                            const std::vector<at::Tensor>& spans, int64_t in, int64_t out) {
+  TORCH_CHECK(a.size() == b.size() && a.size() == spans.size(), "lora_apply: one a, b, spans per slot");
+  const int64_t S = static_cast<int64_t>(a.size());
+  auto ls = std::make_shared<LoraSlots>();
+  ls->in = in, ls->out = out;
+  Slots& slots = ls->slots;
   slots.f32.resize(S), slots.f16.resize(S), slots.bf16.resize(S);
   slots.dtype.assign(S, at::ScalarType::Undefined);
+  ls->cols.assign(S, 0), ls->weights.assign(S, 0);
   for (int64_t s = 0; s < S; ++s) {
     if (!a[s].defined() || a[s].numel() == 0) continue;
     const at::ScalarType wt = check_slot(a[s], b[s], spans[s], in, out, s);
@@ -401,7 +408,24 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
     if (wt == at::kHalf) fill(slots.f16[s], a[s], b[s], spans[s]);
     else if (wt == at::kBFloat16) fill(slots.bf16[s], a[s], b[s], spans[s]);
     else fill(slots.f32[s], a[s], b[s], spans[s]);
+    ls->cols[s] = b[s].size(0) * 16, ls->weights[s] = a[s].numel() + b[s].numel();
+    ls->held.insert(ls->held.end(), {a[s], b[s], spans[s]});
   }
+  return ls;
+}
+
+void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const LoraSlots& ls) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_apply: x [T, in], y [T, out]");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "lora_apply: x and y float32 or bf16 alike");
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous(), "lora_apply: contiguous x and y");
+  TORCH_CHECK(rows.scalar_type() == at::kInt && rows.numel() == x.size(0) && rows.is_contiguous(),
+              "lora_apply: rows int32 [T]");
+  TORCH_CHECK(x.size(1) == ls.in && y.size(1) == ls.out, "lora_apply: x and y not the widths the slots were checked for");
+  const int64_t T = x.size(0), in = x.size(1);
+  const Slots& slots = ls.slots;
+  const int64_t S = static_cast<int64_t>(slots.dtype.size());
   const int32_t* slot_of = rows.data_ptr<int32_t>();
   std::vector<int64_t> single;  // rows done one by one
   for (int64_t t = 0; t < T;) {
@@ -410,7 +434,7 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
     const int32_t s = slot_of[t];
     if (s >= 0 && s < S && slots.dtype[s] != at::ScalarType::Undefined) {
       if (e - t >= GEMM_ROWS) {  // a prefill chunk: ATen's GEMMs, in float32 (the weights widened)
-        const int64_t cols = b[s].size(0) * 16;
+        const int64_t cols = ls.cols[s];
         if (slots.dtype[s] == at::kHalf) gemm_rows(x, y, t, e, slots.f16[s], cols);
         else if (slots.dtype[s] == at::kBFloat16) gemm_rows(x, y, t, e, slots.bf16[s], cols);
         else gemm_rows(x, y, t, e, slots.f32[s], cols);
@@ -433,13 +457,18 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
   }
   for (int64_t i = 0; i < n; ++i) {  // fewer rows than threads: each row's work split over them
     const int64_t r = single[i], s = slot_of[r];
-    const bool split = a[s].numel() + b[s].numel() >= SPLIT_WEIGHTS;
+    const bool split = ls.weights[s] >= SPLIT_WEIGHTS;
     f32 ? row<float>(x, y, r, slots, s, in, split) : row<at::BFloat16>(x, y, r, slots, s, in, split);
   }
 }
 
-bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
-                 const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans,
+void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
+                const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_apply: x [T, in], y [T, out]");
+  lora_apply(y, x, rows, *lora_slots(a, b, spans, x.size(1), y.size(1)));
+}
+
+bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const LoraSlots& ls,
                  const std::function<void(const Around&)>& linear) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.scalar_type() == y.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
@@ -447,21 +476,19 @@ bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, cons
               "lora_around: contiguous rows x [T, in] and y [T, out], float32 or bf16 alike");
   TORCH_CHECK(rows.scalar_type() == at::kInt && rows.numel() == x.size(0) && rows.is_contiguous(),
               "lora_around: rows int32 [T]");
-  TORCH_CHECK(a.size() == b.size() && a.size() == spans.size(), "lora_around: one a, b, spans per slot");
-  const int64_t T = x.size(0), in = x.size(1), out = y.size(1), S = static_cast<int64_t>(a.size());
+  TORCH_CHECK(x.size(1) == ls.in && y.size(1) == ls.out, "lora_around: x and y not the widths the slots were checked for");
+  const int64_t T = x.size(0), in = x.size(1), out = y.size(1);
+  const Slots& slots = ls.slots;
+  const int64_t S = static_cast<int64_t>(slots.dtype.size());
   if (T >= GEMM_ROWS) return false;  // (runs of one adapter long enough for lora_apply's GEMMs)
   const int32_t* slot_of = rows.data_ptr<int32_t>();
   std::vector<int64_t> job_rows;
-  std::vector<char> checked(S, 0);
   at::ScalarType wt = at::ScalarType::Undefined;
   for (int64_t r = 0; r < T; ++r) {
     const int32_t s = slot_of[r];
-    if (s < 0 || s >= S || !a[s].defined() || a[s].numel() == 0) continue;
-    if (!checked[s]) {
-      const at::ScalarType w = check_slot(a[s], b[s], spans[s], in, out, s);
-      if (wt != at::ScalarType::Undefined && w != wt) return false;  // (slots of one set share a dtype)
-      wt = w, checked[s] = 1;
-    }
+    if (s < 0 || s >= S || slots.dtype[s] == at::ScalarType::Undefined) continue;
+    if (wt != at::ScalarType::Undefined && slots.dtype[s] != wt) return false;  // (slots of one set share a dtype)
+    wt = slots.dtype[s];
     job_rows.push_back(r);
   }
   // as many adapter rows as threads: lora_apply's row a thread after the linear reads each row's
@@ -469,15 +496,10 @@ bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, cons
   // adapters, in process: the stack's step 15.5 -> 13.9 ms; a thread's rows' weights sent into its
   // L2 while it computed its columns of the linear did no better)
   if (static_cast<int64_t>(job_rows.size()) >= at::get_num_threads()) return false;
-  const auto go = [&](auto w) {
-    using W = decltype(w);
-    std::vector<Slot<W>> slots(S);
+  const auto go = [&](const auto& typed) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(typed[0].a)>>;
     std::vector<const Slot<W>*> jobs;
-    for (const int64_t r : job_rows) {
-      const int32_t s = slot_of[r];
-      if (slots[s].a == nullptr) fill(slots[s], a[s], b[s], spans[s]);
-      jobs.push_back(&slots[s]);
-    }
+    for (const int64_t r : job_rows) jobs.push_back(&typed[slot_of[r]]);
     if (x.scalar_type() == at::kFloat) around_rows(x.data_ptr<float>(), y.data_ptr<float>(), in, out, job_rows, jobs, linear);
     else around_rows(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), in, out, job_rows, jobs, linear);
   };
@@ -487,13 +509,20 @@ bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, cons
     none.after = [](int64_t, int64_t) {};
     linear(none);
   } else if (wt == at::kHalf) {
-    go(at::Half());
+    go(slots.f16);
   } else if (wt == at::kBFloat16) {
-    go(at::BFloat16());
+    go(slots.bf16);
   } else {
-    go(0.f);
+    go(slots.f32);
   }
   return true;
+}
+
+bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
+                 const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans,
+                 const std::function<void(const Around&)>& linear) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_around: x [T, in], y [T, out]");
+  return lora_around(y, x, rows, *lora_slots(a, b, spans, x.size(1), y.size(1)), linear);
 }
 
 // quant_linear with the rows' adapter updates in its region (DecodeStack's way for a few rows)
@@ -523,6 +552,8 @@ TORCH_LIBRARY_FRAGMENT(astrai_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) {
-  m.impl("lora_apply", &astrai_cpu::lora_apply);
+  m.impl("lora_apply", static_cast<void (*)(at::Tensor, const at::Tensor&, const at::Tensor&, const std::vector<at::Tensor>&,
+                                             const std::vector<at::Tensor>&, const std::vector<at::Tensor>&)>(
+                           &astrai_cpu::lora_apply));
   m.impl("quant_linear_lora", &astrai_cpu::quant_linear_lora);
 }
