@@ -118,6 +118,23 @@ def test_lora_dtype_auto_keeps_adapters_in_float16_on_quantized_weights(engine, 
         EngineConfig(lora_dtype="int8")
 
 
+def test_a_slots_blocks_sit_in_one_buffer_in_the_models_order(engine):
+    """Each loaded slot's ``a`` and ``b`` of every projection are views of one buffer
+    (``astrai.hugepages``), laid out in the order a row's step reads them: the model's."""
+    wrappers = list({id(mod): mod for mod, _, _ in engine.model.lora.targets.values()}.values())
+    slots = {s for m in wrappers for s in range(engine.model.lora.slots) if m.a[s].numel()}
+    assert len(slots) >= 2
+    buffers = set()
+    for slot in slots:
+        blocks = [w[slot] for m in wrappers for w in (m.a, m.b) if w[slot].numel()]
+        assert len(blocks) >= 2  # (an a and a b at least)
+        assert len({t.untyped_storage().data_ptr() for t in blocks}) == 1
+        starts = [t.data_ptr() for t in blocks]
+        assert starts == sorted(starts)
+        buffers.add(blocks[0].untyped_storage().data_ptr())
+    assert len(buffers) == len(slots)  # a buffer per slot
+
+
 def test_one_batch_mixing_three_adapters_and_the_base(engine, expected):
     """Four requests at once, rows of every adapter and the base in the same steps, preempting each
     other (the pool holds 192 tokens); the same prompt under each never shares another's pages."""

@@ -17,8 +17,9 @@ as a few long streams (a decode row reads every weight of its adapter once, so t
 its speed): ``a`` ``[parts * R / 4, ceil(in / 16), 4, 16]`` holds A's rows in groups of 4, each
 group's columns 16 at a time with its 4 rows side by side, and ``b`` ``[C / 16, R, 16]`` holds B in
 blocks of 16 columns, each block's ``R`` rows one after another (``plain_a`` and ``plain_b`` undo
-them). Slots are written by ``LoraSet.put`` only while no step runs rows of that slot
-(``astrai.lora.manager`` sees to it).
+them); a slot's blocks of every projection sit in one buffer on huge pages, in the model's order
+(``astrai.hugepages``). Slots are written by ``LoraSet.put`` only while no step runs rows of that
+slot (``astrai.lora.manager`` sees to it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from astrai.extension.fused import kernel_for
+from astrai.hugepages import packed_on_huge_pages
 
 if TYPE_CHECKING:
     from astrai.lora.adapter import LoraAdapter
@@ -47,9 +49,7 @@ class LoraSet:
     def __init__(self, slots: int, dtype: torch.dtype = torch.float32) -> None:
         self.slots = slots
         self.dtype = dtype  # what the adapters' weights are kept in (the kernels widen them to float32)
-        self.rows: torch.Tensor | None = (
-            None  # int32 [T]: each token's slot (-1: none); None: no adapter rows
-        )
+        self.rows: torch.Tensor | None = None  # int32 [T]: each token's slot (-1: none); None: no rows
         self.present: list[int] = []  # the slots the step's rows use
         self._index: dict[int, torch.Tensor] = {}  # slot -> its rows, made when the reference asks
         # HF module name (``model.layers.3.self_attn.q_proj``) -> (its LoraLinear, o0, o1)
@@ -89,9 +89,8 @@ class LoraSet:
         return self._index[slot]
 
     def clear(self) -> None:
-        """The step's rows dropped. The wrappers stay in place (with no rows they run their
-        projection alone) until a step without adapter rows: a stream of adapter steps swaps
-        nothing (swapping 210 projections in and out each step cost a SmolLM2 decode step 0.4 ms)."""
+        """The step's rows dropped. The wrappers stay in place (alone, they run their projection) until
+        a step without adapter rows (swapping 210 projections each step cost a SmolLM2 step 0.4 ms)."""
         self.rows, self.compact, self.present, self._index = None, None, [], {}
 
     def _swap(self, wrapped: bool) -> None:
@@ -146,8 +145,13 @@ class LoraSet:
         for name, (a, b) in (adapter.modules if adapter is not None else {}).items():
             mod, o0, o1 = self.targets[name]
             by_module.setdefault(mod, []).append((o0, o1, a, b))
-        for mod in {id(m): m for m, _, _ in self.targets.values()}.values():
+        mods = list({id(m): m for m, _, _ in self.targets.values()}.values())  # the model's order
+        for mod in mods:
             mod.set_slot(slot, by_module.get(mod, []))
+        # the slot's blocks in one buffer on huge pages, in the order a row's step reads them
+        lists = [w for mod in mods if mod.device.type == "cpu" for w in (mod.a, mod.b) if w[slot].numel()]
+        for w, view in zip(lists, packed_on_huge_pages([w[slot] for w in lists]), strict=True):
+            w[slot] = view
 
 
 class LoraLinear(nn.Module):
@@ -249,9 +253,8 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, mod: LoraLinear) -> torch.T
 def lora_dtype(name: str, model: nn.Module) -> torch.dtype:
     """``EngineConfig.lora_dtype`` for ``model``: "auto" is float16 where the model's projections are
     GGUF blocks kept quantized (``QuantizedLinear``: 4 to 8 bits a weight, so float16's rounding of an
-    adapter, 2^-11 of each weight, is far below the base's own), float32 otherwise. A lone stream's
-    step reads its adapter's weights once: float16 halves those bytes (SmolLM2 at rank 16 on all
-    seven projections: 19.5 to 9.7 MB a token, beside its 4-bit base's ~80)."""
+    adapter, 2^-11 of each weight, is far below the base's own), float32 otherwise: half the bytes a
+    row reads (SmolLM2, rank 16 on all seven projections: 9.7 MB a token, beside its base's ~80)."""
     from astrai.model.quant import QuantizedLinear
 
     if name == "auto":
