@@ -1,6 +1,6 @@
 """``astrai_cpu::lora_apply`` (the CPU backend's ``lora`` kernel) against ``lora_reference`` and a
 row-by-row formula: rows of several adapters and of none in one call, runs long enough for its
-GEMM path and single rows, parts of different ranks, float32 and bf16 rows, adapters kept in float32, float16 or bf16."""
+tiled path (4 rows a read of the weights) and single rows, parts of different ranks, float32 and bf16 rows, adapters kept in float32, float16 or bf16."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_lora_apply_equals_the_reference_and_leaves_base_rows_alone(cpu_kernels,
 def test_adapters_kept_in_16_bits_give_their_widened_values_update_exactly(cpu_kernels, store, width):
     """``lora_dtype`` float16 / bfloat16: the kernel widens the stored weights exactly and sums as it
     does in float32, so its result is bit for bit the float32 kernel's on the widened weights, for
-    GEMM runs, single rows, and a lone row split over the threads (over 16,384 weights)."""
+    runs in tiles, single rows, and a lone row split over the threads (over 16,384 weights)."""
     from astrai.lora import LoraLinear, LoraSet
 
     torch.manual_seed(1)
@@ -91,7 +91,7 @@ def test_adapters_kept_in_16_bits_give_their_widened_values_update_exactly(cpu_k
 
 def test_a_rows_result_does_not_depend_on_its_batch(cpu_kernels):
     """Single rows and the same rows in a run of their adapter: the same update to float32's
-    rounding (GEMM and row loops sum in different orders)."""
+    rounding (tiles and row loops sum in different orders)."""
     lora, mod, _ = _module()
     x = torch.randn(24, 64)
     y = torch.randn(24, 96)
@@ -123,7 +123,7 @@ def test_quantized_linear_with_its_updates_in_one_region_is_lora_apply_after_it(
     """``quant_linear_lora`` (the whole-step kernel's way for up to 15 rows: the base product and
     the rows' updates in one parallel region) gives ``quant_linear`` then ``lora_apply``, to the
     bit: a lone row, several rows of several adapters, of none and of a slot without an update
-    here, on one thread and two, in the model's dtypes; 16 rows go to lora_apply's GEMMs."""
+    here, on one thread and two, in the model's dtypes; 16 rows go to lora_apply's tiles."""
     from astrai.lora import LoraLinear, LoraSet
     from astrai.model.quant import NATIVE, pack, split_blocks
     from tests.core.test_quant import random_blocks
@@ -165,7 +165,7 @@ def test_a_slot_is_kept_in_the_kernel_blocks_and_plain_views_give_it_back(cpu_ke
     """``set_slot``'s blocks: A's rows in groups of 4 with 16 columns of each side by side, B in
     blocks of 16 output columns, each part from a block, rank and widths padded with zeros;
     ``plain_a``/``plain_b`` undo them. Widths that are no multiple of 16 (input 70, parts of 20 and
-    30 columns) and rank 3 give the kernel's update the formula's, for single rows and a GEMM run."""
+    30 columns) and rank 3 give the kernel's update the formula's, for single rows and a run in tiles."""
     from astrai.lora import LoraLinear, LoraSet, plain_a, plain_b
 
     torch.manual_seed(2)

@@ -80,7 +80,7 @@ def expected(engine, oracle):
 
 
 def submit(engine, lora: str | None, n: int = N, **sampling):
-    ids = engine.tokenizer.encode(PROMPT)  # 25 tokens: the prefill's update on the GEMM path
+    ids = engine.tokenizer.encode(PROMPT)  # 25 tokens: the prefill's update in tiles
     params = engine._params(
         {"max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 0, **sampling}
     )

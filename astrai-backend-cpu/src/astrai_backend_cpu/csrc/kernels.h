@@ -75,7 +75,7 @@ bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, cons
 // rows x [T, in] through linear(around) into y [T, out], with the rows' adapter updates (rows, a,
 // b, spans: as lora_apply takes them) in the same parallel region: A's rows shared out ahead of the
 // linear's columns, each thread's columns updated once written; bit for bit lora_apply after the
-// linear. False (nothing done) from 16 rows (lora_apply's GEMMs), with as many adapter rows as
+// linear. False (nothing done) from 16 rows (lora_apply's tiles), with as many adapter rows as
 // threads (lora_apply's row a thread is faster) or for slots of mixed dtypes.
 bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
                  const std::vector<at::Tensor>& b, const std::vector<at::Tensor>& spans,

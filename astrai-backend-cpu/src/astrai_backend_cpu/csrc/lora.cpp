@@ -18,8 +18,12 @@
 // which the hardware prefetchers ramp up on too late: eight rows of the default model on eight
 // adapters read them at 10-15 GB/s (2 Zen 4 cores, 78 MB a step) against ~30 in these blocks.
 //
-// A run of at least GEMM_ROWS consecutive rows of one slot (a prefill chunk) goes through ATen's
-// GEMMs; other rows (decode, speculative verification) are done row by row here, each row's update
+// A run of at least RUN_ROWS consecutive rows of one slot (a prefill chunk) goes in tiles of 4 rows
+// that share each read of the slot's weights (A's groups, then B's blocks, from L1 and L2 for the
+// rest of the run's tiles), every chunk's tiles in one parallel region: a prefill of 8 x 80 rows on 8
+// rank-16 adapters of the default model took 160 ms more than the base's through ATen's float32
+// GEMMs on the weights widened per chunk (~4 ATen calls and parallel regions per module and
+// adapter); other rows (decode, speculative verification) are done row by row, each row's update
 // summed in float32 and added to y with one rounding. With at least as many rows as threads the
 // rows are spread over the threads; with fewer (a lone stream), each row's work is split over them in
 // one parallel region: A's rows, a barrier, then the output columns of every part (its bytes are read
@@ -58,7 +62,9 @@
 namespace astrai_cpu {
 namespace {
 
-constexpr int64_t GEMM_ROWS = 16;
+// a run of at least RUN_ROWS consecutive rows of one slot (a prefill chunk) goes in tiles of TILE
+// rows that share each read of the slot's weights; shorter runs (decode, verification) row by row
+constexpr int64_t RUN_ROWS = 16, TILE = 4;
 // weights (A and B values) of one module's update from which a lone row's update is split over
 // the threads (each its share of A's rows, then of the output columns): below it, the two
 // parallel regions cost more than they save
@@ -265,62 +271,80 @@ at::ScalarType check_slot(const at::Tensor& a, const at::Tensor& b, const at::Te
   return wt;
 }
 
-// a slot's weights in plain float32 rows for ATen's GEMMs: A [parts * rank, in] and B [rank, columns],
-// widened in one pass each (no ATen op per view and copy: a prefill chunk's call does this per
-// module and adapter)
-template <typename W>
-std::pair<at::Tensor, at::Tensor> plain(const Slot<W>& sl, int64_t in, int64_t cols) {
-  const int64_t PR = sl.parts * sl.rank, R = sl.rank, kb = sl.kb;
-  at::Tensor af = at::empty({PR, in}, at::kFloat), bf = at::empty({R, cols}, at::kFloat);
-  float* ap = af.data_ptr<float>();
-  float* bp = bf.data_ptr<float>();
-  // 16 stored weights from q into dst (n of them: the last block of a row may be cut)
-  const auto widen16 = [](const W* q, float* dst, int64_t n) {
+// rows [r0, r0 + nr) of one slot (nr <= TILE; a prefill chunk's): their s values from each of A's
+// groups read once for them all, then their updates from each block of B read once; sums float32,
+// each row's update added to y with one rounding. xf [TILE, kb * 16] and sv [TILE, parts * rank]:
+// the caller's scratch. Rows past nr are computed on zeros and dropped.
+template <typename T, typename W>
+void tile(const T* x, T* y, int64_t in, int64_t out, int64_t r0, int64_t nr, const Slot<W>& s, float* xf, float* sv) {
+  const int64_t kb = s.kb, PR = s.parts * s.rank, R = s.rank;
+  for (int64_t r = 0; r < TILE; ++r) {
+    float* xr = xf + r * kb * 16;
+    const int64_t n = r < nr ? in : 0;
+    for (int64_t k = 0; k < n; ++k) xr[k] = load(x + (r0 + r) * in, k);
+    std::fill(xr + n, xr + kb * 16, 0.f);
+  }
+  for (int64_t j = 0; j < PR; j += 4) {
+    const W* g = s.a + j * kb * 16;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (n == 16) {
-      _mm256_storeu_ps(dst, load8(q));
-      _mm256_storeu_ps(dst + 8, load8(q + 8));
-      return;
+    __m256 c[TILE][4];
+    for (auto& row : c)
+      for (auto& v : row) v = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kb; ++k, g += 64) {
+      for (int i = 0; i < 4; ++i) {
+        const __m256 w0 = load8(g + 16 * i), w1 = load8(g + 16 * i + 8);
+        for (int64_t r = 0; r < TILE; ++r) {
+          const float* xr = xf + r * kb * 16 + k * 16;
+          c[r][i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), c[r][i]));
+        }
+      }
     }
+    for (int64_t r = 0; r < TILE; ++r)
+      for (int i = 0; i < 4; ++i) sv[r * PR + j + i] = hsum(c[r][i]);
+#else
+    for (int64_t r = 0; r < TILE; ++r)
+      for (int i = 0; i < 4; ++i) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < kb * 16; ++k) sum += load(g, (k / 16) * 64 + 16 * i + k % 16) * xf[r * kb * 16 + k];
+        sv[r * PR + j + i] = sum;
+      }
 #endif
-    for (int64_t l = 0; l < n; ++l) dst[l] = load(q, l);
-  };
-  at::parallel_for(0, PR / 4, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t k = 0; k < kb; ++k)
-        for (int64_t i = 0; i < 4; ++i)
-          widen16(sl.a + ((g * kb + k) * 4 + i) * 16, ap + (4 * g + i) * in + 16 * k, std::min<int64_t>(16, in - 16 * k));
-  });
-  at::parallel_for(0, cols / 16, 16, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      for (int64_t r = 0; r < R; ++r) widen16(sl.b + (c * R + r) * 16, bp + r * cols + 16 * c, 16);
-  });
-  return {af, bf};
-}
-
-// rows [t, e) of y: + d [e - t, o1 - o0] (float32) in columns [o0, o1), one rounding to T
-template <typename T>
-void add_block(T* y, int64_t out, int64_t t, int64_t e, int64_t o0, int64_t o1, const at::Tensor& d) {
-  const float* dp = d.data_ptr<float>();
-  const int64_t w = o1 - o0;
-  at::parallel_for(t, e, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t c = 0; c < w; ++c) add_to(y + r * out, o0 + c, dp[(r - t) * w + c]);
-  });
-}
-
-// a run of rows [t, e) of one slot (a prefill chunk) through ATen's GEMMs, in float32
-template <typename W>
-void gemm_rows(const at::Tensor& x, at::Tensor& y, int64_t t, int64_t e, const Slot<W>& sl, int64_t cols) {
-  const int64_t in = x.size(1), out = y.size(1), R = sl.rank;
-  const at::Tensor xs = x.scalar_type() == at::kFloat ? x.narrow(0, t, e - t) : x.narrow(0, t, e - t).to(at::kFloat);
-  const auto [af, bf] = plain(sl, in, cols);
-  const at::Tensor sv = at::mm(xs, af.t());
-  for (int64_t p = 0; p < sl.parts; ++p) {
-    const int64_t o0 = sl.spans[3 * p], o1 = sl.spans[3 * p + 1], c0 = sl.spans[3 * p + 2];
-    const at::Tensor d = at::mm(sv.narrow(1, p * R, R), bf.narrow(1, c0, o1 - o0)).contiguous();
-    if (y.scalar_type() == at::kFloat) add_block(y.data_ptr<float>(), out, t, e, o0, o1, d);
-    else add_block(y.data_ptr<at::BFloat16>(), out, t, e, o0, o1, d);
+  }
+  for (int64_t p = 0; p < s.parts; ++p) {
+    const int64_t o0 = s.spans[3 * p], n = s.spans[3 * p + 1] - o0;
+    for (int64_t o = 0; o < n; o += 16) {
+      const W* q = s.part(p) + o * R;
+      alignas(32) float w[TILE][16];
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      __m256 acc[TILE][2];
+      for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < R; ++j, q += 16) {
+        const __m256 b0 = load8(q), b1 = load8(q + 8);
+        for (int64_t r = 0; r < TILE; ++r) {
+          const __m256 sj = _mm256_set1_ps(sv[r * PR + p * R + j]);
+          acc[r][0] = _mm256_fmadd_ps(sj, b0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(sj, b1, acc[r][1]);
+        }
+      }
+      if (o + 16 <= n) {
+        for (int64_t r = 0; r < nr; ++r) {
+          T* yr = y + (r0 + r) * out + o0 + o;
+          add8(yr, acc[r][0]);
+          add8(yr + 8, acc[r][1]);
+        }
+        continue;
+      }
+      for (int64_t r = 0; r < TILE; ++r) _mm256_store_ps(w[r], acc[r][0]), _mm256_store_ps(w[r] + 8, acc[r][1]);
+#else
+      for (int64_t r = 0; r < TILE; ++r) {
+        std::fill(w[r], w[r] + 16, 0.f);
+        for (int64_t j = 0; j < R; ++j)
+          for (int l = 0; l < 16; ++l) w[r][l] += sv[r * PR + p * R + j] * load(q, j * 16 + l);
+      }
+#endif
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t c = o; c < std::min(n, o + 16); ++c) add_to(y + (r0 + r) * out + o0, c, w[r][c - o]);
+    }
   }
 }
 
@@ -382,11 +406,11 @@ void around_rows(const T* x, T* y, int64_t in, int64_t out, const std::vector<in
 
 }  // namespace
 
-// One module's slots, checked (lora_slots): their weights in their dtypes and, per slot, B's columns
-// (its blocks, 16 each) and how many weights A and B hold
+// One module's slots, checked (lora_slots): their weights in their dtypes and, per slot, how many
+// weights A and B hold and the s values of a row (parts * rank)
 struct LoraSlots {
   Slots slots;
-  std::vector<int64_t> cols, weights;
+  std::vector<int64_t> weights, pr;
   std::vector<at::Tensor> held;  // every slot's a, b and spans, alive while the pointers are read
   int64_t in = 0, out = 0;
 };
@@ -400,7 +424,7 @@ std::shared_ptr<const LoraSlots> lora_slots(const std::vector<at::Tensor>& a, co
   Slots& slots = ls->slots;
   slots.f32.resize(S), slots.f16.resize(S), slots.bf16.resize(S);
   slots.dtype.assign(S, at::ScalarType::Undefined);
-  ls->cols.assign(S, 0), ls->weights.assign(S, 0);
+  ls->weights.assign(S, 0), ls->pr.assign(S, 0);
   for (int64_t s = 0; s < S; ++s) {
     if (!a[s].defined() || a[s].numel() == 0) continue;
     const at::ScalarType wt = check_slot(a[s], b[s], spans[s], in, out, s);
@@ -408,7 +432,7 @@ std::shared_ptr<const LoraSlots> lora_slots(const std::vector<at::Tensor>& a, co
     if (wt == at::kHalf) fill(slots.f16[s], a[s], b[s], spans[s]);
     else if (wt == at::kBFloat16) fill(slots.bf16[s], a[s], b[s], spans[s]);
     else fill(slots.f32[s], a[s], b[s], spans[s]);
-    ls->cols[s] = b[s].size(0) * 16, ls->weights[s] = a[s].numel() + b[s].numel();
+    ls->weights[s] = a[s].numel() + b[s].numel(), ls->pr[s] = spans[s].size(0) * b[s].size(1);
     ls->held.insert(ls->held.end(), {a[s], b[s], spans[s]});
   }
   return ls;
@@ -428,24 +452,41 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, const
   const int64_t S = static_cast<int64_t>(slots.dtype.size());
   const int32_t* slot_of = rows.data_ptr<int32_t>();
   std::vector<int64_t> single;  // rows done one by one
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // a prefill chunk's: first row, rows
+  int64_t max_pr = 0;
   for (int64_t t = 0; t < T;) {
     int64_t e = t + 1;
     while (e < T && slot_of[e] == slot_of[t]) ++e;
     const int32_t s = slot_of[t];
     if (s >= 0 && s < S && slots.dtype[s] != at::ScalarType::Undefined) {
-      if (e - t >= GEMM_ROWS) {  // a prefill chunk: ATen's GEMMs, in float32 (the weights widened)
-        const int64_t cols = ls.cols[s];
-        if (slots.dtype[s] == at::kHalf) gemm_rows(x, y, t, e, slots.f16[s], cols);
-        else if (slots.dtype[s] == at::kBFloat16) gemm_rows(x, y, t, e, slots.bf16[s], cols);
-        else gemm_rows(x, y, t, e, slots.f32[s], cols);
+      if (e - t >= RUN_ROWS) {
+        for (int64_t r = t; r < e; r += TILE) tiles.emplace_back(r, std::min(TILE, e - r));
+        max_pr = std::max(max_pr, ls.pr[s]);
       } else {
         for (int64_t r = t; r < e; ++r) single.push_back(r);
       }
     }
     t = e;
   }
-  const int64_t n = static_cast<int64_t>(single.size());
   const bool f32 = x.scalar_type() == at::kFloat;
+  if (!tiles.empty()) {  // one region for every chunk's tiles, a thread's tiles one after another
+    const int64_t kb = (in + 15) / 16, out = y.size(1);
+    at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xf(TILE * kb * 16), sv(TILE * max_pr);
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [r0, nr] = tiles[i];
+        const int32_t s = slot_of[r0];
+        const auto go = [&](const auto& slot) {
+          if (f32) tile(x.data_ptr<float>(), y.data_ptr<float>(), in, out, r0, nr, slot, xf.data(), sv.data());
+          else tile(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), in, out, r0, nr, slot, xf.data(), sv.data());
+        };
+        if (slots.dtype[s] == at::kHalf) go(slots.f16[s]);
+        else if (slots.dtype[s] == at::kBFloat16) go(slots.bf16[s]);
+        else go(slots.f32[s]);
+      }
+    });
+  }
+  const int64_t n = static_cast<int64_t>(single.size());
   if (n >= at::get_num_threads()) {  // enough rows to keep every thread busy: a row each
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -480,7 +521,7 @@ bool lora_around(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, cons
   const int64_t T = x.size(0), in = x.size(1), out = y.size(1);
   const Slots& slots = ls.slots;
   const int64_t S = static_cast<int64_t>(slots.dtype.size());
-  if (T >= GEMM_ROWS) return false;  // (runs of one adapter long enough for lora_apply's GEMMs)
+  if (T >= RUN_ROWS) return false;  // (runs of one adapter long enough for lora_apply's tiles)
   const int32_t* slot_of = rows.data_ptr<int32_t>();
   std::vector<int64_t> job_rows;
   at::ScalarType wt = at::ScalarType::Undefined;
